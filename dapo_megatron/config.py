@@ -1,0 +1,368 @@
+"""The one configuration schema: typed dataclasses whose defaults are the paper's recipe (Qwen2.5-32B, DAPO).
+
+A run is configured by, in order of precedence:  command-line dotted overrides (``rollout.n_samples=8``)  >  a YAML
+file (``examples/*.yaml``)  >  these defaults. Unknown keys and badly typed values are rejected with the dotted key
+named. The resolved config is written to the run directory as ``config.yaml``.
+
+Where the paper / the published recipe fixes a number, the default is that number:
+clip ε_low/ε_high 0.2/0.28, dual-clip c = 10, token-mean loss, no KL, G = 16 samples per prompt, 512 prompts per step,
+1536 prompts per generation round, at most 10 generation rounds, mini-batch 32 prompts (16 updates per step),
+max prompt 2048 / response 20480 tokens, overlong buffer 4096 with factor 1.0, lr 1e-6 with 10 warmup steps,
+weight decay 0.1, grad clip 1.0, rollout temperature 1.0 / top-p 1.0, validation top-p 0.7 with avg@32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid; the message names the dotted key."""
+
+
+# --------------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class TinyModelConfig:
+    """A random-init Qwen2-style model built locally (the CPU demo and tests); used when ``model.source = tiny``."""
+
+    hidden_size: int = 128
+    num_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+
+
+@dataclass
+class ModelConfig:
+    source: Literal["hf", "tiny"] = "hf"
+    hf_path: str | None = None  # HF folder: config.json, safetensors, tokenizer files
+    tokenizer_path: str | None = None  # defaults to hf_path (tiny: a tokenizer trained locally)
+    precision: Literal["fp32", "bf16", "fp8"] = "bf16"
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    data: int | None = None  # derived from the world size; when given, it must agree
+    use_distributed_optimizer: bool = True
+    # Ranks other than the rollout driver wait in collectives while it generates: long timeouts on purpose.
+    collective_timeout_s: float = 7200.0
+
+
+@dataclass
+class SyntheticDataConfig:
+    """The integer-answer synthetic task (the CPU demo)."""
+
+    seed: int = 0
+    num_train: int = 4000
+    num_heldout: int = 300
+
+
+@dataclass
+class DataConfig:
+    source: Literal["dapo_math", "synthetic"] = "dapo_math"
+    train_files: list[str] = field(default_factory=list)  # parquet / jsonl in the DAPO-Math-17K schema
+    val_files: list[str] = field(default_factory=list)  # e.g. AIME-2024 in the same schema
+    max_prompt_length: int = 2048
+    on_bad_row: Literal["error", "skip"] = "error"
+    integer_answers: bool = True
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+@dataclass
+class SGLangConfig:
+    urls: list[str] = field(default_factory=list)  # attach to these servers; empty: launch num_servers locally
+    num_servers: int = 1
+    tp_per_server: int = 1
+    python: str | None = None  # interpreter that has sglang; default: this one
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    api_key_file: str | None = None  # attached servers: the key they were started with
+    transport: Literal["disk", "tensor", "distributed"] = "disk"
+    weight_dir: str | None = None  # disk transport: a directory the servers can read (shared fs on SLURM)
+    launch_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    max_restarts: int = 2
+    max_concurrent_requests: int = 64
+    extra_server_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["embedded", "sglang"] = "sglang"
+    n_samples: int = 16  # G
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_response_length: int = 20480
+    handoff_bucket_mb: int = 512
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # clip-higher; = eps_low gives GRPO's symmetric clip
+    clip_ratio_c: float | None = 10.0  # dual clip for negative advantages
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    advantage_eps: float = 1e-6
+    overlong_filtering: bool = True  # zero the loss mask of truncated samples
+    overlong_penalty: bool = True  # soft overlong punishment
+    overlong_buffer_len: int = 4096  # L_cache
+    overlong_penalty_factor: float = 1.0
+    dynamic_sampling: bool = True
+    gen_batch_size: int = 1536  # prompts per generation round
+    max_gen_rounds: int = 10  # at the cap the step trains on what it has (and logs it)
+    surplus_policy: Literal["keep", "drop"] = "keep"  # kept groups beyond the batch: next step, or discarded
+    use_math_verify: bool = False  # symbolic fallback after the DAPO exact match
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm-start on reference solutions (synthetic task only): gives a random tiny model the format."""
+
+    enabled: bool = False
+    max_steps: int = 400
+    batch_size: int = 128
+    lr: float = 3e-3
+    eval_every: int = 20
+    stop_at_accuracy: float = 0.35  # stop early: RL needs groups with mixed outcomes
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    train_batch_size: int = 512  # groups (prompts) per step
+    mini_batch_size: int = 32  # groups per optimizer update
+    micro_batch_tokens: int = 32768  # packing budget per micro-batch
+    seed: int = 42
+    run_dir: str = "runs/dapo"
+    save_every: int = 10  # 0: only at the end
+    keep_checkpoints: int = 3
+    tensorboard: bool = True
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10  # steps; 0: only before and after training
+    n_samples: int = 32  # k of avg@k
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_response_length: int | None = None  # default: rollout.max_response_length
+    greedy: bool = False  # k = 1 greedy decoding instead (the CPU demo's held-out accuracy)
+    max_problems: int | None = None
+
+
+@dataclass
+class DAPOConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self) -> "DAPOConfig":
+        """Cross-field checks that a type cannot express. Returns self."""
+        t, a, r = self.trainer, self.algorithm, self.rollout
+        _require(t.train_batch_size % t.mini_batch_size == 0, "trainer.mini_batch_size",
+                 f"must divide trainer.train_batch_size ({t.train_batch_size}), got {t.mini_batch_size}")
+        _require(r.n_samples >= 2 or not a.dynamic_sampling, "rollout.n_samples",
+                 "must be >= 2 (group advantages need a group)")
+        _require(0 <= a.eps_low < 1, "algorithm.eps_low", f"must be in [0, 1), got {a.eps_low}")
+        _require(a.eps_high >= 0, "algorithm.eps_high", f"must be >= 0, got {a.eps_high}")
+        _require(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c",
+                 f"must be > 1 (or null), got {a.clip_ratio_c}")
+        _require(0 < a.overlong_buffer_len <= r.max_response_length or not a.overlong_penalty,
+                 "algorithm.overlong_buffer_len",
+                 f"must be in (0, rollout.max_response_length={r.max_response_length}], got {a.overlong_buffer_len}")
+        _require(a.gen_batch_size >= 1, "algorithm.gen_batch_size", "must be >= 1")
+        _require(a.max_gen_rounds >= 1, "algorithm.max_gen_rounds", "must be >= 1")
+        _require(r.temperature > 0, "rollout.temperature", "must be > 0 for RL sampling")
+        _require(self.optim.lr > 0, "optim.lr", "must be > 0")
+        _require(t.total_steps >= 0, "trainer.total_steps", "must be >= 0")
+        _require(self.model.source == "tiny" or self.model.hf_path, "model.hf_path",
+                 "is required when model.source = hf")
+        _require(self.data.source == "synthetic" or self.data.train_files, "data.train_files",
+                 "is required when data.source = dapo_math")
+        _require(not self.warm_start.enabled or self.data.source == "synthetic", "warm_start.enabled",
+                 "needs reference solutions, which only data.source = synthetic provides")
+        return self
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Check/convert one value against a type hint; raise ConfigError naming the key."""
+    origin = get_origin(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(hint)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(f"{key}: may not be null")
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {options}")
+    if origin is Literal:
+        if value not in get_args(hint):
+            raise ConfigError(f"{key}: must be one of {list(get_args(hint))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item_hint,) = get_args(hint)
+        return [_coerce(v, item_hint, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return _build(hint, value, key)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _build(cls: type, values: dict, prefix: str = ""):
+    hints = get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]}" + (f" (known: {', '.join(sorted(known))})"))
+    kwargs = {}
+    for name, value in values.items():
+        kwargs[name] = _coerce(value, hints[name], f"{prefix}.{name}" if prefix else name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=value`` → (``a.b``, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        return key, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+
+
+def _merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """A YAML file as a nested dict. A top-level ``base: other.yaml`` (relative to this file) is read first and
+    this file's keys override it — how the ablation configs each change one switch of a shared setup."""
+    path = path.resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: 'base' chain loops back to itself")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    tree = loaded or {}
+    base = tree.pop("base", None)
+    if base is None:
+        return tree
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be a file name, got {base!r}")
+    return _merge(_read_yaml_tree(path.parent / base, _seen + (path,)), tree)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> DAPOConfig:
+    """Defaults ← YAML file ← dotted overrides, validated."""
+    tree = _read_yaml_tree(Path(path)) if path is not None else {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return _build(DAPOConfig, tree).validate()
+
+
+def config_to_dict(config: DAPOConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: DAPOConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))

@@ -1,0 +1,120 @@
+"""megatron-core on a machine without CUDA: the device-redirect layer.
+
+megatron-core 0.16 assumes a GPU in ~250 places. This module lets the *real* library (models, Megatron DDP, the
+Megatron optimizer, the pipeline schedules, dist_checkpointing) run on CPU over gloo, so that everything around the
+GPU-only kernels is exercised on a laptop and in CI. It is installed by :func:`dapo_megatron.platform.prepare_device`
+once per process, and only when CUDA is absent; with CUDA it is never installed and changes nothing.
+
+Exactly what it changes, and why:
+
+1. A process-wide :class:`torch.overrides.TorchFunctionMode` (:class:`CudaToCpuMode`) that
+   - rewrites every ``device=`` keyword argument naming CUDA (``"cuda"``, ``"cuda:0"``, an int index,
+     ``torch.device("cuda")``) to ``"cpu"`` — megatron allocates buffers with ``device=torch.cuda.current_device()``
+     or ``device="cuda"`` (DDP grad buffers, optimizer state, grad-norm accumulators);
+   - makes ``Tensor.cuda()`` return the tensor itself and ``Tensor.to(<cuda device>)`` target the CPU;
+   - makes a bare ``Tensor.type()`` report the CUDA type name (``torch.FloatTensor`` → ``torch.cuda.FloatTensor``)
+     because ``clip_grads`` and the distributed optimizer filter parameters with
+     ``param.type() == "torch.cuda.FloatTensor"`` and would otherwise silently skip every parameter.
+2. ``torch.cuda.current_device()`` returns ``"cpu"`` (so ``device=torch.cuda.current_device()`` lands on the CPU),
+   ``torch.cuda.synchronize()`` does nothing, ``torch.cuda.device_count()`` returns 1.
+   ``torch.cuda.is_available()`` is left untouched (False), so code that asks honestly gets the truth.
+3. The CUDA RNG used by megatron's model-parallel RNG tracker (``tensor_parallel.random._get_cuda_rng_state`` /
+   ``_set_cuda_rng_state`` and ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` /
+   ``manual_seed_all``) is mapped onto the CPU default generator, so the tracker's fork/restore semantics hold
+   (tensor-parallel regions draw from their own stream) and checkpoints can save and restore it.
+
+Nothing else is touched: no megatron source is edited, no numerics change (the CPU kernels megatron falls back to
+when Transformer Engine and apex are absent are its own torch implementations).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_install_lock = threading.Lock()
+_installed_mode: "CudaToCpuMode | None" = None
+
+
+def _names_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    # A bare int index means "that CUDA device" to torch's factory functions. bool is an int too: exclude it.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirects CUDA placements to the CPU (see the module docstring, point 1)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if "device" in kwargs and _names_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_rng_manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def install() -> bool:
+    """Install the layer in this process. Returns True the first time, False when already installed."""
+    global _installed_mode
+    with _install_lock:
+        if _installed_mode is not None:
+            return False
+        from megatron.core.tensor_parallel import random as megatron_random
+
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda device=None: None
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.get_rng_state = _cpu_rng_get_state
+        torch.cuda.set_rng_state = _cpu_rng_set_state
+        # Not torch.manual_seed: that one calls torch.cuda.manual_seed_all itself.
+        torch.cuda.manual_seed = _cpu_rng_manual_seed
+        torch.cuda.manual_seed_all = _cpu_rng_manual_seed
+        megatron_random._get_cuda_rng_state = _cpu_rng_get_state
+        megatron_random._set_cuda_rng_state = _cpu_rng_set_state
+
+        mode = CudaToCpuMode()
+        # Entered for the life of the process on purpose: megatron reaches for CUDA from many call sites,
+        # and a scoped context would miss the ones that run later (optimizer steps, checkpoint loads).
+        mode.__enter__()
+        _installed_mode = mode
+        return True
+
+
+def is_installed() -> bool:
+    return _installed_mode is not None

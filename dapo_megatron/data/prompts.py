@@ -1,0 +1,97 @@
+"""Turn validated rows into tokenized prompts with the tokenizer's own chat template.
+
+Each prompt is rendered with ``apply_chat_template(messages, add_generation_prompt=True)`` (so the text ends with the
+assistant header the model continues from) and tokenized without extra special tokens, exactly as
+``apply_chat_template(..., tokenize=True)`` does. Prompts longer than ``max_prompt_length`` tokens are dropped and
+counted (verl's ``filter_overlong_prompts``); the count is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from dapo_megatron.data.schema import DapoRow
+
+logger = logging.getLogger(__name__)
+
+_RENDER_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """A prompt ready for generation, with what the reward and the metrics need alongside."""
+
+    prompt_ids: tuple[int, ...]
+    ground_truth: str
+    data_source: str
+    index: str | int
+    text: str
+
+
+@dataclass(frozen=True)
+class PromptBuildResult:
+    records: tuple[PromptRecord, ...]
+    num_filtered_too_long: int
+    max_prompt_length: int
+    longest_kept: int
+
+
+def render_prompt_texts(rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The chat-template text of each row's messages, ending with the generation prompt."""
+    texts: list[str] = []
+    for start in range(0, len(rows), _RENDER_CHUNK):
+        chunk = rows[start : start + _RENDER_CHUNK]
+        rendered = tokenizer.apply_chat_template(
+            [row.messages() for row in chunk], add_generation_prompt=True, tokenize=False
+        )
+        texts.extend(rendered)
+    return texts
+
+
+def build_prompt_records(
+    rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerBase, *, max_prompt_length: int
+) -> PromptBuildResult:
+    """Tokenize every row's chat-templated prompt; keep those of at most ``max_prompt_length`` tokens."""
+    if max_prompt_length <= 0:
+        raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+    if tokenizer.chat_template is None:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; prompts need one")
+    texts = render_prompt_texts(rows, tokenizer)
+    records: list[PromptRecord] = []
+    num_filtered = 0
+    longest_kept = 0
+    for start in range(0, len(texts), _RENDER_CHUNK):
+        chunk_ids = tokenizer(texts[start : start + _RENDER_CHUNK], add_special_tokens=False)["input_ids"]
+        for offset, ids in enumerate(chunk_ids):
+            if len(ids) > max_prompt_length:
+                num_filtered += 1
+                continue
+            row = rows[start + offset]
+            longest_kept = max(longest_kept, len(ids))
+            records.append(
+                PromptRecord(
+                    prompt_ids=tuple(ids),
+                    ground_truth=row.ground_truth,
+                    data_source=row.data_source,
+                    index=row.index,
+                    text=texts[start + offset],
+                )
+            )
+    if num_filtered:
+        logger.warning(
+            "filtered %d of %d prompts longer than max_prompt_length=%d tokens",
+            num_filtered,
+            len(rows),
+            max_prompt_length,
+        )
+    logger.info("built %d prompts (longest %d tokens)", len(records), longest_kept)
+    return PromptBuildResult(
+        records=tuple(records),
+        num_filtered_too_long=num_filtered,
+        max_prompt_length=max_prompt_length,
+        longest_kept=longest_kept,
+    )

@@ -1,0 +1,280 @@
+"""Everything device- and launch-specific, in one place.
+
+* :func:`prepare_device` — CUDA or not. Without CUDA it installs the megatron-core CPU layer
+  (:mod:`dapo_megatron.cpu_compat`, whose docstring lists exactly what it changes) once per process and picks the
+  gloo backend; with CUDA it picks NCCL and binds this process to its local GPU.
+* :func:`launch_env` — rank, world size, local rank and rendezvous address from torchrun's variables
+  (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+  first host of SLURM_JOB_NODELIST); a plain ``python`` launch is a world of one.
+* :func:`init_distributed` — torch.distributed + megatron ``parallel_state`` with the TP/PP layout; DP is what is
+  left of the world. A world that is not TP×PP×DP, or a rendezvous port already taken, is a clear error up front.
+* :func:`seed_everything` — every generator, the same on every rank (megatron's CPU-initialized weights are drawn from
+  the CPU generator on every rank and then sliced, so they must agree).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+DEFAULT_MASTER_PORT = 29500
+
+
+class LaunchError(RuntimeError):
+    """The process layout or rendezvous is wrong (world size, ports, missing variables)."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: torch.device
+    backend: str  # "nccl" or "gloo"
+    cpu_layer_installed: bool
+
+
+def prepare_device(local_rank: int = 0, *, cuda_available: bool | None = None) -> DeviceInfo:
+    """Choose the device and collective backend for this process; install the CPU layer when there is no CUDA.
+
+    ``cuda_available`` is only for tests of the decision; by default it is ``torch.cuda.is_available()``.
+    """
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        torch.cuda.set_device(local_rank)
+        return DeviceInfo(torch.device("cuda", local_rank), "nccl", cpu_layer_installed=False)
+    from dapo_megatron import cpu_compat
+
+    cpu_compat.install()
+    return DeviceInfo(torch.device("cpu"), "gloo", cpu_layer_installed=True)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM host list (``node[01-04]``, ``a1,b2``, ``gpu-[1,3-5]``) into host names.
+
+    Uses ``scontrol show hostnames`` when it is installed (it knows every form SLURM accepts), else a parser for
+    the bracket forms above, including several bracket groups and zero-padded ranges.
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise LaunchError("SLURM_JOB_NODELIST is empty")
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.split()
+            if out:
+                return out
+        except (subprocess.SubprocessError, OSError):
+            pass  # fall back to our own parser
+    return _parse_nodelist(nodelist)
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p]
+
+
+def _expand_host_pattern(pattern: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", pattern)
+    if not match:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    hosts = []
+    for item in match.group(1).split(","):
+        if "-" in item:
+            lo, hi = item.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise LaunchError(f"bad range {item!r} in SLURM host list {pattern!r}")
+            width = len(lo)
+            numbers = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
+        else:
+            numbers = [item]
+        for number in numbers:
+            hosts.extend(_expand_host_pattern(head + number + tail))
+    return hosts
+
+
+def _parse_nodelist(nodelist: str) -> list[str]:
+    if nodelist.count("[") != nodelist.count("]"):
+        raise LaunchError(f"unbalanced brackets in SLURM host list {nodelist!r}")
+    hosts = []
+    for part in _split_top_level(nodelist):
+        hosts.extend(_expand_host_pattern(part))
+    return hosts
+
+
+def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read the process layout from torchrun variables, else SLURM variables, else a single process."""
+    env = os.environ if environ is None else environ
+    port = int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=port,
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        missing = [k for k in ("SLURM_LOCALID", "SLURM_JOB_NODELIST") if k not in env]
+        if missing:
+            raise LaunchError(f"SLURM launch is missing {', '.join(missing)} (are you inside srun?)")
+        master = env.get("MASTER_ADDR") or expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
+        return LaunchEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env["SLURM_LOCALID"]),
+            master_addr=master,
+            master_port=port,
+            launcher="slurm",
+        )
+    # A world of one rendezvous with itself: any free port will do unless the user chose one.
+    return LaunchEnv(0, 1, 0, "127.0.0.1", port if "MASTER_PORT" in env else _free_port(), "single")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    rank: int
+    world_size: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    device: DeviceInfo
+
+
+def resolve_data_parallel(world_size: int, tensor_parallel: int, pipeline_parallel: int,
+                          data_parallel: int | None = None) -> int:
+    """DP = world / (TP×PP); a given DP must agree. Raises :class:`LaunchError` naming the numbers otherwise."""
+    if tensor_parallel < 1 or pipeline_parallel < 1:
+        raise LaunchError(f"tensor_parallel ({tensor_parallel}) and pipeline_parallel ({pipeline_parallel}) must be >= 1")
+    model_parallel = tensor_parallel * pipeline_parallel
+    if world_size % model_parallel:
+        raise LaunchError(
+            f"world size {world_size} is not divisible by tensor_parallel × pipeline_parallel = "
+            f"{tensor_parallel} × {pipeline_parallel} = {model_parallel}"
+        )
+    derived = world_size // model_parallel
+    if data_parallel is not None and data_parallel != derived:
+        raise LaunchError(
+            f"world size {world_size} != tensor_parallel × pipeline_parallel × data_parallel = "
+            f"{tensor_parallel} × {pipeline_parallel} × {data_parallel} = {model_parallel * data_parallel}"
+        )
+    return derived
+
+
+def _check_port_free(addr: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("" if addr not in ("127.0.0.1", "localhost") else addr, port))
+        except OSError as exc:
+            raise LaunchError(
+                f"rendezvous port {port} on {addr} is already in use ({exc.strerror}); "
+                f"set MASTER_PORT to a free port"
+            ) from None
+
+
+def init_distributed(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    data_parallel: int | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    timeout_s: float = 600.0,
+) -> ParallelLayout:
+    """Initialize torch.distributed and megatron ``parallel_state`` for this process.
+
+    Idempotent for the same layout in one process (a second call returns the layout already set up).
+    """
+    from megatron.core import parallel_state
+
+    env = launch_env(environ)
+    dp = resolve_data_parallel(env.world_size, tensor_parallel, pipeline_parallel, data_parallel)
+    device = prepare_device(env.local_rank)
+
+    if not torch.distributed.is_initialized():
+        if env.rank == 0 and env.launcher != "torchrun":
+            # torchrun's agent already owns the store port; anywhere else rank 0 binds it, so check it first:
+            # a taken port otherwise surfaces as a hang on the other ranks.
+            _check_port_free(env.master_addr, env.master_port)
+        torch.distributed.init_process_group(
+            backend=device.backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+        )
+    elif (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
+          or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel):
+        raise LaunchError("megatron parallel_state is already initialized with a different TP/PP layout")
+    return ParallelLayout(env.rank, env.world_size, tensor_parallel, pipeline_parallel, dp, device)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy (when installed), torch's CPU generator and megatron's model-parallel RNG tracker.
+
+    Every rank passes the same seed: megatron derives the tensor-parallel streams from it by TP rank itself.
+    """
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+        torch.manual_seed(seed)  # on CPU the tracker shares this generator; leave it at the plain seed

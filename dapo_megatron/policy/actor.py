@@ -1,0 +1,395 @@
+"""The training side of the policy: Megatron DDP + optimizer + LR schedule, the DAPO step, forward-only log-probs.
+
+:func:`build_actor` builds this rank's ``GPTModel`` stage (``policy/model.py``), wraps it in megatron's
+``DistributedDataParallel`` and builds the Megatron optimizer (Adam, decoupled weight decay, gradient clipping,
+optionally the distributed optimizer) and ``OptimizerParamScheduler`` (constant LR after a linear warmup).
+:class:`Actor` then runs, through megatron-core's pipeline schedule (``get_forward_backward_func``), either
+
+* :meth:`Actor.train_minibatch` — one optimizer update on a mini-batch with the DAPO loss
+  (:func:`dapo_megatron.algorithm.policy_loss`), or
+* :meth:`Actor.compute_logprobs` — the forward-only per-token log-probs (and entropy) of the responses.
+
+Both take the WHOLE mini-batch, the same list on every rank; :func:`dapo_megatron.policy.packing.plan_data_parallel`
+gives each DP rank its share as packed micro-batches, with the same micro-batch count on every DP rank.
+
+Making the objective exactly ``L = Σ_{mini-batch} m·ℓ / N`` (token-mean; N = loss tokens of the whole mini-batch,
+over micro-batches and DP ranks), with megatron-core 0.16.1's conventions, checked in its source:
+
+* ``calculate_per_token_loss`` stays False, so a ``(loss, metrics)`` pair returned by the loss function is divided
+  by ``num_microbatches`` in ``forward_step_calc_loss`` before backward;
+* ``DistributedDataParallel`` then averages gradients over DP (``average_in_collective=False``: it pre-scales by
+  ``1 / dp`` and sums; ``True``: it averages in the collective — the same ``1 / dp`` either way);
+* so each micro-batch returns ``policy_loss(..., num_tokens=N) · num_microbatches · dp``, where
+  ``policy_loss(..., num_tokens=N) = Σ_{micro-batch} m·ℓ / N``. The gradient summed over micro-batches and averaged
+  over DP is then ``∇ Σ_{micro-batches, ranks} Σ m·ℓ / N = ∇L``. (The seq-mean aggregations use the global count
+  of sequences the same way.) N needs no communication: every rank holds the whole mini-batch.
+
+A step whose loss or gradient norm is not finite is skipped: no optimizer update, no scheduler advance, gradients
+zeroed, and ``skipped=1`` in the metrics. Update ``k`` (counting applied updates from 1) uses
+``lr · min(k, warmup) / warmup``, then ``lr``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dapo_megatron.algorithm import LOSS_AGG_MODES, policy_loss
+from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
+from dapo_megatron.policy.packing import (
+    BatchingConfig,
+    MicroBatch,
+    PackedLayout,
+    PolicySample,
+    plan_data_parallel,
+)
+
+METRIC_NAMES = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio_mean")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Adam with decoupled weight decay; DAPO's reference recipe: lr 1e-6, 10 warmup steps, wd 0.1, clip 1.0."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 10
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"OptimizerSettings.lr must be > 0, got {self.lr}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"OptimizerSettings.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.clip_grad < 0:
+            raise ValueError(f"OptimizerSettings.clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Arguments of :func:`dapo_megatron.algorithm.policy_loss`."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    clip_ratio_c: float | None = None
+    agg: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        if self.agg not in LOSS_AGG_MODES:
+            raise ValueError(f"LossSettings.agg must be one of {LOSS_AGG_MODES}, got {self.agg!r}")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """Everything the actor needs besides the model: optimizer, loss, batching, precision, rollout temperature."""
+
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    loss: LossSettings = field(default_factory=LossSettings)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    temperature: float = 1.0  # the rollout temperature; log-probs are of log_softmax(logits / T)
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp8" (see policy.model.transformer_config)
+
+
+@dataclass
+class PolicyLogProbs:
+    """Per-sample response log-probs and entropies (float32 ``[R_i]``, CPU), in the order the samples were given."""
+
+    logprobs: list[Tensor]
+    entropy: list[Tensor]
+
+
+def uses_local_attention(model: torch.nn.Module) -> bool:
+    """True when the model's attention is megatron's local ``DotProductAttention`` (needs a mask for packing)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return any(isinstance(module, DotProductAttention) for module in model.modules())
+
+
+def build_actor(spec, config: ActorConfig, *, use_transformer_engine: bool | None = None) -> "Actor":
+    """Build this rank's model stage for ``spec`` (a ``policy.model.ModelSpec``) at the initialized TP/PP layout."""
+    from megatron.core import parallel_state
+
+    from dapo_megatron.policy.model import build_model, transformer_config
+
+    tconfig = transformer_config(
+        spec,
+        tensor_parallel=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
+        precision=config.precision,
+        use_transformer_engine=use_transformer_engine,
+    )
+    model = build_model(spec, tconfig, use_transformer_engine=use_transformer_engine)
+    return Actor.wrap(model, real_vocab_size=spec.vocab_size, config=config)
+
+
+class Actor:
+    """One DDP-wrapped model stage with its optimizer and LR schedule (all reachable as attributes)."""
+
+    def __init__(self, model, optimizer, scheduler, *, real_vocab_size: int, config: ActorConfig) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.model = model  # megatron DistributedDataParallel around this stage's GPTModel
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.real_vocab_size = real_vocab_size
+        self.config = config
+        self.layout: PackedLayout = "mask" if uses_local_attention(model) else "thd"
+        self.forward_backward = get_forward_backward_func()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.applied_updates = 0
+
+    @classmethod
+    def wrap(cls, model: torch.nn.Module, *, real_vocab_size: int, config: ActorConfig) -> "Actor":
+        """Megatron DDP + optimizer + scheduler around an unwrapped ``GPTModel`` stage."""
+        from megatron.core import parallel_state
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        tconfig = model.config
+        if tconfig.fp16:
+            raise ValueError("fp16 is not supported by the actor (its NaN guard assumes no loss scaler); use bf16")
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            tconfig.variable_seq_lengths = True  # packed micro-batches differ in length: p2p sends shapes first
+        settings = config.optimizer
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        ddp_model = DistributedDataParallel(tconfig, ddp_config, model)
+        # Without this the schedule never all-reduces DP gradients (replicas drift apart).
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=settings.lr,
+                min_lr=settings.lr,
+                weight_decay=settings.weight_decay,
+                adam_beta1=settings.betas[0],
+                adam_beta2=settings.betas[1],
+                adam_eps=settings.eps,
+                clip_grad=settings.clip_grad,
+                use_distributed_optimizer=settings.use_distributed_optimizer,
+                bf16=tconfig.bf16,
+                fp16=False,
+                params_dtype=tconfig.params_dtype,
+            ),
+            [ddp_model],
+        )
+        scheduler = OptimizerParamScheduler(
+            optimizer,
+            init_lr=0.0 if settings.lr_warmup_steps else settings.lr,
+            max_lr=settings.lr,
+            min_lr=settings.lr,
+            lr_warmup_steps=settings.lr_warmup_steps,
+            lr_decay_steps=settings.lr_warmup_steps + 1,  # unused by the constant style; must exceed warmup
+            lr_decay_style="constant",
+            start_wd=settings.weight_decay,
+            end_wd=settings.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        return cls(ddp_model, optimizer, scheduler, real_vocab_size=real_vocab_size, config=config)
+
+    # ----------------------------------------------------------------------------------------------- helpers
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _plan(self, samples: Sequence[PolicySample], batching: BatchingConfig | None):
+        self._check_same_minibatch_on_dp_ranks(samples)
+        plan = plan_data_parallel(
+            samples, batching or self.config.batching, data_parallel=self.dp_size, data_parallel_rank=self.dp_rank,
+            layout=self.layout, vocab_size=self.real_vocab_size,
+        )
+        device = self.device
+        plan.micro_batches = [mb.to(device) for mb in plan.micro_batches]
+        return plan
+
+    def _check_same_minibatch_on_dp_ranks(self, samples: Sequence[PolicySample]) -> None:
+        """Every DP rank must be handed the same mini-batch (each takes its own share of it)."""
+        if self.dp_size == 1:
+            return
+        local = torch.tensor([len(samples), sum(s.length for s in samples)], dtype=torch.float64)
+        both = torch.cat([local, -local]).to(self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.dp_group)
+        if not torch.equal(both[:2], -both[2:]):
+            raise ValueError(
+                f"DP ranks were given different mini-batches (samples/tokens here: {local.tolist()}, max over ranks: "
+                f"{both[:2].tolist()}): pass the whole mini-batch, the same on every rank"
+            )
+
+    def _run_schedule(self, micro_batches: list[MicroBatch], loss_func, *, forward_only: bool) -> list:
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+            return output, partial(loss_func, mb)
+
+        return self.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.sequence_length for mb in micro_batches),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
+            forward_only=forward_only,
+        )
+
+    def _response_logprobs(self, mb: MicroBatch, logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+        logprobs, entropy = vocab_parallel_logprobs(
+            logits, mb.labels, real_vocab_size=self.real_vocab_size, temperature=temperature
+        )
+        return logprobs.reshape(-1)[mb.response_index], entropy.reshape(-1)[mb.response_index]
+
+    def _share_from_last_stage(self, values: Tensor, *, sum_over_dp: bool) -> Tensor:
+        """Sum over DP (last-stage ranks hold the values; others hold zeros), then broadcast from the last PP stage."""
+        if sum_over_dp and self.dp_size > 1:
+            dist.all_reduce(values, group=self.dp_group)
+        if dist.get_world_size(self.pp_group) > 1:
+            dist.broadcast(values, src=self.pp_last_rank, group=self.pp_group)
+        return values
+
+    # ------------------------------------------------------------------------------------------------ training
+
+    def _training_loss(self, mb: MicroBatch, logits: Tensor, *, scale: float, num_tokens: int,
+                       num_sequences: int):
+        loss_settings = self.config.loss
+        logprobs, entropy = self._response_logprobs(mb, logits, self.config.temperature)
+        loss, metrics = policy_loss(
+            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
+            eps_low=loss_settings.eps_low, eps_high=loss_settings.eps_high,
+            clip_ratio_c=loss_settings.clip_ratio_c, agg=loss_settings.agg,
+            num_tokens=num_tokens, num_sequences=num_sequences,
+        )
+        metrics["entropy_sum"] = float((entropy * mb.loss_mask).sum())
+        return loss * scale, metrics
+
+    def train_minibatch(self, samples: Sequence[PolicySample], batching: BatchingConfig | None = None
+                        ) -> dict[str, float]:
+        """One optimizer update on the mini-batch ``samples`` (the whole mini-batch, the same on every rank).
+
+        ``batching`` overrides ``config.batching`` for this call.
+
+        Returns the same metrics on every rank: ``pg_loss`` (the mini-batch loss L), the token-weighted means
+        ``clipfrac_high``, ``clipfrac_low``, ``clipfrac_dual``, ``approx_kl``, ``ratio_mean``, ``entropy``,
+        then ``grad_norm`` (before clipping), ``lr`` (used by this update), ``num_tokens`` (loss tokens),
+        ``num_sequences``, ``num_micro_batches`` (per DP rank), ``packing_efficiency`` (whole mini-batch) and
+        ``skipped`` (1.0 when the loss or gradient norm was not finite and no update was applied).
+        """
+        plan = self._plan(samples, batching)
+        num_micro_batches = len(plan.micro_batches)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_func = partial(
+            self._training_loss, scale=float(num_micro_batches * self.dp_size),
+            num_tokens=plan.num_loss_tokens, num_sequences=plan.num_loss_sequences,
+        )
+        per_micro_batch = self._run_schedule(plan.micro_batches, loss_func, forward_only=False)
+
+        # [pg_loss, Σ n·metric for METRIC_NAMES, Σ n·entropy, n, real tokens, processed tokens]
+        summary = torch.zeros(len(METRIC_NAMES) + 5, dtype=torch.float64)
+        if self.is_last_stage:
+            for metrics in per_micro_batch:
+                weight = metrics["num_masked_tokens"]
+                summary[0] += metrics["pg_loss"]
+                for i, name in enumerate(METRIC_NAMES):
+                    summary[1 + i] += metrics[name] * weight
+                summary[len(METRIC_NAMES) + 1] += metrics["entropy_sum"]
+                summary[len(METRIC_NAMES) + 2] += weight
+            summary[-2] = sum(mb.num_real_tokens for mb in plan.micro_batches)
+            summary[-1] = sum(mb.num_processed_tokens for mb in plan.micro_batches)
+        summary = self._share_from_last_stage(summary.to(self.device), sum_over_dp=True).cpu()
+
+        loss_value = float(summary[0])
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+        if skipped:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        else:
+            self.scheduler.step(increment=1)
+            applied, _, _ = self.optimizer.step()
+            if not applied:
+                raise RuntimeError("the Megatron optimizer reported an unsuccessful step without a loss scaler")
+            self.applied_updates += 1
+
+        tokens = max(float(summary[len(METRIC_NAMES) + 2]), 1.0)
+        result = {"pg_loss": loss_value}
+        for i, name in enumerate(METRIC_NAMES):
+            result[name] = float(summary[1 + i]) / tokens
+        result["entropy"] = float(summary[len(METRIC_NAMES) + 1]) / tokens
+        result.update(
+            grad_norm=grad_norm,
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            num_tokens=float(plan.num_loss_tokens),
+            num_sequences=float(plan.num_loss_sequences),
+            num_micro_batches=float(num_micro_batches),
+            packing_efficiency=float(summary[-2] / max(float(summary[-1]), 1.0)),
+            skipped=float(skipped),
+        )
+        return result
+
+    # ---------------------------------------------------------------------------------------------- forward-only
+
+    def _collect_logprobs(self, mb: MicroBatch, logits: Tensor, *, temperature: float):
+        logprobs, entropy = self._response_logprobs(mb, logits, temperature)
+        return torch.zeros((), device=logits.device), {"mb": mb, "logprobs": logprobs, "entropy": entropy}
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Sequence[PolicySample], temperature: float | None = None,
+                         batching: BatchingConfig | None = None) -> PolicyLogProbs:
+        """Per-token log-probs (and entropy) of every sample's response, on every rank, in input order.
+
+        ``temperature`` defaults to the actor's rollout temperature, ``batching`` to ``config.batching`` (a forward
+        pass keeps no activations for backward, so it can afford a larger token budget).
+        """
+        temperature = self.config.temperature if temperature is None else temperature
+        plan = self._plan(samples, batching)
+        lengths = [sample.response_length for sample in samples]
+        offsets = [0]
+        for length in lengths:
+            offsets.append(offsets[-1] + length)
+        self.model.eval()
+        try:
+            outputs = self._run_schedule(
+                plan.micro_batches, partial(self._collect_logprobs, temperature=temperature), forward_only=True
+            )
+        finally:
+            self.model.train()
+
+        flat = torch.zeros(2, offsets[-1], dtype=torch.float32, device=self.device)
+        if self.is_last_stage:
+            for output in outputs:
+                mb = output["mb"]
+                for row, index in enumerate(mb.sample_indices):
+                    length = lengths[index]
+                    flat[0, offsets[index]:offsets[index + 1]] = output["logprobs"][row, :length]
+                    flat[1, offsets[index]:offsets[index + 1]] = output["entropy"][row, :length]
+        flat = self._share_from_last_stage(flat, sum_over_dp=True).cpu()
+        return PolicyLogProbs(
+            logprobs=[flat[0, offsets[i]:offsets[i + 1]].clone() for i in range(len(samples))],
+            entropy=[flat[1, offsets[i]:offsets[i + 1]].clone() for i in range(len(samples))],
+        )

@@ -1,0 +1,446 @@
+"""Micro-batches for the policy: variable-length samples packed into token-budgeted rows, or padded one per row.
+
+A :class:`PolicySample` is a prompt and a response (token ids), the response's loss mask, old log-probs and advantage.
+The model sees ``tokens = prompt ‖ response``; the log-prob of response token ``j`` comes from the logits at position
+``P − 1 + j`` (the position before it), so every micro-batch carries, besides the model inputs, a
+``response_index [n, R]`` into its flattened positions and the per-response-token tensors the loss needs, all
+``[n, R]`` with ``R`` the longest response in it (``response_valid`` marks the real entries).
+
+Packed layout (:func:`pack_micro_batches`): first-fit decreasing puts samples into micro-batches of at most
+``token_budget`` tokens; each micro-batch is ONE row holding its samples back to back, each attending only to itself
+with positions restarting at 0:
+
+* ``layout="thd"`` (Transformer Engine attention): ``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv=…)``; TE and
+  megatron's RoPE then restart positions at every ``cu_seqlens`` boundary.
+* ``layout="mask"`` (megatron's local ``DotProductAttention``, the CPU path): a block-diagonal causal
+  ``attention_mask [1, 1, S, S]`` with True = masked — the local attention masks scores where the mask is True
+  (``masked_fill(mask, -10000)``) and, when a mask is given, does not add its own causal mask. megatron's standard
+  RoPE rotates by the position in the row, not by ``position_ids``; since a rotary score depends only on the
+  distance between query and key and attention never crosses a sample boundary, each sample's outputs equal those
+  of the sample run alone (up to the rounding of the rotary angles; tests check ≤ 1e-5).
+
+Rows are padded to a multiple of ``pad_to_multiple`` (the TP size under sequence parallelism); the padding is a
+segment of its own that nothing attends to. Packing efficiency = real tokens / processed tokens (rows × length).
+
+Padded layout (:func:`padded_micro_batches`, the baseline): a fixed number of samples per micro-batch, one per row,
+right-padded to the longest; plain causal attention (right padding is never seen by real tokens).
+
+Data parallelism (:func:`plan_data_parallel`): megatron's DDP needs every DP rank to run the same number of
+micro-batches. Samples are split over DP ranks by tokens (longest first, each to the least-loaded rank), each rank
+packs its share, and ranks with fewer micro-batches get empty ones (one padding segment, no response tokens).
+Everything here is deterministic: the same samples in the same order give the same micro-batches on every rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Literal, Sequence
+
+import torch
+from torch import Tensor
+
+PackedLayout = Literal["thd", "mask"]
+PAD_TOKEN_ID = 0  # padding positions are never attended to and never in the loss; any valid id works
+
+
+@dataclass(frozen=True)
+class PolicySample:
+    """One prompt + response and what the loss needs per response token.
+
+    ``advantage`` is one number for the whole response or ``[R]`` per token; ``old_logprobs`` (``[R]``) may be None
+    for forward-only passes; ``loss_mask`` (``[R]``, default all ones) zeroes tokens out of the loss (e.g. an
+    overlong-filtered response).
+    """
+
+    prompt_ids: Tensor
+    response_ids: Tensor
+    advantage: float | Tensor = 0.0
+    old_logprobs: Tensor | None = None
+    loss_mask: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        prompt = torch.as_tensor(self.prompt_ids, dtype=torch.long).reshape(-1)
+        response = torch.as_tensor(self.response_ids, dtype=torch.long).reshape(-1)
+        if prompt.numel() < 1:
+            raise ValueError("PolicySample: prompt_ids is empty (the first response token needs a position before it)")
+        if response.numel() < 1:
+            raise ValueError("PolicySample: response_ids is empty")
+        length = response.numel()
+        object.__setattr__(self, "prompt_ids", prompt)
+        object.__setattr__(self, "response_ids", response)
+        for name in ("old_logprobs", "loss_mask"):
+            value = getattr(self, name)
+            if value is not None:
+                value = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+                if value.numel() != length:
+                    raise ValueError(f"PolicySample: {name} has {value.numel()} entries for {length} response tokens")
+                object.__setattr__(self, name, value)
+        advantage = torch.as_tensor(self.advantage, dtype=torch.float32)
+        if advantage.dim() > 0 and advantage.numel() != length:
+            raise ValueError(f"PolicySample: advantage has {advantage.numel()} entries for {length} response tokens")
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prompt_ids.numel()
+
+    @property
+    def response_length(self) -> int:
+        return self.response_ids.numel()
+
+    @property
+    def length(self) -> int:
+        return self.prompt_length + self.response_length
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return self.response_length if self.loss_mask is None else int((self.loss_mask != 0).sum())
+
+    def response_tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(loss mask, old log-probs, advantages), each float32 ``[R]`` (zeros for missing old log-probs)."""
+        length = self.response_length
+        mask = torch.ones(length) if self.loss_mask is None else (self.loss_mask != 0).float()
+        old = torch.zeros(length) if self.old_logprobs is None else self.old_logprobs
+        advantage = torch.as_tensor(self.advantage, dtype=torch.float32).expand(length).clone()
+        return mask, old, advantage
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs for one micro-batch plus the per-response-token tensors of its ``n`` samples.
+
+    Model inputs ``[B, S]``: ``tokens``, ``position_ids``, ``labels`` (the next token at every position, 0 where
+    there is none); ``attention_mask`` ``[B, 1, S, S]`` (True = masked) or None for plain causal attention;
+    ``packed_seq_params`` for the THD layout. Loss inputs ``[n, R]``: ``response_index`` (flat index into ``B·S``
+    of the logits that predict each response token), ``response_valid``, ``loss_mask``, ``old_logprobs``,
+    ``advantages``. ``sample_indices[i]`` is the position of sample ``i`` in the list given to the planner.
+    """
+
+    tokens: Tensor
+    position_ids: Tensor
+    labels: Tensor
+    attention_mask: Tensor | None
+    packed_seq_params: object | None
+    response_index: Tensor
+    response_valid: Tensor
+    loss_mask: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    sample_indices: tuple[int, ...]
+    num_real_tokens: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_indices)
+
+    @property
+    def num_processed_tokens(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def sequence_length(self) -> int:
+        return self.tokens.shape[1]
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        def move(value):
+            return value.to(device, non_blocking=True) if isinstance(value, Tensor) else value
+
+        params = self.packed_seq_params
+        if params is not None:
+            params = replace(params, cu_seqlens_q=move(params.cu_seqlens_q), cu_seqlens_kv=move(params.cu_seqlens_kv))
+        return replace(
+            self,
+            tokens=move(self.tokens), position_ids=move(self.position_ids), labels=move(self.labels),
+            attention_mask=move(self.attention_mask), packed_seq_params=params,
+            response_index=move(self.response_index), response_valid=move(self.response_valid),
+            loss_mask=move(self.loss_mask), old_logprobs=move(self.old_logprobs), advantages=move(self.advantages),
+        )
+
+
+def packing_efficiency(micro_batches: Sequence[MicroBatch]) -> float:
+    """Real tokens / processed tokens (rows × row length, padding and empty micro-batches included)."""
+    processed = sum(mb.num_processed_tokens for mb in micro_batches)
+    return sum(mb.num_real_tokens for mb in micro_batches) / max(processed, 1)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def first_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Indices grouped into bins of total length ≤ ``token_budget``: longest first, each into the first bin it fits.
+
+    A length above the budget gets a bin of its own (with a warning). Ties keep input order; bins come out in the
+    order they were opened. Deterministic for the same input.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for index in order:
+        length = lengths[index]
+        if length > token_budget:
+            warnings.warn(
+                f"sample {index} has {length} tokens, more than the micro-batch token budget {token_budget}: "
+                f"it gets a micro-batch of its own",
+                stacklevel=2,
+            )
+            bins.append([index])
+            room.append(0)
+            continue
+        for b, free in enumerate(room):
+            if length <= free:
+                bins[b].append(index)
+                room[b] -= length
+                break
+        else:
+            bins.append([index])
+            room.append(token_budget - length)
+    return bins
+
+
+def split_for_data_parallel(lengths: Sequence[int], data_parallel: int) -> list[list[int]]:
+    """Indices split over DP ranks with balanced token counts: longest first, each to the least-loaded rank.
+
+    Ties go to the lowest rank; each rank's indices are returned in input order. Deterministic.
+    """
+    if data_parallel < 1:
+        raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
+    loads = [0] * data_parallel
+    shares: list[list[int]] = [[] for _ in range(data_parallel)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(data_parallel), key=lambda r: (loads[r], r))
+        shares[rank].append(index)
+        loads[rank] += lengths[index]
+    return [sorted(share) for share in shares]
+
+
+def _check_vocab(samples: Sequence[PolicySample], indices: Sequence[int], vocab_size: int | None) -> None:
+    if vocab_size is None:
+        return
+    for index in indices:
+        sample = samples[index]
+        for name in ("prompt_ids", "response_ids"):
+            ids = getattr(sample, name)
+            if ids.min() < 0 or ids.max() >= vocab_size:
+                raise ValueError(
+                    f"sample {index}: {name} has ids outside [0, {vocab_size}) "
+                    f"(min {int(ids.min())}, max {int(ids.max())})"
+                )
+
+
+def _response_tensors(samples: Sequence[PolicySample], indices: Sequence[int], starts: Sequence[int]):
+    """``[n, R]`` response_index/valid/loss_mask/old_logprobs/advantages; ``starts[i]`` is sample i's flat offset."""
+    count = len(indices)
+    width = max((samples[i].response_length for i in indices), default=0)
+    response_index = torch.zeros(count, width, dtype=torch.long)
+    valid = torch.zeros(count, width, dtype=torch.bool)
+    loss_mask = torch.zeros(count, width)
+    old_logprobs = torch.zeros(count, width)
+    advantages = torch.zeros(count, width)
+    for row, (index, start) in enumerate(zip(indices, starts)):
+        sample = samples[index]
+        length = sample.response_length
+        mask, old, advantage = sample.response_tensors()
+        response_index[row, :length] = torch.arange(length) + start + sample.prompt_length - 1
+        valid[row, :length] = True
+        loss_mask[row, :length] = mask
+        old_logprobs[row, :length] = old
+        advantages[row, :length] = advantage
+    return response_index, valid, loss_mask, old_logprobs, advantages
+
+
+def _packed_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int, layout: PackedLayout
+                ) -> MicroBatch:
+    lengths = [samples[i].length for i in indices]
+    real = sum(lengths)
+    total = _round_up(max(real, 1), pad_to_multiple)
+    segment_lengths = lengths + ([total - real] if total > real else [])
+    tokens = torch.full((total,), PAD_TOKEN_ID, dtype=torch.long)
+    labels = torch.zeros(total, dtype=torch.long)
+    positions = torch.cat([torch.arange(length) for length in segment_lengths])
+    starts, offset = [], 0
+    for index in indices:
+        sample = samples[index]
+        ids = torch.cat([sample.prompt_ids, sample.response_ids])
+        tokens[offset:offset + ids.numel()] = ids
+        labels[offset:offset + ids.numel() - 1] = ids[1:]
+        starts.append(offset)
+        offset += ids.numel()
+
+    attention_mask = packed_seq_params = None
+    if layout == "mask":
+        segment = torch.repeat_interleave(torch.arange(len(segment_lengths)), torch.tensor(segment_lengths))
+        allowed = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+        attention_mask = (~allowed)[None, None]
+    elif layout == "thd":
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu_seqlens = torch.tensor([0] + segment_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        longest = max(segment_lengths)
+        packed_seq_params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=longest, max_seqlen_kv=longest,
+        )
+    else:
+        raise ValueError(f"unknown packed layout {layout!r}; expected 'thd' or 'mask'")
+    return MicroBatch(
+        tokens[None], positions[None], labels[None], attention_mask, packed_seq_params,
+        *_response_tensors(samples, indices, starts), sample_indices=tuple(indices), num_real_tokens=real,
+    )
+
+
+def pack_micro_batches(
+    samples: Sequence[PolicySample],
+    *,
+    token_budget: int,
+    layout: PackedLayout,
+    pad_to_multiple: int = 1,
+    indices: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+) -> list[MicroBatch]:
+    """Pack ``samples`` (or the subset ``indices`` of them) into first-fit-decreasing micro-batches of one row each.
+
+    ``vocab_size``, when given, is checked against every token id (an id in the padded vocabulary rows would
+    otherwise give a meaningless log-prob).
+    """
+    indices = list(range(len(samples))) if indices is None else list(indices)
+    _check_vocab(samples, indices, vocab_size)
+    bins = first_fit_decreasing([samples[i].length for i in indices], token_budget)
+    return [_packed_row(samples, [indices[j] for j in members], pad_to_multiple, layout) for members in bins]
+
+
+def empty_micro_batch(layout: PackedLayout | Literal["padded"], pad_to_multiple: int = 1) -> MicroBatch:
+    """A micro-batch with no sample: one padding segment, so the model runs and contributes zero gradient."""
+    if layout == "padded":
+        length = _round_up(1, pad_to_multiple)
+        return MicroBatch(
+            torch.full((1, length), PAD_TOKEN_ID, dtype=torch.long), torch.arange(length)[None],
+            torch.zeros(1, length, dtype=torch.long), None, None, *_response_tensors([], [], []),
+            sample_indices=(), num_real_tokens=0,
+        )
+    return _packed_row([], [], pad_to_multiple, layout)
+
+
+def padded_micro_batches(
+    samples: Sequence[PolicySample],
+    *,
+    samples_per_micro_batch: int,
+    pad_to_multiple: int = 1,
+    indices: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+) -> list[MicroBatch]:
+    """One sample per row, right-padded to the longest in its micro-batch; consecutive samples in input order."""
+    if samples_per_micro_batch < 1:
+        raise ValueError(f"samples_per_micro_batch must be >= 1, got {samples_per_micro_batch}")
+    indices = list(range(len(samples))) if indices is None else list(indices)
+    _check_vocab(samples, indices, vocab_size)
+    micro_batches = []
+    for begin in range(0, len(indices), samples_per_micro_batch):
+        members = indices[begin:begin + samples_per_micro_batch]
+        width = _round_up(max(samples[i].length for i in members), pad_to_multiple)
+        tokens = torch.full((len(members), width), PAD_TOKEN_ID, dtype=torch.long)
+        labels = torch.zeros(len(members), width, dtype=torch.long)
+        for row, index in enumerate(members):
+            ids = torch.cat([samples[index].prompt_ids, samples[index].response_ids])
+            tokens[row, :ids.numel()] = ids
+            labels[row, :ids.numel() - 1] = ids[1:]
+        positions = torch.arange(width).expand(len(members), width).contiguous()
+        micro_batches.append(MicroBatch(
+            tokens, positions, labels, None, None,
+            *_response_tensors(samples, members, [row * width for row in range(len(members))]),
+            sample_indices=tuple(members), num_real_tokens=sum(samples[i].length for i in members),
+        ))
+    return micro_batches
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """How a mini-batch becomes micro-batches.
+
+    ``mode="packed"``: rows of at most ``token_budget`` tokens (first-fit decreasing). ``mode="padded"``:
+    ``samples_per_micro_batch`` right-padded rows per micro-batch. ``pad_to_multiple``: row-length multiple (TP size
+    under sequence parallelism).
+    """
+
+    mode: Literal["packed", "padded"] = "packed"
+    token_budget: int = 4096
+    samples_per_micro_batch: int = 4
+    pad_to_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("packed", "padded"):
+            raise ValueError(f"BatchingConfig.mode must be 'packed' or 'padded', got {self.mode!r}")
+        if self.token_budget < 1 or self.samples_per_micro_batch < 1 or self.pad_to_multiple < 1:
+            raise ValueError(f"BatchingConfig: token_budget, samples_per_micro_batch and pad_to_multiple must be "
+                             f">= 1, got {self.token_budget}, {self.samples_per_micro_batch}, {self.pad_to_multiple}")
+
+
+@dataclass
+class DataParallelPlan:
+    """This DP rank's micro-batches (padded with empty ones to the count every rank runs) and batch-wide counts."""
+
+    micro_batches: list[MicroBatch]
+    num_loss_tokens: int  # Σ loss-mask tokens over the whole mini-batch (all DP ranks)
+    num_loss_sequences: int  # samples with at least one loss token, whole mini-batch
+    num_empty: int  # empty micro-batches added on this rank
+    rank_indices: list[int] = field(default_factory=list)  # this rank's sample indices
+
+    @property
+    def efficiency(self) -> float:
+        return packing_efficiency(self.micro_batches)
+
+
+def plan_data_parallel(
+    samples: Sequence[PolicySample],
+    config: BatchingConfig,
+    *,
+    data_parallel: int,
+    data_parallel_rank: int,
+    layout: PackedLayout,
+    vocab_size: int | None = None,
+) -> DataParallelPlan:
+    """Split the mini-batch (the same list on every rank) over DP ranks and build this rank's micro-batches.
+
+    Every rank computes every rank's micro-batch count from the sample lengths alone, so the counts agree without
+    communication; ranks below the maximum get empty micro-batches.
+    """
+    if not 0 <= data_parallel_rank < data_parallel:
+        raise ValueError(f"data_parallel_rank {data_parallel_rank} is outside [0, {data_parallel})")
+    if not samples:
+        raise ValueError("plan_data_parallel: the mini-batch has no samples")
+    lengths = [sample.length for sample in samples]
+    shares = split_for_data_parallel(lengths, data_parallel)
+
+    def count(share: list[int]) -> int:
+        if not share:
+            return 0
+        if config.mode == "padded":
+            return -(-len(share) // config.samples_per_micro_batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the rank that owns an oversize sample warns when it packs it
+            return len(first_fit_decreasing([lengths[i] for i in share], config.token_budget))
+
+    target = max(count(share) for share in shares)
+    mine = shares[data_parallel_rank]
+    if config.mode == "padded":
+        micro_batches = padded_micro_batches(samples, samples_per_micro_batch=config.samples_per_micro_batch,
+                                             pad_to_multiple=config.pad_to_multiple, indices=mine,
+                                             vocab_size=vocab_size)
+        empty_layout = "padded"
+    else:
+        micro_batches = pack_micro_batches(samples, token_budget=config.token_budget, layout=layout,
+                                           pad_to_multiple=config.pad_to_multiple, indices=mine,
+                                           vocab_size=vocab_size) if mine else []
+        empty_layout = layout
+    num_empty = target - len(micro_batches)
+    micro_batches += [empty_micro_batch(empty_layout, config.pad_to_multiple) for _ in range(num_empty)]
+    loss_tokens = [sample.num_loss_tokens for sample in samples]
+    return DataParallelPlan(
+        micro_batches=micro_batches,
+        num_loss_tokens=sum(loss_tokens),
+        num_loss_sequences=sum(1 for n in loss_tokens if n > 0),
+        num_empty=num_empty,
+        rank_indices=mine,
+    )

@@ -1,0 +1,26 @@
+"""``rollout.engine`` → a rollout engine. Either way it starts without trusted weights: the trainer's first
+weight handoff (version = the step it starts from) fills it, so the served weights always come from the policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dapo_megatron.config import DAPOConfig
+from dapo_megatron.rollout.engine import RolloutEngine
+
+
+def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | Path) -> RolloutEngine:
+    r = config.rollout
+    if r.engine == "embedded":
+        from transformers import AutoConfig
+
+        from dapo_megatron.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(AutoConfig.from_pretrained(str(hf_dir)))
+    from dapo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+
+    engine_config = SGLangEngineConfig.from_sglang_config(
+        r.sglang, model_path=str(hf_dir), run_dir=str(Path(run_dir) / "sglang"),
+        bucket_bytes=r.handoff_bucket_mb * 2**20,
+    )
+    return SGLangEngine(engine_config)

@@ -1,0 +1,147 @@
+"""A small blocking HTTP client for one SGLang 0.5.23 server (stdlib only: no requests/aiohttp in the trainer env).
+
+Every call has a timeout, so a server that stops answering surfaces as :class:`ServerFailure` after at most
+that long instead of hanging the trainer. Endpoints and payloads follow SGLang 0.5.23's ``http_server.py`` and
+``io_struct.py``; weight versions are strings on the wire (the engine uses their decimal integer form).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import urllib.error
+import urllib.request
+from typing import Any
+
+from dapo_megatron.rollout.engine import RolloutError
+
+
+class ServerFailure(RolloutError):
+    """The server did not answer (connection refused/reset, no reply within the timeout) or answered 5xx."""
+
+
+class ServerReplyError(RolloutError):
+    """The server answered with an HTTP error or a reply that says the operation failed."""
+
+
+class SGLangClient:
+    """Blocking calls to one server at ``base_url`` authenticated with ``api_key`` (Bearer token)."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.base_url})"
+
+    # ---- transport ---------------------------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None,
+                authenticated: bool = True) -> tuple[int, Any]:
+        """Send one request; return ``(status, parsed JSON or text)``; :class:`ServerFailure` if no answer."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if authenticated and self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(f"{self.base_url}{path}", data=data, headers=headers, method=method)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, _parse(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, _parse(error.read())
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError,
+                OSError) as error:
+            raise ServerFailure(f"{method} {self.base_url}{path} failed: {error!r}") from error
+
+    def _call(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
+        status, reply = self.request(method, path, body, timeout_s=timeout_s)
+        if status >= 500:
+            raise ServerFailure(f"{method} {self.base_url}{path} -> HTTP {status}: {_short(reply)}")
+        if status != 200 or (isinstance(reply, dict) and reply.get("success") is False):
+            raise ServerReplyError(f"{method} {self.base_url}{path} -> HTTP {status}: {_short(reply)}")
+        return reply
+
+    # ---- generation ----------------------------------------------------------------------------------------------
+    def generate(self, payload: dict[str, Any], *, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """``POST /generate``; always returns a list of outputs (SGLang returns a dict for a single one)."""
+        reply = self._call("POST", "/generate", payload, timeout_s=timeout_s)
+        return reply if isinstance(reply, list) else [reply]
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            status, _ = self.request("GET", "/health", timeout_s=timeout_s, authenticated=False)
+        except ServerFailure:
+            return False
+        return status == 200
+
+    def model_info(self) -> dict[str, Any]:
+        return self._call("GET", "/model_info")
+
+    def served_weight_version(self) -> str:
+        return str(self.model_info()["weight_version"])
+
+    def server_info(self) -> dict[str, Any]:
+        return self._call("GET", "/server_info")
+
+    # ---- control ------------------------------------------------------------------------------------------------
+    def pause_generation(self) -> None:
+        """Stop scheduling new work (running requests are aborted; the engine never pauses mid-generate)."""
+        self._call("POST", "/pause_generation", {"mode": "abort"})
+
+    def continue_generation(self) -> None:
+        self._call("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self._call("POST", "/flush_cache")
+
+    def set_weight_version(self, version: str) -> None:
+        self._call("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
+
+    # ---- weight updates -------------------------------------------------------------------------------------------
+    def update_weights_from_disk(self, model_path: str, version: str) -> None:
+        self._call("POST", "/update_weights_from_disk",
+                   {"model_path": model_path, "weight_version": version, "flush_cache": True})
+
+    def begin_weight_update(self) -> None:
+        self._call("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._call("POST", "/end_weight_update", {})
+
+    def update_weights_from_tensor(self, serialized_per_tp_rank: list[str], *, version: str | None,
+                                   flush_cache: bool) -> None:
+        self._call("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_per_tp_rank, "weight_version": version,
+            "flush_cache": flush_cache,
+        })
+
+    def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str) -> None:
+        self._call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        })
+
+    def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, version: str | None, flush_cache: bool) -> None:
+        self._call("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": version, "flush_cache": flush_cache,
+        })
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def _short(reply: Any, limit: int = 2000) -> str:
+    text = reply if isinstance(reply, str) else json.dumps(reply)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,297 @@
+"""Launching, watching and stopping one local SGLang server process (``python -m sglang.launch_server``).
+
+Each server runs in its own session (``start_new_session=True``), so it and the scheduler/detokenizer
+processes it forks form one process group that :meth:`SGLangServerProcess.stop` kills as a whole (SIGTERM, a
+short grace period, then SIGKILL to the group and to every descendant recorded before the kill).
+
+Security: the server binds to ``127.0.0.1`` unless told otherwise, and always starts with an API key generated
+per launch (``secrets.token_urlsafe``). SGLang then refuses every endpoint except ``/health*``/``/ready``/
+``/metrics`` without ``Authorization: Bearer <key>``, in particular ``/update_weights_*``. The key travels in a
+0600 YAML file passed with ``--config``, not on the command line, so other local users cannot read it from
+``ps``.
+
+CPU servers get ``SGLANG_USE_CPU_ENGINE=1`` and the ``sgl_kernel`` stand-in of
+:mod:`dapo_megatron.rollout.sglang_cpu` on ``PYTHONPATH``, plus ``--sleep-on-idle`` (otherwise the idle scheduler
+spins a core). Every server runs offline (``HF_HUB_OFFLINE=1``): the model directory must hold the tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.rollout.sglang_cpu import server_pythonpath
+
+SGLANG_VERSION = "0.5.23"
+INSTALL_HINT = (
+    f"install it into that interpreter: `scripts/install_sglang_cpu.sh PYTHON` on a CPU machine, "
+    f"`PYTHON -m pip install sglang=={SGLANG_VERSION}` on a GPU machine"
+)
+
+# Environment variables that change what the server returns; removed so the engine's documented semantics hold.
+# SGLANG_RETURN_ORIGINAL_LOGPROB=1 would make returned log-probs ignore the temperature.
+_ENV_REMOVED_FROM_SERVER = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
+
+
+@dataclass(frozen=True)
+class SGLangLaunchConfig:
+    """How to start each local server.
+
+    ``python`` may be another environment's interpreter (SGLang and the trainer need not share an env).
+    ``max_total_tokens`` caps the KV cache (tokens); on CPU, leaving it unset makes SGLang size the cache from
+    free RAM (a 15 GB cache and a 99 s start were measured for a tiny model), so set it there.
+    ``deterministic_inference`` adds ``--enable-deterministic-inference``: required for per-request
+    ``sampling_seed`` to take effect; SGLang 0.5.23 supports it only with GPU attention backends.
+    """
+
+    python: str = sys.executable
+    tp_size: int = 1
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    base_port: int = 0  # 0: a free port per server; otherwise server i listens on base_port + i
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    deterministic_inference: bool = False
+    base_gpu_id: int = 0  # server i uses GPUs base_gpu_id + i * tp_size ...
+    startup_timeout_s: float = 600.0
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"SGLangLaunchConfig.tp_size must be >= 1, got {self.tp_size}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"SGLangLaunchConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"SGLangLaunchConfig.startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+
+
+def require_sglang(python: str) -> None:
+    """Raise :class:`RolloutError` naming the install command when ``python`` cannot import SGLang."""
+    probe = (
+        "import importlib.metadata, importlib.util, sys\n"
+        "if importlib.util.find_spec('sglang') is None: sys.exit(3)\n"
+        "print(importlib.metadata.version('sglang'))\n"
+    )
+    try:
+        result = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise RolloutError(f"SGLang server python {python!r} does not exist") from None
+    except subprocess.TimeoutExpired:
+        raise RolloutError(f"SGLang server python {python!r} did not answer a version probe in 60 s") from None
+    if result.returncode == 3:
+        raise RolloutError(f"SGLang is not installed for the server python {python!r}: {INSTALL_HINT}")
+    if result.returncode != 0:
+        raise RolloutError(f"SGLang server python {python!r} failed to run: {result.stderr.strip()[-2000:]}")
+
+
+def find_free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class SGLangServerProcess:
+    """One ``sglang.launch_server`` process group serving ``model_path`` at ``url``, protected by ``api_key``."""
+
+    def __init__(self, *, model_path: str | Path, launch: SGLangLaunchConfig, index: int, run_dir: str | Path,
+                 weight_version: str) -> None:
+        self.model_path = str(model_path)
+        self.launch = launch
+        self.index = index
+        self.run_dir = Path(run_dir)
+        self.weight_version = weight_version
+        self.api_key = ""
+        self.port = 0
+        self._process: subprocess.Popen | None = None
+        self._log_file = None
+        self._launch_count = 0
+        # /dev/shm files the running server mapped, recorded when it became ready: a server that crashed or was
+        # SIGKILLed never unlinks them, so stop() does.
+        self._shared_memory_files: set[str] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.launch.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / f"server{self.index}.log"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def command(self, config_file: Path) -> list[str]:
+        launch = self.launch
+        command = [
+            launch.python, "-m", "sglang.launch_server",
+            "--config", str(config_file),
+            "--model-path", self.model_path,
+            "--host", launch.host,
+            "--port", str(self.port),
+            "--tp-size", str(launch.tp_size),
+            "--device", launch.device,
+            "--dtype", launch.dtype,
+            "--weight-version", self.weight_version,
+        ]
+        if launch.device == "cpu":
+            command.append("--sleep-on-idle")
+        else:
+            command += ["--base-gpu-id", str(launch.base_gpu_id + self.index * launch.tp_size)]
+        if launch.max_total_tokens is not None:
+            command += ["--max-total-tokens", str(launch.max_total_tokens)]
+        if launch.mem_fraction_static is not None:
+            command += ["--mem-fraction-static", str(launch.mem_fraction_static)]
+        if launch.deterministic_inference:
+            command.append("--enable-deterministic-inference")
+        return command + list(launch.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if key not in _ENV_REMOVED_FROM_SERVER}
+        env["HF_HUB_OFFLINE"] = "1"
+        env["TRANSFORMERS_OFFLINE"] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.launch.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (server_pythonpath(), env.get("PYTHONPATH")) if p)
+        return env
+
+    def start(self) -> None:
+        """Start the process (returns at once; see :meth:`wait_until_ready`). A running server is stopped first."""
+        self.stop()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.api_key = secrets.token_urlsafe(32)
+        base_port = self.launch.base_port
+        self.port = base_port + self.index if base_port else find_free_port(self.launch.host)
+        config_file = self.run_dir / f"server{self.index}.yaml"
+        config_file.unlink(missing_ok=True)
+        descriptor = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(f"api-key: {self.api_key}\n")
+        self._launch_count += 1
+        self._log_file = open(self.log_path, "a", buffering=1)
+        self._log_file.write(f"\n===== launch {self._launch_count} of server {self.index}: "
+                             f"{' '.join(self.command(config_file))}\n")
+        self._process = subprocess.Popen(
+            self.command(config_file), stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self.environment(), start_new_session=True, cwd=self.run_dir,
+        )
+
+    def wait_until_ready(self, timeout_s: float | None = None) -> None:
+        """Block until ``/health`` answers 200; raise :class:`RolloutError` with the log tail on exit or deadline."""
+        timeout_s = self.launch.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.is_running():
+                code = None if self._process is None else self._process.returncode
+                tail = self.log_tail()
+                self.stop()
+                raise RolloutError(f"SGLang server {self.index} exited with code {code} during startup "
+                                   f"(log {self.log_path}):\n{tail}")
+            if self._health_ok():
+                self._shared_memory_files = _mapped_shared_memory_files(_process_tree(self._process.pid))
+                return
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise RolloutError(f"SGLang server {self.index} was not healthy after {timeout_s:.0f} s "
+                                   f"(log {self.log_path}):\n{tail}")
+            time.sleep(1.0)
+
+    def _health_ok(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as handle:
+                return "".join(deque(handle, maxlen=lines))
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """Kill the server's whole process group (and any descendant that left it). Safe to call twice."""
+        process, self._process = self._process, None
+        if process is not None:
+            _kill_process_tree(process, grace_s, self._shared_memory_files)
+            self._shared_memory_files = set()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+def _process_tree(pid: int) -> list:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_process_tree(process: subprocess.Popen, grace_s: float, known_shared_memory: set[str]) -> None:
+    """SIGTERM the process group, wait ``grace_s``, SIGKILL the group and every recorded descendant, then unlink
+    the ``/dev/shm`` files the tree maps or mapped when it became ready (SGLang's load-report segments and
+    multiprocessing semaphores, which a killed server never unlinks)."""
+    import psutil
+
+    tree = _process_tree(process.pid)
+    shared_memory_files = known_shared_memory | _mapped_shared_memory_files(tree)
+    group = process.pid  # start_new_session=True: the server leads its own process group
+    for sig in (signal.SIGTERM, signal.SIGCONT):  # SIGCONT: a stopped group must run to act on SIGTERM
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            break
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for member in tree[1:]:  # descendants that may have left the group
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+    process.wait()
+    psutil.wait_procs(tree[1:], timeout=5)
+    for path in shared_memory_files:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _mapped_shared_memory_files(processes: list) -> set[str]:
+    import psutil
+
+    paths: set[str] = set()
+    for member in processes:
+        try:
+            paths.update(m.path for m in member.memory_maps(grouped=True) if m.path.startswith("/dev/shm/"))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return paths

@@ -1,0 +1,379 @@
+"""The three ways full HF-named weights reach SGLang servers.
+
+The engine (:class:`dapo_megatron.rollout.sglang_engine.SGLangEngine`) pauses every server and flushes its cache
+before calling :meth:`WeightTransport.push`, and continues generation and checks the served ``weight_version``
+after it. A transport consumes the ``(hf_name, tensor)`` iterator once, in buckets of about ``bucket_bytes``, and
+sends every bucket to every server before pulling the next one, so the trainer never holds more than one bucket of
+copies. Full tensors are sent; SGLang shards them for its own TP degree.
+
+* :class:`DiskTransport` — safetensors shards + ``config.json`` + tokenizer files into ``snapshot_root/v{version}``
+  (a complete HF model directory, on a filesystem the servers can read), then ``/update_weights_from_disk``.
+  Works across hosts and is the one a restarted server can be relaunched from (:meth:`restart_model_path`).
+* :class:`TensorTransport` — same host: ``/update_weights_from_tensor``. CPU tensors are pickled by value (the
+  server's ``SafeUnpickler`` admits ``torch.storage._load_from_bytes``); CUDA tensors go through
+  ``torch.multiprocessing``'s reducers as CUDA IPC handles (no copy). CPU tensors are deliberately *not* sent as
+  shared-memory handles: with torch's default ``file_descriptor`` sharing strategy the server crashes (it fetches
+  the fd from this process's resource sharer, which rejects the server's authkey), and the ``file_system``
+  strategy starts a ``torch_shm_manager`` that keeps the client's stdout open (a piped CI step then hangs) and can
+  leave files in ``/dev/shm``.
+* :class:`DistributedTransport` — a process group formed by ``/init_weights_update_group`` (rank 0 here, the
+  servers' TP ranks after it), then per bucket ``/update_weights_from_distributed`` announcing names/dtypes/shapes
+  while this process broadcasts each tensor from rank 0. NCCL on GPUs; gloo on CPU (SGLang passes the backend
+  through to its process-group constructor).
+
+SGLang 0.5.23 accepts tensor and distributed updates only between ``/begin_weight_update`` and
+``/end_weight_update`` (:func:`weight_update_session`); the last bucket carries the new ``weight_version`` and
+flushes the prefix cache.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import contextlib
+import io
+import json
+import pickle
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.rollout.sglang_client import SGLangClient
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class ServerTarget:
+    """A server a transport writes to: its client and TP degree (the number of group ranks it contributes)."""
+
+    client: SGLangClient
+    tp_size: int
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
+    """Group consecutive tensors into lists of at most ``bucket_bytes`` (a larger tensor gets a bucket alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: NamedTensors = []
+    size = 0
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if name in seen:
+            raise RolloutError(f"weight {name!r} appears twice in the exported tensors")
+        seen.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def with_last_flag(buckets: Iterator[NamedTensors]) -> Iterator[tuple[NamedTensors, bool]]:
+    """Yield ``(bucket, is_last)``, looking one bucket ahead; raise if there is no bucket at all."""
+    current = next(buckets, None)
+    if current is None:
+        raise RolloutError("update_weights got no tensors")
+    for following in buckets:
+        yield current, False
+        current = following
+    yield current, True
+
+
+def on_all_servers(servers: Sequence[ServerTarget], call: Callable[[ServerTarget], None]) -> None:
+    """Run ``call(server)`` for every server concurrently; re-raise the first failure."""
+    if len(servers) == 1:
+        call(servers[0])
+        return
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        for future in [pool.submit(call, server) for server in servers]:
+            future.result()
+
+
+@contextlib.contextmanager
+def weight_update_session(servers: Sequence[ServerTarget]) -> Iterator[None]:
+    """``/begin_weight_update`` ... ``/end_weight_update`` on every server."""
+    on_all_servers(servers, lambda server: server.client.begin_weight_update())
+    try:
+        yield
+    finally:
+        on_all_servers(servers, lambda server: server.client.end_weight_update())
+
+
+class WeightTransport(abc.ABC):
+    """Moves one full set of HF-named weights to servers that are paused and flushed."""
+
+    name: str
+
+    @abc.abstractmethod
+    def push(self, servers: Sequence[ServerTarget], named_tensors: Iterable[tuple[str, torch.Tensor]],
+             version: int) -> None:
+        """Load these weights into every server and tag them ``str(version)``."""
+
+    def restart_model_path(self, version: int) -> str | None:
+        """A model directory with the weights of ``version`` to relaunch a server from, if this transport has one."""
+        return None
+
+    def reset(self) -> None:
+        """Forget per-server state (called after a server restarts). Stateless transports have none."""
+
+    def close(self, servers: Sequence[ServerTarget]) -> None:
+        """Release what the transport holds (process groups, ...)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+class DiskTransport(WeightTransport):
+    """Write a complete HF directory per version; servers reload from it. Keeps the newest snapshot only."""
+
+    name = "disk"
+    _WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+    _WEIGHT_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+    def __init__(self, snapshot_root: str | Path, hf_config_dir: str | Path,
+                 shard_bytes: int = 2 * 1024 * 1024 * 1024) -> None:
+        self.snapshot_root = Path(snapshot_root)
+        self.hf_config_dir = Path(hf_config_dir)
+        self.shard_bytes = shard_bytes
+        if not (self.hf_config_dir / "config.json").is_file():
+            raise ValueError(f"DiskTransport: hf_config_dir {self.hf_config_dir} has no config.json")
+        self._latest: tuple[int, Path] | None = None
+
+    def snapshot_dir(self, version: int) -> Path:
+        return self.snapshot_root / f"v{version}"
+
+    def write_snapshot(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
+        """Write ``v{version}``: the HF config dir's non-weight files + safetensors shards + their index.
+
+        Shards are written one at a time as the iterator fills them (memory: one shard), into a staging directory
+        renamed at the end, so a server never reads a half-written snapshot.
+        """
+        from safetensors.torch import save_file
+
+        staging = self.snapshot_root / f".v{version}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for source in self.hf_config_dir.iterdir():
+            if source.is_file() and not source.name.endswith(self._WEIGHT_FILE_SUFFIXES) \
+                    and source.name not in self._WEIGHT_INDEX_FILES:
+                shutil.copy2(source, staging / source.name)
+        weight_map: dict[str, str] = {}
+        total_bytes = 0
+        shard_names = []
+        for index, shard in enumerate(iter_buckets(named_tensors, self.shard_bytes)):
+            shard_name = f"model-{index + 1:05d}.safetensors"
+            tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in shard}
+            save_file(tensors, str(staging / shard_name), metadata={"format": "pt"})
+            shard_names.append(shard_name)
+            for name, tensor in tensors.items():
+                weight_map[name] = shard_name
+                total_bytes += tensor.numel() * tensor.element_size()
+        if not weight_map:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise RolloutError("update_weights got no tensors")
+        (staging / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=1))
+        final = self.snapshot_dir(version)
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+        return final
+
+    def push(self, servers, named_tensors, version):
+        path = self.write_snapshot(named_tensors, version)
+        on_all_servers(servers, lambda server: server.client.update_weights_from_disk(str(path), str(version)))
+        previous, self._latest = self._latest, (version, path)
+        if previous is not None and previous[1] != path:
+            shutil.rmtree(previous[1], ignore_errors=True)
+
+    def restart_model_path(self, version):
+        if self._latest is not None and self._latest[0] == version:
+            return str(self._latest[1])
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def serialize_named_tensors(named_tensors: NamedTensors) -> str:
+    """Base64 of a pickle that SGLang's ``MultiprocessingSerializer.deserialize`` accepts.
+
+    CPU tensors are pickled by value (standard ``pickle``); CUDA tensors with ``ForkingPickler``, which
+    ``torch.multiprocessing`` teaches to send CUDA IPC handles (the tensors stay alive until the server replied,
+    which the blocking HTTP call guarantees).
+    """
+    tensors = [(name, tensor.detach().contiguous()) for name, tensor in named_tensors]
+    if any(tensor.is_cuda for _, tensor in tensors):
+        import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reducers)
+        from multiprocessing.reduction import ForkingPickler
+
+        buffer = io.BytesIO()
+        ForkingPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(tensors)
+        raw = buffer.getvalue()
+    else:
+        raw = pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL)
+    return base64.b64encode(raw).decode("ascii")
+
+
+class TensorTransport(WeightTransport):
+    """``/update_weights_from_tensor`` in buckets, one payload per server TP rank."""
+
+    name = "tensor"
+
+    def __init__(self, bucket_bytes: int = 256 * 1024 * 1024) -> None:
+        self.bucket_bytes = bucket_bytes
+
+    def push(self, servers, named_tensors, version):
+        with weight_update_session(servers):
+            for bucket, is_last in with_last_flag(iter_buckets(named_tensors, self.bucket_bytes)):
+                payload = serialize_named_tensors(bucket)
+                on_all_servers(servers, lambda server: server.client.update_weights_from_tensor(
+                    [payload] * server.tp_size, version=str(version) if is_last else None, flush_cache=is_last))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def open_sender_group(*, master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
+                      timeout: timedelta) -> torch.distributed.ProcessGroup:
+    """Join the weight-update group as rank 0, the way SGLang's ``init_custom_process_group`` joins it.
+
+    The group is independent of any default process group this process may have (Megatron's): it comes from a TCP
+    rendezvous on ``master_address:master_port`` (rank 0 hosts the store) whose keys are prefixed with
+    ``group_name`` like the servers' side, and is registered so ``torch.distributed.broadcast(group=...)`` accepts
+    it. That needs torch's private ``_new_process_group_helper``, the call SGLang makes on the other end; both ends
+    must run the same torch version.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
+        group_name=group_name, backend_options=None, timeout=timeout,
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+class DistributedTransport(WeightTransport):
+    """Broadcast each bucket from rank 0 of a group spanning this process and every server TP rank."""
+
+    name = "distributed"
+
+    def __init__(self, *, master_address: str = "127.0.0.1", master_port: int = 0, backend: str = "gloo",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group_name: str = "dapo_weight_update",
+                 timeout_s: float = 600.0) -> None:
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.group_name_prefix = group_name
+        self.group_name = group_name
+        self.timeout_s = timeout_s
+        self._groups_formed = 0
+        self._group: torch.distributed.ProcessGroup | None = None
+        self._group_servers: list[ServerTarget] = []
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def connect(self, servers: Sequence[ServerTarget]) -> None:
+        """Form the group: every server joins with ranks from its ``rank_offset`` while this process joins as 0."""
+        from dapo_megatron.rollout.sglang_server import find_free_port
+
+        port = self.master_port or find_free_port(self.master_address)
+        # A fresh name per group: servers that outlived a previous group still hold it under the old name.
+        self._groups_formed += 1
+        self.group_name = f"{self.group_name_prefix}_{self._groups_formed}"
+        world_size = 1 + sum(server.tp_size for server in servers)
+        offsets = [1 + sum(s.tp_size for s in servers[:i]) for i in range(len(servers))]
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            joins = [pool.submit(server.client.init_weights_update_group, master_address=self.master_address,
+                                 master_port=port, rank_offset=offset, world_size=world_size,
+                                 group_name=self.group_name, backend=self.backend)
+                     for server, offset in zip(servers, offsets)]
+            try:
+                group = open_sender_group(master_address=self.master_address, master_port=port,
+                                          world_size=world_size, group_name=self.group_name, backend=self.backend,
+                                          timeout=timedelta(seconds=self.timeout_s))
+            except Exception as error:
+                raise RolloutError(f"could not form the weight-update group ({self.backend}, world {world_size}) "
+                                   f"at {self.master_address}:{port}: {error}") from error
+            for join in joins:
+                join.result()
+        self._group, self._group_servers = group, list(servers)
+
+    def push(self, servers, named_tensors, version):
+        with self._lock:
+            urls = [server.client.base_url for server in servers]
+            if self._group is None or [s.client.base_url for s in self._group_servers] != urls:
+                self.reset()
+                self.connect(servers)
+            with weight_update_session(servers):
+                for bucket, is_last in with_last_flag(iter_buckets(named_tensors, self.bucket_bytes)):
+                    self._send_bucket(servers, bucket, version=str(version) if is_last else None)
+
+    def _send_bucket(self, servers: Sequence[ServerTarget], bucket: NamedTensors, version: str | None) -> None:
+        """Announce the bucket to every server (in threads: the calls return after the broadcast) and broadcast it."""
+        names = [name for name, _ in bucket]
+        dtypes = [str(tensor.dtype).removeprefix("torch.") for _, tensor in bucket]
+        shapes = [list(tensor.shape) for _, tensor in bucket]
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            announcements = [pool.submit(server.client.update_weights_from_distributed, names=names, dtypes=dtypes,
+                                         shapes=shapes, group_name=self.group_name, version=version,
+                                         flush_cache=version is not None)
+                             for server in servers]
+            try:
+                self._broadcast(bucket, announcements)
+            except Exception as error:
+                self.reset()
+                rejected = [a.exception() for a in announcements if a.done() and a.exception() is not None]
+                said = f"; the server said: {rejected[0]}" if rejected else ""
+                raise RolloutError(f"weight broadcast over the {self.backend} group failed: {error}{said}") from error
+            for announcement in announcements:
+                announcement.result()
+
+    def _broadcast(self, bucket: NamedTensors, announcements: list[Future]) -> None:
+        """Broadcast the bucket from rank 0 without blocking on the collective, so a server that rejects the
+        announcement (its HTTP reply arrives meanwhile) ends the wait at once instead of after the group timeout."""
+        sent = [tensor.detach().to(self.device).contiguous() for _, tensor in bucket]
+        works = [torch.distributed.broadcast(tensor, src=0, group=self._group, async_op=True) for tensor in sent]
+        deadline = time.monotonic() + self.timeout_s
+        while not all(work.is_completed() for work in works):
+            if any(a.done() and a.exception() is not None for a in announcements):
+                raise RolloutError("a server rejected the bucket")
+            if time.monotonic() > deadline:
+                raise RolloutError(f"broadcast did not complete in {self.timeout_s:.0f} s")
+            time.sleep(0.005)
+        for work in works:
+            work.wait()
+
+    def reset(self) -> None:
+        """Drop the local end of the group (restarted servers lost theirs); the next push forms a new group."""
+        if self._group is not None:
+            try:
+                torch.distributed.destroy_process_group(self._group)
+            except Exception:  # the peers may be gone; nothing is left to release then
+                pass
+        self._group, self._group_servers = None, []
+
+    def close(self, servers):
+        if self._group is None:
+            return
+        for server in self._group_servers:
+            try:
+                server.client.destroy_weights_update_group(self.group_name)
+            except RolloutError:
+                pass
+        self.reset()

@@ -1,0 +1,44 @@
+"""``dapo-megatron plot RUN``: the curves the paper watches — reward, accuracy, entropy, response length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dapo_megatron.trainer.metrics import read_metrics
+
+PANELS = (
+    ("reward", ("critic/score/mean",)),
+    ("accuracy", ("rollout/acc/mean", "val/all/acc/mean@")),
+    ("entropy", ("actor/entropy",)),
+    ("response length", ("response_length/mean", "response_length/max")),
+)
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no rows")
+    out = Path(out) if out else Path(run_dir) / "curves.png"
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (title, prefixes) in zip(axes.flat, PANELS):
+        keys = sorted({k for row in rows for k in row if any(k.startswith(p) for p in prefixes)})
+        for key in keys:
+            points = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), (int, float))]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if keys:
+            ax.legend(fontsize=7)
+    fig.suptitle(str(Path(run_dir).resolve().name))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,154 @@
+"""Steps 1–5 of the DAPO loop, on the rank that drives the rollout engine (global rank 0):
+
+    prompts (sampler) → G responses each (engine) → reward + overlong shaping → dynamic-sampling filter → buffer,
+    repeated until the buffer holds ``trainer.train_batch_size`` groups or ``algorithm.max_gen_rounds`` is reached.
+
+At the round cap the step trains on what it collected (possibly fewer groups) and says so in its metrics
+(``train/hit_gen_round_cap``) — the reference recipe raises an error there, which kills week-long runs.
+
+Every generate call gets a seed derived from (run seed, step, round), so a resumed run replays the exact rollouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dapo_megatron.algorithm import DynamicSamplingBuffer, FilterStats, math_reward, overlong_penalty
+from dapo_megatron.config import DAPOConfig
+from dapo_megatron.data.prompts import PromptRecord
+from dapo_megatron.data.sampler import PromptSampler
+from dapo_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
+
+
+@dataclass
+class RolloutGroup:
+    """The G responses to one prompt, scored. ``accs`` (exact-match correctness) drives dynamic sampling;
+    ``scores`` (±1 plus the overlong penalty) drive the advantages."""
+
+    prompt_ids: list[int]
+    ground_truth: str
+    data_source: str
+    responses: list[list[int]]
+    engine_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    accs: list[bool]
+    scores: list[float]
+    overlong_penalties: list[float]
+    weight_version: int
+
+    @property
+    def truncated(self) -> list[bool]:
+        return [reason == "length" for reason in self.finish_reasons]
+
+
+def generation_seed(run_seed: int, step: int, round_index: int) -> int:
+    return (run_seed * 1_000_003 + step * 1_009 + round_index) % (2**31 - 1)
+
+
+def score_group(record: PromptRecord, samples: list[Sample], tokenizer, config: DAPOConfig) -> RolloutGroup:
+    a, r = config.algorithm, config.rollout
+    accs, base_scores = [], []
+    for sample in samples:
+        text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        result = math_reward(text, record.ground_truth, use_math_verify=a.use_math_verify)
+        accs.append(result.acc)
+        base_scores.append(result.score)
+    lengths = torch.tensor([len(s.token_ids) for s in samples])
+    if a.overlong_penalty:
+        penalties = overlong_penalty(lengths, r.max_response_length, a.overlong_buffer_len,
+                                     a.overlong_penalty_factor).tolist()
+    else:
+        penalties = [0.0] * len(samples)
+    return RolloutGroup(
+        prompt_ids=list(record.prompt_ids),
+        ground_truth=record.ground_truth,
+        data_source=record.data_source,
+        responses=[list(s.token_ids) for s in samples],
+        engine_logprobs=[list(s.logprobs) for s in samples],
+        finish_reasons=[s.finish_reason for s in samples],
+        accs=accs,
+        scores=[b + p for b, p in zip(base_scores, penalties)],
+        overlong_penalties=penalties,
+        weight_version=samples[0].weight_version if samples else -1,
+    )
+
+
+class RolloutCollector:
+    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, tokenizer, config: DAPOConfig):
+        self.engine = engine
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.config = config
+        a = config.algorithm
+        self.buffer = DynamicSamplingBuffer(config.trainer.train_batch_size, surplus_policy=a.surplus_policy,
+                                            filter_groups=a.dynamic_sampling)
+
+    def sampling_params(self, seed: int) -> SamplingParams:
+        r = self.config.rollout
+        return SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_response_length,
+                              stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed)
+
+    def collect(self, step: int) -> tuple[list[RolloutGroup], dict[str, float]]:
+        a, t = self.config.algorithm, self.config.trainer
+        # Without dynamic sampling a step generates for exactly one batch of prompts, as GRPO does.
+        prompts_per_round = a.gen_batch_size if a.dynamic_sampling else t.train_batch_size
+        stats = FilterStats()
+        generated: list[RolloutGroup] = []
+        rounds = 0
+        while not self.buffer.is_full and rounds < a.max_gen_rounds:
+            records = self.sampler.next_batch(prompts_per_round)
+            outputs = self.engine.generate([r.prompt_ids for r in records],
+                                           self.sampling_params(generation_seed(t.seed, step, rounds)))
+            groups = [score_group(rec, samples, self.tokenizer, self.config) for rec, samples in zip(records, outputs)]
+            generated.extend(groups)
+            stats = stats + self.buffer.add(groups)
+            rounds += 1
+        hit_cap = not self.buffer.is_full
+        batch = self.buffer.drain() if hit_cap else self.buffer.pop()
+        return batch, self._metrics(batch, generated, stats, rounds, hit_cap)
+
+    def _metrics(self, batch: list[RolloutGroup], generated: list[RolloutGroup], stats: FilterStats,
+                 rounds: int, hit_cap: bool) -> dict[str, float]:
+        max_len = self.config.rollout.max_response_length
+        all_accs = [acc for g in generated for acc in g.accs]
+        metrics = {
+            "train/num_gen_batches": rounds,
+            "train/hit_gen_round_cap": float(hit_cap),
+            "train/num_groups": len(batch),
+            "train/filter/kept_fraction": stats.kept_fraction,
+            "train/filter/all_correct_fraction": stats.all_correct_fraction,
+            "train/filter/all_wrong_fraction": stats.all_wrong_fraction,
+            "rollout/acc/mean": sum(all_accs) / max(len(all_accs), 1),  # over everything generated this step
+            "rollout/num_samples": len(all_accs),
+        }
+        if not batch:
+            return metrics
+        scores = [s for g in batch for s in g.scores]
+        lengths = [len(resp) for g in batch for resp in g.responses]
+        prompt_lengths = [len(g.prompt_ids) for g in batch]
+        accs = [acc for g in batch for acc in g.accs]
+        token_logprobs = [lp for g in batch for lps in g.engine_logprobs for lp in lps]
+        metrics.update({
+            "critic/score/mean": sum(scores) / len(scores),
+            "critic/score/max": max(scores),
+            "critic/score/min": min(scores),
+            "critic/acc/mean": sum(accs) / len(accs),
+            "critic/overlong_penalty/mean": sum(p for g in batch for p in g.overlong_penalties) / len(scores),
+            "response_length/mean": sum(lengths) / len(lengths),
+            "response_length/max": max(lengths),
+            "response_length/min": min(lengths),
+            "response_length/clip_ratio": sum(length >= max_len for length in lengths) / len(lengths),
+            "prompt_length/mean": sum(prompt_lengths) / len(prompt_lengths),
+            "rollout/gen_prob/mean": float(torch.tensor(token_logprobs).exp().mean()) if token_logprobs else 0.0,
+        })
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "buffer": self.buffer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.buffer.load_state_dict(state["buffer"])

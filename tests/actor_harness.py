@@ -1,0 +1,92 @@
+"""Shared pieces of the policy-actor tests: a tiny HF checkpoint, random samples, an actor built from the checkpoint
+at any TP/PP/DP layout, and the full HF-named weights gathered back from it.
+
+Functions that build actors run inside ranks spawned by :func:`multiprocess.run_distributed`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dapo_megatron.policy.packing import PolicySample
+
+TINY_VOCAB = 101  # padded to 256 at TP=2: TP rank 1 holds only padding rows
+
+
+def write_tiny_qwen2(directory: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """A random fp32 Qwen2 (GQA 6 heads / 2 KV groups, QKV bias, SwiGLU, RMSNorm, RoPE) saved as safetensors."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    directory = Path(directory)
+    config = Qwen2Config(
+        vocab_size=TINY_VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=num_layers,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, initializer_range=0.1,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # biases and norms start at 0 / 1 in HF: perturb them so a wrong mapping shows
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def random_samples(count: int, *, seed: int, prompt_lengths=(2, 8), response_lengths=(2, 20),
+                   vocab_size: int = TINY_VOCAB) -> list[PolicySample]:
+    """Samples with random ids, alternating ±1 advantages and random old log-probs near the policy's (≈ −4.6)."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        prompt = int(torch.randint(*prompt_lengths, (1,), generator=generator))
+        response = int(torch.randint(*response_lengths, (1,), generator=generator))
+        samples.append(PolicySample(
+            prompt_ids=torch.randint(0, vocab_size, (prompt,), generator=generator),
+            response_ids=torch.randint(0, vocab_size, (response,), generator=generator),
+            advantage=1.0 if i % 2 == 0 else -1.0,
+            old_logprobs=-4.6 + 0.3 * torch.randn(response, generator=generator),
+        ))
+    return samples
+
+
+def build_test_actor(hf_dir: str | Path, tensor_parallel: int, pipeline_parallel: int, config, seed: int = 0):
+    """Initialize this rank's TP/PP layout, build the model stage, load the HF weights, wrap it as an Actor."""
+    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.policy.actor import Actor
+    from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
+    from dapo_megatron.policy.model import build_model, transformer_config
+
+    init_distributed(tensor_parallel, pipeline_parallel)
+    seed_everything(seed)
+    spec = load_model_spec(hf_dir)
+    tconfig = transformer_config(spec, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
+    model = build_model(spec, tconfig)
+    load_hf_weights(model, spec, hf_dir)
+    return Actor.wrap(model, real_vocab_size=spec.vocab_size, config=config), spec
+
+
+def gather_hf_weights(actor, spec) -> dict[str, torch.Tensor] | None:
+    """Full HF-named tensors on global rank 0 (None elsewhere); every rank must call it."""
+    import torch.distributed as dist
+
+    from dapo_megatron.handoff.exporter import gather_hf_buckets_to_rank0
+
+    weights = {}
+    for bucket in gather_hf_buckets_to_rank0(actor.model, spec):
+        weights.update({name: tensor.detach().clone().cpu() for name, tensor in bucket})
+    return weights if dist.get_rank() == 0 else None
+
+
+def plain(tree):
+    """Tensors → numpy arrays, recursively: a tensor sent through a multiprocessing queue travels as a shared-memory
+    handle that dies with the rank process, a numpy array travels by value."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().numpy()
+    if isinstance(tree, dict):
+        return {key: plain(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(plain(value) for value in tree)
+    return tree

@@ -1,0 +1,13 @@
+import os
+import sys
+
+import pytest
+
+# Tests import their helpers (multiprocess.py, tiny_models.py) as top-level modules.
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: integration tests (real servers, clusters, long runs); `-m 'not slow'` skips them")
+    config.addinivalue_line("markers", "sglang: needs an SGLang installation")
+    config.addinivalue_line("markers", "slurm: needs a running SLURM cluster")

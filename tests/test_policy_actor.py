@@ -1,0 +1,209 @@
+"""The actor's DAPO step through megatron's schedule: the objective is exactly Σ m·ℓ / N_global for every split of
+the mini-batch (1 or 4 micro-batches, 1 or 2 DP ranks, TP=2/PP=2), compared on full HF-named gradients and updated
+weights against an independent reference; forward-only log-probs; the NaN guard; the LR warmup."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from actor_harness import TINY_VOCAB, build_test_actor, gather_hf_weights, plain, random_samples, write_tiny_qwen2
+from multiprocess import run_distributed
+
+NUM_SAMPLES = 8
+SAMPLE_SEED = 11
+
+
+def actor_config(token_budget: int = 4096, agg: str = "token-mean", lr_warmup_steps: int = 0,
+                 distributed_optimizer: bool = False):
+    from dapo_megatron.policy.actor import ActorConfig, LossSettings, OptimizerSettings
+    from dapo_megatron.policy.packing import BatchingConfig
+
+    # Adam eps ~ the gradient scale makes the first update depend on |g| (with a tiny eps it is lr·sign(g) and would
+    # hide a wrong gradient scale); clip_grad far above the norm keeps main_grad unclipped for the comparison.
+    return ActorConfig(
+        optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.1, eps=1e-3, clip_grad=1e6, lr_warmup_steps=lr_warmup_steps,
+                                    use_distributed_optimizer=distributed_optimizer),
+        loss=LossSettings(agg=agg),
+        batching=BatchingConfig(mode="packed", token_budget=token_budget),
+        temperature=0.9,
+    )
+
+
+def budget_for(samples, micro_batches: int) -> int:
+    """The smallest token budget that packs ``samples`` into exactly ``micro_batches`` micro-batches (one DP rank)."""
+    from dapo_megatron.policy.packing import first_fit_decreasing
+
+    lengths = [s.length for s in samples]
+    return next(b for b in range(max(lengths), sum(lengths) + 1)
+                if len(first_fit_decreasing(lengths, b)) == micro_batches)
+
+
+def hf_gradients(actor, spec):
+    """Full HF-named gradients: main_grad copied into the (throw-away) parameters, then exported like weights."""
+    with torch.no_grad():
+        for param in actor.model.parameters():
+            param.copy_(param.main_grad)
+    return gather_hf_weights(actor, spec)
+
+
+def one_step(hf_dir, tp, pp, config):
+    """Forward-only log-probs, one update; returns log-probs, metrics, HF weights after and HF gradients.
+
+    With the distributed optimizer ``main_grad`` is only reduced in each rank's own shard: no gradients then.
+    """
+    samples = random_samples(NUM_SAMPLES, seed=SAMPLE_SEED)
+    actor, spec = build_test_actor(hf_dir, tp, pp, config)
+    logprobs = actor.compute_logprobs(samples)
+    metrics = actor.train_minibatch(samples)
+    weights = gather_hf_weights(actor, spec)
+    grads = None if config.optimizer.use_distributed_optimizer else hf_gradients(actor, spec)
+    return plain(dict(logprobs=logprobs.logprobs, metrics=metrics, weights=weights, grads=grads))
+
+
+def reference_step(hf_dir):
+    """Σ m·ℓ / N and its gradient computed directly: each sample alone through the model, full log_softmax."""
+    from dapo_megatron.algorithm import policy_loss
+
+    config = actor_config()
+    samples = random_samples(NUM_SAMPLES, seed=SAMPLE_SEED)
+    actor, spec = build_test_actor(hf_dir, 1, 1, config)
+    actor.model.zero_grad_buffer()
+    width = max(s.response_length for s in samples)
+    logprobs = torch.zeros(len(samples), width)
+    mask, old, advantages = (torch.zeros(len(samples), width) for _ in range(3))
+    rows = []
+    for i, s in enumerate(samples):
+        tokens = torch.cat([s.prompt_ids, s.response_ids])[None]
+        logits = actor.model(tokens, torch.arange(tokens.shape[1])[None], None)[0, :, :TINY_VOCAB]
+        logp = torch.log_softmax(logits.float() / config.temperature, dim=-1)
+        rows.append(logp[s.prompt_length - 1:-1].gather(-1, s.response_ids[:, None])[:, 0])
+        r = s.response_length
+        mask[i, :r], old[i, :r], advantages[i, :r] = s.response_tensors()
+    logprobs = torch.stack([torch.nn.functional.pad(row, (0, width - row.numel())) for row in rows])
+    loss, metrics = policy_loss(logprobs, old, advantages, mask)
+    loss.backward()
+    return plain(dict(loss=float(loss), metrics=metrics, logprobs=rows, grads=hf_gradients(actor, spec)))
+
+
+def world_one_job(hf_dir):
+    """Reference; 1 and 4 micro-batches (token-mean and seq-mean-token-mean); the NaN guard; the warmup."""
+    samples = random_samples(NUM_SAMPLES, seed=SAMPLE_SEED)
+    four = budget_for(samples, 4)
+    results = dict(
+        reference=reference_step(hf_dir),
+        one=one_step(hf_dir, 1, 1, actor_config()),
+        four=one_step(hf_dir, 1, 1, actor_config(token_budget=four)),
+        seq_one=one_step(hf_dir, 1, 1, actor_config(agg="seq-mean-token-mean")),
+        seq_four=one_step(hf_dir, 1, 1, actor_config(token_budget=four, agg="seq-mean-token-mean")),
+    )
+
+    # NaN guard: a non-finite advantage makes the loss and gradients NaN; the step must be skipped.
+    from dapo_megatron.policy.packing import PolicySample
+
+    actor, _ = build_test_actor(hf_dir, 1, 1, actor_config(lr_warmup_steps=2))
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    poisoned = list(samples)
+    poisoned[3] = PolicySample(samples[3].prompt_ids, samples[3].response_ids, advantage=float("nan"),
+                               old_logprobs=samples[3].old_logprobs)
+    nan_metrics = actor.train_minibatch(poisoned)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, actor.model.parameters()))
+    grads_zeroed = all(not p.main_grad.any() for p in actor.model.parameters())
+    scheduler_steps = actor.scheduler.num_steps
+    after = [actor.train_minibatch(samples) for _ in range(3)]
+    finite = all(torch.isfinite(p).all() for p in actor.model.parameters())
+    changed = not all(torch.equal(a, b) for a, b in zip(before, actor.model.parameters()))
+    results["guard"] = dict(nan_metrics=nan_metrics, unchanged=unchanged, grads_zeroed=grads_zeroed,
+                            scheduler_steps=scheduler_steps, after=after, finite=finite, changed=changed)
+    return results
+
+
+def data_parallel_job(hf_dir):
+    return dict(plain=one_step(hf_dir, 1, 1, actor_config()),
+                distopt=one_step(hf_dir, 1, 1, actor_config(distributed_optimizer=True)))
+
+
+def tp2_pp2_job(hf_dir):
+    return one_step(hf_dir, 2, 2, actor_config(token_budget=40))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    hf_dir = str(write_tiny_qwen2(tmp_path_factory.mktemp("actor") / "hf"))
+    return dict(
+        world_one=run_distributed(world_one_job, 1, hf_dir)[0],
+        data_parallel=run_distributed(data_parallel_job, 2, hf_dir),
+        tp2_pp2=run_distributed(tp2_pp2_job, 4, hf_dir),
+    )
+
+
+def assert_same_tensors(actual: dict, expected: dict, atol: float, what: str):
+    assert actual.keys() == expected.keys(), what
+    for name in expected:
+        np.testing.assert_allclose(actual[name], expected[name], atol=atol, rtol=1e-4, err_msg=f"{what}: {name}")
+
+
+def test_loss_and_gradient_equal_the_direct_reference(runs):
+    world_one = runs["world_one"]
+    reference = world_one["reference"]
+    for name in ("one", "four"):
+        run = world_one[name]
+        assert run["metrics"]["pg_loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-7)
+        for metric in ("clipfrac_high", "clipfrac_low", "approx_kl", "ratio_mean"):
+            assert run["metrics"][metric] == pytest.approx(reference["metrics"][metric], rel=1e-5, abs=1e-7)
+        assert_same_tensors(run["grads"], reference["grads"], atol=1e-6, what=f"{name} micro-batch gradients")
+        for got, want in zip(run["logprobs"], reference["logprobs"]):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    assert world_one["one"]["metrics"]["num_micro_batches"] == 1
+    assert world_one["four"]["metrics"]["num_micro_batches"] == 4
+    assert world_one["one"]["metrics"]["clipfrac_high"] + world_one["one"]["metrics"]["clipfrac_low"] > 0
+    grad_norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in reference["grads"].values()))
+    assert world_one["one"]["metrics"]["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+
+
+def test_micro_batch_and_data_parallel_splits_give_the_same_update(runs):
+    world_one = runs["world_one"]
+    one = world_one["one"]
+    four = world_one["four"]
+    assert_same_tensors(four["weights"], one["weights"], atol=1e-6, what="4 vs 1 micro-batches, weights")
+    seq_one, seq_four = world_one["seq_one"], world_one["seq_four"]
+    assert seq_one["metrics"]["pg_loss"] != pytest.approx(one["metrics"]["pg_loss"])  # a different objective
+    assert seq_four["metrics"]["pg_loss"] == pytest.approx(seq_one["metrics"]["pg_loss"], rel=1e-5)
+    assert_same_tensors(seq_four["grads"], seq_one["grads"], atol=1e-6, what="seq-mean 4 vs 1, gradients")
+
+    for optimizer in ("plain", "distopt"):
+        dp_rank0, dp_rank1 = (rank[optimizer] for rank in runs["data_parallel"])
+        assert dp_rank1["weights"] is None  # the exporter gathers on rank 0 only
+        for metric in ("pg_loss", "grad_norm", "clipfrac_high", "clipfrac_low", "approx_kl", "entropy", "num_tokens"):
+            assert dp_rank0["metrics"][metric] == pytest.approx(one["metrics"][metric], rel=1e-5, abs=1e-7), metric
+            assert dp_rank1["metrics"][metric] == dp_rank0["metrics"][metric], metric
+        assert_same_tensors(dp_rank0["weights"], one["weights"], atol=1e-6, what=f"DP=2 {optimizer} weights")
+        for got, want in zip(dp_rank1["logprobs"], one["logprobs"]):  # every rank gets every sample's log-probs
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    assert_same_tensors(runs["data_parallel"][0]["plain"]["grads"], one["grads"], atol=1e-6, what="DP=2 gradients")
+
+
+def test_tp2_pp2_matches_tp1_pp1(runs):
+    one = runs["world_one"]["one"]
+    ranks = runs["tp2_pp2"]
+    assert_same_tensors(ranks[0]["grads"], one["grads"], atol=1e-6, what="TP=2/PP=2 gradients")
+    assert_same_tensors(ranks[0]["weights"], one["weights"], atol=1e-6, what="TP=2/PP=2 weights")
+    for rank in ranks:
+        assert rank["metrics"]["pg_loss"] == pytest.approx(one["metrics"]["pg_loss"], rel=1e-5)
+        assert rank["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)
+        for got, want in zip(rank["logprobs"], one["logprobs"]):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    assert ranks[0]["metrics"]["num_micro_batches"] > 1
+
+
+def test_non_finite_step_is_skipped_and_training_resumes(runs):
+    guard = runs["world_one"]["guard"]
+    assert guard["nan_metrics"]["skipped"] == 1.0
+    assert not math.isfinite(guard["nan_metrics"]["pg_loss"])
+    assert guard["unchanged"] and guard["grads_zeroed"]
+    assert guard["scheduler_steps"] == 0
+    assert [m["skipped"] for m in guard["after"]] == [0.0, 0.0, 0.0]
+    assert [m["lr"] for m in guard["after"]] == pytest.approx([5e-3, 1e-2, 1e-2])  # warmup over 2 applied updates
+    assert guard["finite"] and guard["changed"]

@@ -1,0 +1,296 @@
+"""Fast tests of the SGLang engine's parts that need no SGLang server (payloads, replies, buckets, snapshots,
+process-group teardown, startup failures, the missing-SGLang message)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from dapo_megatron.rollout.engine import RolloutError, SamplingParams
+from dapo_megatron.rollout.sglang_requests import (
+    build_generate_payload,
+    finish_reason_from_sglang,
+    per_sample_seed,
+    samples_from_outputs,
+)
+from dapo_megatron.rollout.sglang_server import SGLangLaunchConfig, SGLangServerProcess, require_sglang
+from dapo_megatron.rollout.sglang_transports import (
+    DiskTransport,
+    iter_buckets,
+    serialize_named_tensors,
+    with_last_flag,
+)
+
+torch.set_num_threads(1)
+
+
+# ---- payloads and replies ------------------------------------------------------------------------------------------
+def test_unseeded_payload_uses_n_so_samples_share_the_prompt_prefix():
+    params = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, stop_token_ids=(5, 6))
+    payload = build_generate_payload([1, 2, 3], 0, params, seeded=False)
+    assert payload["input_ids"] == [[1, 2, 3]]
+    assert payload["return_logprob"] is True
+    sampling = payload["sampling_params"]
+    assert sampling["n"] == 4 and sampling["temperature"] == 0.7 and sampling["top_p"] == 0.9
+    assert sampling["top_k"] == 20 and sampling["max_new_tokens"] == 12 and sampling["stop_token_ids"] == [5, 6]
+    assert "sampling_seed" not in sampling
+
+
+def test_seeded_payload_gives_each_sample_its_own_reproducible_seed():
+    params = SamplingParams(n=3, seed=123)
+    payload = build_generate_payload([7, 8], 5, params, seeded=True)
+    assert payload["input_ids"] == [[7, 8]] * 3
+    seeds = [p["sampling_seed"] for p in payload["sampling_params"]]
+    assert len(set(seeds)) == 3, "one seed for all n copies would make them identical in SGLang's seeded sampler"
+    assert all(p["n"] == 1 for p in payload["sampling_params"])
+    assert seeds == [p["sampling_seed"] for p in build_generate_payload([7, 8], 5, params, seeded=True)[
+        "sampling_params"]]
+    assert seeds != [per_sample_seed(124, 5, j) for j in range(3)]
+    assert all(0 <= seed < 2**63 for seed in seeds)
+    # A seed on a server without deterministic inference falls back to one request with n.
+    assert build_generate_payload([7, 8], 5, params, seeded=False)["sampling_params"]["n"] == 3
+
+
+def test_empty_prompt_is_rejected():
+    with pytest.raises(ValueError, match="prompt 2 is empty"):
+        build_generate_payload([], 2, SamplingParams(), seeded=False)
+
+
+@pytest.mark.parametrize("sglang_reason,ours", [
+    ({"type": "stop", "matched": 2}, "stop"), ({"type": "length", "length": 8}, "length"),
+    ({"type": "abort", "message": "x"}, "abort"), (None, "abort"),
+])
+def test_finish_reasons_map_to_stop_length_abort(sglang_reason, ours):
+    assert finish_reason_from_sglang({"finish_reason": sglang_reason}) == ours
+
+
+def _output(ids, version="3", reason="length"):
+    return {"output_ids": ids, "meta_info": {
+        "weight_version": version, "finish_reason": {"type": reason},
+        "output_token_logprobs": [[-0.5 * (i + 1), t, None] for i, t in enumerate(ids)]}}
+
+
+def test_replies_become_samples_with_logprobs_and_version():
+    samples = samples_from_outputs([_output([4, 5]), _output([6], reason="stop")], 1, 2, 3, "srv")
+    assert [s.token_ids for s in samples] == [[4, 5], [6]]
+    assert samples[0].logprobs == [-0.5, -1.0]
+    assert [s.finish_reason for s in samples] == ["length", "stop"]
+    assert all(s.prompt_index == 1 and s.weight_version == 3 for s in samples)
+
+
+def test_reply_with_another_weight_version_is_an_error():
+    with pytest.raises(RolloutError, match="weight_version '2'.*pushed version 3"):
+        samples_from_outputs([_output([4], version="2")], 0, 1, 3, "srv")
+
+
+def test_reply_with_wrong_sample_count_or_inconsistent_logprobs_is_an_error():
+    with pytest.raises(RolloutError, match="1 outputs for prompt 0, expected 2"):
+        samples_from_outputs([_output([4])], 0, 2, 3, "srv")
+    bad = _output([4, 5])
+    bad["meta_info"]["output_token_logprobs"][1][1] = 9
+    with pytest.raises(RolloutError, match="disagree"):
+        samples_from_outputs([bad], 0, 1, 3, "srv")
+
+
+# ---- buckets and serialization -----------------------------------------------------------------------------------
+def test_buckets_respect_the_byte_limit_and_flag_the_last_one():
+    tensors = [(f"w{i}", torch.zeros(10)) for i in range(5)]  # 40 bytes each
+    buckets = list(iter_buckets(iter(tensors), 100))
+    assert [[name for name, _ in b] for b in buckets] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert [flag for _, flag in with_last_flag(iter(buckets))] == [False, False, True]
+    assert [len(b) for b in iter_buckets(iter([("big", torch.zeros(100))]), 8)] == [1]
+    with pytest.raises(RolloutError, match="no tensors"):
+        list(with_last_flag(iter_buckets(iter([]), 100)))
+    with pytest.raises(RolloutError, match="appears twice"):
+        list(iter_buckets(iter([("a", torch.zeros(1)), ("a", torch.zeros(1))]), 100))
+
+
+def test_cpu_tensors_are_serialized_by_value_not_as_shared_memory_handles():
+    original = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(2, dtype=torch.bfloat16))]
+    raw = base64.b64decode(serialize_named_tensors(original))
+    assert b"rebuild_storage_fd" not in raw and b"rebuild_storage_filename" not in raw
+    restored = pickle.loads(raw)
+    assert [name for name, _ in restored] == ["a", "b"]
+    for (_, before), (_, after) in zip(original, restored):
+        assert after.dtype == before.dtype and torch.equal(after, before)
+
+
+# ---- disk snapshots ----------------------------------------------------------------------------------------------
+def test_disk_snapshot_is_a_complete_hf_directory(tmp_path):
+    from safetensors.torch import load_file
+
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text('{"model_type": "qwen2"}')
+    (hf_dir / "tokenizer.json").write_text("{}")
+    (hf_dir / "model.safetensors").write_bytes(b"old weights, must not be copied")
+    transport = DiskTransport(tmp_path / "snapshots", hf_dir, shard_bytes=64)
+    tensors = {f"layer{i}.weight": torch.full((4, 2), float(i)) for i in range(3)}  # 32 bytes each
+    path = transport.write_snapshot(iter(tensors.items()), version=7)
+    assert path == tmp_path / "snapshots" / "v7"
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["config.json", "model-00001.safetensors", "model-00002.safetensors",
+                     "model.safetensors.index.json", "tokenizer.json"]
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == 96
+    loaded = {}
+    for shard in {f for f in index["weight_map"].values()}:
+        loaded.update(load_file(str(path / shard)))
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items())
+    assert not any(p.name.startswith(".") for p in (tmp_path / "snapshots").iterdir())
+
+
+def test_disk_transport_needs_a_config_dir(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        DiskTransport(tmp_path / "s", tmp_path)
+
+
+# ---- server processes without SGLang -----------------------------------------------------------------------------
+def _fake_python(tmp_path: Path, name: str, body: str) -> str:
+    """An executable standing in for a server interpreter: runs ``body`` with the real Python, ignoring argv."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(body))
+    wrapper = tmp_path / name
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {script}\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    return str(wrapper)
+
+
+def test_missing_sglang_names_the_install_command(tmp_path):
+    no_site = tmp_path / "python-without-site-packages"
+    no_site.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    no_site.chmod(0o755)
+    with pytest.raises(RolloutError, match="install_sglang_cpu.sh"):
+        require_sglang(str(no_site))
+    with pytest.raises(RolloutError, match="does not exist"):
+        require_sglang(str(tmp_path / "nowhere" / "python"))
+
+
+def test_server_that_exits_during_startup_reports_its_log_tail(tmp_path):
+    python = _fake_python(tmp_path, "crashing", """
+        print("loading model...")
+        print("RuntimeError: the model is broken", flush=True)
+        raise SystemExit(3)
+    """)
+    server = SGLangServerProcess(model_path=tmp_path, launch=SGLangLaunchConfig(python=python), index=0,
+                                 run_dir=tmp_path / "run", weight_version="0")
+    server.start()
+    with pytest.raises(RolloutError, match=r"(?s)exited with code 3.*the model is broken"):
+        server.wait_until_ready(timeout_s=60)
+    assert not server.is_running()
+    config_file = tmp_path / "run" / "server0.yaml"
+    assert stat.S_IMODE(config_file.stat().st_mode) == 0o600 and "api-key" in config_file.read_text()
+
+
+def test_server_that_never_gets_healthy_is_stopped_at_the_deadline(tmp_path):
+    python = _fake_python(tmp_path, "silent", """
+        import time
+        print("still starting", flush=True)
+        time.sleep(600)
+    """)
+    server = SGLangServerProcess(model_path=tmp_path, launch=SGLangLaunchConfig(python=python), index=0,
+                                 run_dir=tmp_path / "run", weight_version="0")
+    server.start()
+    started = time.monotonic()
+    with pytest.raises(RolloutError, match=r"(?s)not healthy after 3 s.*still starting"):
+        server.wait_until_ready(timeout_s=3)
+    assert time.monotonic() - started < 20
+    assert not server.is_running()
+
+
+def test_stop_kills_the_whole_process_tree_even_when_it_ignores_sigterm(tmp_path):
+    python = _fake_python(tmp_path, "stubborn", """
+        import multiprocessing, os, signal, time
+        def child():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(600)
+        if __name__ == "__main__":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            children = [multiprocessing.get_context("spawn").Process(target=child) for _ in range(2)]
+            for c in children:
+                c.start()
+            print("children", *[c.pid for c in children], flush=True)
+            time.sleep(600)
+    """)
+    server = SGLangServerProcess(model_path=tmp_path, launch=SGLangLaunchConfig(python=python), index=0,
+                                 run_dir=tmp_path / "run", weight_version="0")
+    server.start()
+    deadline = time.monotonic() + 60
+    while "children" not in server.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(l for l in server.log_tail().splitlines() if l.startswith("children"))
+    pids = [server.pid] + [int(p) for p in line.split()[1:]]
+    started = time.monotonic()
+    server.stop(grace_s=0.5)
+    assert time.monotonic() - started < 15
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+    server.stop()  # idempotent
+
+
+def test_launch_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="tp_size"):
+        SGLangLaunchConfig(tp_size=0)
+    with pytest.raises(ValueError, match="device"):
+        SGLangLaunchConfig(device="tpu")
+
+
+def test_cpu_servers_get_the_sgl_kernel_stand_in_and_no_logprob_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    server = SGLangServerProcess(model_path=tmp_path, launch=SGLangLaunchConfig(max_total_tokens=4096), index=0,
+                                 run_dir=tmp_path, weight_version="0")
+    env = server.environment()
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env
+    stand_in_dir = env["PYTHONPATH"].split(os.pathsep)[0]
+    probe = subprocess.run([sys.executable, "-c", "import sgl_kernel; sgl_kernel.verify_tree_greedy_cpu()"],
+                           env={**os.environ, "PYTHONPATH": stand_in_dir}, capture_output=True, text=True)
+    assert "NotImplementedError" in probe.stderr and "stand-in" in probe.stderr
+    command = server.command(tmp_path / "c.yaml")
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert "--sleep-on-idle" in command and command[command.index("--max-total-tokens") + 1] == "4096"
+    assert "--api-key" not in command  # the key is in the 0600 config file, not visible in `ps`
+
+
+# ---- engine configuration -------------------------------------------------------------------------------------------
+def test_engine_config_maps_the_run_config_section(tmp_path):
+    from dapo_megatron.config import SGLangConfig
+    from dapo_megatron.rollout.sglang_engine import SGLangEngineConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    key_file = tmp_path / "key"
+    key_file.write_text("secret\n")
+    section = SGLangConfig(urls=["http://node7:30000"], tp_per_server=2, python="/opt/sglang/bin/python",
+                           api_key_file=str(key_file), transport="distributed", request_timeout_s=30.0,
+                           max_restarts=1, max_concurrent_requests=8, extra_server_args=["--schedule-policy", "lpm"])
+    config = SGLangEngineConfig.from_sglang_config(section, model_path=str(tmp_path), device="cpu")
+    assert config.urls == ("http://node7:30000",) and config.api_key == "secret"
+    assert config.transport == "distributed" and config.request_timeout_s == 30.0 and config.max_restarts == 1
+    assert config.max_concurrent_requests == 8
+    launch = config.launch
+    assert launch.python == "/opt/sglang/bin/python" and launch.tp_size == 2 and launch.device == "cpu"
+    assert launch.max_total_tokens == 16384 and launch.extra_args == ("--schedule-policy", "lpm")
+
+
+def test_engine_config_rejects_bad_values(tmp_path):
+    from dapo_megatron.rollout.sglang_engine import SGLangEngineConfig
+
+    with pytest.raises(ValueError, match="no config.json"):
+        SGLangEngineConfig(model_path=str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="transport"):
+        SGLangEngineConfig(model_path=str(tmp_path), transport="rdma")
+    with pytest.raises(ValueError, match="request_timeout_s"):
+        SGLangEngineConfig(model_path=str(tmp_path), request_timeout_s=0)

@@ -1,0 +1,230 @@
+"""slurm/launch_plan.py: node split, ports, URLs, the server exec and the health wait (fast; no cluster needed)."""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import json
+import os
+import shlex
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH_PLAN = REPO / "slurm" / "launch_plan.py"
+
+
+def _load_launch_plan():
+    spec = importlib.util.spec_from_file_location("launch_plan", LAUNCH_PLAN)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["launch_plan"] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+lp = _load_launch_plan()
+HOSTS16 = [f"node{i:02d}" for i in range(1, 17)]
+
+
+def _shell_values(plan) -> dict[str, str]:
+    """What the sbatch scripts see after ``eval``: run the assignments in a real shell."""
+    script = plan.shell_assignments() + 'for k in SERVER_URLS TRAINER_NODES MASTER_ADDR; do printf "%s\\0" "${!k}"; done'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    return dict(zip(["SERVER_URLS", "TRAINER_NODES", "MASTER_ADDR"], out.split("\0")))
+
+
+def test_proposed_32b_layout_16_nodes():
+    """README layout: 4 nodes × 2 servers (TP 4) serve, 12 nodes × 8 GPUs train."""
+    plan = lp.make_plan(HOSTS16, sglang_nodes=4, gpus_per_node=8, tasks_per_node=8, job_id=123456, server_tp=4)
+    assert plan.server_hosts == HOSTS16[:4]
+    assert plan.trainer_hosts == HOSTS16[4:]
+    assert plan.servers_per_node == 2
+    assert plan.trainer_tasks_per_node == 8 and plan.trainer_world_size == 96
+    assert plan.master_addr == "node05"
+    assert plan.master_port == 20000 + 123456 % 10000
+    base = plan.server_base_port
+    assert plan.server_urls == [f"http://node{n:02d}:{base + i}" for n in range(1, 5) for i in range(2)]
+    assert plan.trainer_cuda_visible_devices == ""
+    values = _shell_values(plan)
+    assert json.loads(values["SERVER_URLS"]) == plan.server_urls
+    assert values["TRAINER_NODES"] == ",".join(HOSTS16[4:])
+    assert values["MASTER_ADDR"] == "node05"
+
+
+def test_no_servers_all_nodes_train():
+    plan = lp.make_plan(["a", "b"], sglang_nodes=0, gpus_per_node=8, tasks_per_node=8, job_id=5)
+    assert plan.server_urls == [] and plan.trainer_hosts == ["a", "b"] and plan.trainer_world_size == 16
+    assert plan.master_addr == "a"
+
+
+def test_cpu_nodes_use_tasks_per_node():
+    plan = lp.make_plan(["a", "b", "c"], sglang_nodes=1, gpus_per_node=0, tasks_per_node=4, job_id=5)
+    assert plan.servers_per_node == 1 and plan.trainer_tasks_per_node == 4 and plan.trainer_world_size == 8
+
+
+def test_single_node_splits_gpus():
+    plan = lp.make_plan(["box"], sglang_nodes=1, gpus_per_node=8, tasks_per_node=8, job_id=5, server_tp=2)
+    assert plan.server_hosts == ["box"] and plan.trainer_hosts == ["box"]
+    assert plan.servers_per_node == 1
+    assert plan.trainer_tasks_per_node == 6
+    assert plan.trainer_cuda_visible_devices == "2,3,4,5,6,7"
+
+
+def test_single_cpu_node_shares_it():
+    plan = lp.make_plan(["vm"], sglang_nodes=1, gpus_per_node=0, tasks_per_node=2, job_id=5)
+    assert plan.server_urls == [f"http://vm:{plan.server_base_port}"]
+    assert plan.trainer_tasks_per_node == 2 and plan.trainer_cuda_visible_devices == ""
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(hosts=["a", "b"], sglang_nodes=2), "leaves no node for the trainer"),
+    (dict(hosts=["a", "b"], sglang_nodes=-1), "must be >= 0"),
+    (dict(hosts=["a", "b"], sglang_nodes=1, server_tp=16), "more than the 8 GPUs"),
+    (dict(hosts=["a", "b"], sglang_nodes=1, server_tp=4, servers_per_node=3), "do not fit a node of 8"),
+    (dict(hosts=["a"], sglang_nodes=1, server_tp=8), "leave none of the 8 GPUs"),
+    (dict(hosts=["a", "a"], sglang_nodes=1), "repeats a host"),
+    (dict(hosts=[], sglang_nodes=0), "no nodes"),
+])
+def test_layouts_that_do_not_fit_are_named(kwargs, match):
+    hosts = kwargs.pop("hosts")
+    with pytest.raises(lp.PlanError, match=match):
+        lp.make_plan(hosts, gpus_per_node=8, tasks_per_node=8, job_id=1, **kwargs)
+
+
+def test_ports_stay_in_range_and_consecutive_jobs_do_not_share_server_ports():
+    for spn in (1, 2, 8, 3):
+        seen = set()
+        for job in range(100000, 100000 + 10000 // spn):
+            base = lp.server_base_port(job, spn)
+            block = set(range(base, base + spn))
+            assert 10000 <= base and base + spn <= 20000
+            assert not (block & seen), f"job {job} reuses a port with {spn} servers per node"
+            seen |= block
+    assert {lp.master_port(j) for j in range(10**6, 10**6 + 10000)} == set(range(20000, 30000))
+
+
+@pytest.mark.parametrize("text,count", [("8", 8), ("gpu:8", 8), ("h100:4", 4), ("", 0), (None, 0), ("0", 0)])
+def test_parse_gpu_count(text, count):
+    assert lp.parse_gpu_count(text) == count
+
+
+def test_parse_gpu_count_rejects_garbage():
+    with pytest.raises(lp.PlanError, match="GPU count"):
+        lp.parse_gpu_count("gpu:a100:eight")
+
+
+@pytest.mark.parametrize("text,count", [("8", 8), ("8(x16)", 8), ("2(x2),1", 2), ("", 1)])
+def test_parse_tasks_per_node(text, count):
+    assert lp.parse_tasks_per_node(text) == count
+
+
+def test_server_gpu_slices():
+    assert lp.server_gpu_slice(1, 4, None, 8) == "4,5,6,7"
+    assert lp.server_gpu_slice(0, 2, "3,5,6,7", 4) == "3,5"  # indexes into what SLURM made visible
+    assert lp.server_gpu_slice(0, 1, None, 0) == ""
+    with pytest.raises(lp.PlanError, match="needs devices"):
+        lp.server_gpu_slice(2, 4, None, 8)
+
+
+def test_api_key_file_is_private_and_fresh(tmp_path):
+    path = tmp_path / "key"
+    lp.write_api_key(str(path))
+    first = lp.read_api_key(str(path))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(first) == 64
+    lp.write_api_key(str(path))
+    assert lp.read_api_key(str(path)) != first
+    assert [p.name for p in tmp_path.iterdir()] == ["key"]
+
+
+def test_serve_execs_the_server_with_this_tasks_port_gpus_and_key(tmp_path):
+    key_file = tmp_path / "key"
+    lp.write_api_key(str(key_file))
+    probe = ("import json, os, sys; print(json.dumps({'argv': sys.argv[1:], "
+             "'cuda': os.environ.get('CUDA_VISIBLE_DEVICES')}))")
+    env = dict(os.environ, SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    out = subprocess.run(
+        [sys.executable, str(LAUNCH_PLAN), "serve", "--server-cmd", f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}",
+         "--model-path", "/models/q", "--api-key-file", str(key_file), "--base-port", "15000", "--tp", "4",
+         "--gpus-per-node", "8", "--extra-args", "--mem-fraction-static 0.8"],
+        capture_output=True, text=True, env=env, timeout=60, check=True).stdout
+    seen = json.loads(out.strip().splitlines()[-1])
+    argv = seen["argv"]
+    assert argv[argv.index("--port") + 1] == "15001"
+    assert argv[argv.index("--tp") + 1] == "4"
+    assert f"--api-key={key_file.read_text().strip()}" in argv  # one word: a key is never read as an option
+    assert argv[argv.index("--model-path") + 1] == "/models/q"
+    assert argv[-2:] == ["--mem-fraction-static", "0.8"]
+    assert seen["cuda"] == "4,5,6,7"
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    ready = False
+
+    def do_GET(self):  # noqa: N802 (http.server naming)
+        self.send_response(200 if self.path == "/health" and type(self).ready else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_server():
+    handler = type("Handler", (_Health,), {"ready": False})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    server.shutdown()
+    server.server_close()
+
+
+def test_wait_healthy_returns_once_every_server_answers(health_server):
+    url, handler = health_server
+    threading.Timer(0.3, lambda: setattr(handler, "ready", True)).start()
+    assert lp.wait_healthy([url], "k", deadline_s=10, poll_s=0.1) == []
+
+
+def test_wait_healthy_gives_up_at_the_deadline(health_server):
+    url, _ = health_server
+    assert lp.wait_healthy([url, "http://127.0.0.1:9"], "k", deadline_s=0.3, poll_s=0.1) == [url, "http://127.0.0.1:9"]
+
+
+def test_wait_healthy_stops_when_the_server_step_exits(health_server):
+    url, _ = health_server
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert lp.wait_healthy([url], "k", deadline_s=60, watch_pid=proc.pid, poll_s=0.1) == [url]
+
+
+def test_plan_cli_output_is_shell_assignments():
+    out = subprocess.run([sys.executable, str(LAUNCH_PLAN), "plan", "--hosts", "n1,n2,n3", "--job-id", "42",
+                          "--sglang-nodes", "1", "--gpus-per-node", "gpu:8", "--tasks-per-node", "8(x3)",
+                          "--server-tp", "8"], capture_output=True, text=True, check=True).stdout
+    values = dict(line.split("=", 1) for line in out.splitlines())
+    assert values["TRAINER_NTASKS"] == "16" and values["SERVER_NTASKS"] == "1" and values["MASTER_ADDR"] == "n2"
+
+
+def test_plan_cli_reports_a_bad_layout():
+    out = subprocess.run([sys.executable, str(LAUNCH_PLAN), "plan", "--hosts", "n1", "--job-id", "42",
+                          "--sglang-nodes", "2"], capture_output=True, text=True)
+    assert out.returncode == 2 and "leaves no node for the trainer" in out.stderr
+
+
+def test_model_path_comes_from_the_trainer_config(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {source: hf, hf_path: /models/a}\ndata: {source: synthetic}\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = lambda *extra: subprocess.run([sys.executable, str(LAUNCH_PLAN), "model-path", str(config), *extra],  # noqa: E731
+                                        capture_output=True, text=True, env=env)
+    assert run().stdout.strip() == "/models/a"
+    assert run("model.hf_path=/models/b", "--resume").stdout.strip() == "/models/b"
+    bad = run("trainer.no_such_key=1")
+    assert bad.returncode == 2 and "trainer.no_such_key" in bad.stderr
+    tiny = run("model.source=tiny")
+    assert tiny.returncode == 2 and "model.hf_path" in tiny.stderr
