@@ -98,7 +98,7 @@ def read_safetensors_header(path: Path) -> dict[str, StoredTensor]:
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise ConversionError(f"{path} is corrupted: malformed header entry for tensor {name!r}: {entry!r}") from None
+            raise ConversionError(f"{path} is corrupted: malformed header entry for {name!r}: {entry!r}") from None
         if dtype not in _DTYPES:
             raise ConversionError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         expected = math.prod(shape) * _DTYPES[dtype][0]

@@ -32,7 +32,14 @@ import torch
 
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.hf_folder import check_hf_tensors, copy_side_files, list_hf_tensors, load_config, weights_dtype
-from checkpoint_tools.launch import RankFailedError, agree_on_error, launched_by_torchrun, run_ranks, shared_staging_dir
+from checkpoint_tools.launch import (
+    RankFailedError,
+    agree_on_error,
+    launched_by_torchrun,
+    quiet_backend_warnings,
+    run_ranks,
+    shared_staging_dir,
+)
 from checkpoint_tools.output_dir import check_output_dir, discard, make_staging_dir, publish
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,7 +75,7 @@ def expected_hf_tensors(spec) -> dict[str, tuple[int, ...]]:
 
 def plan_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                         dtype: str | None = None, force: bool = False) -> HfToMegatronJob:
-    """Check the request without touching any weight: config supported, layout possible, tensors complete, files sound."""
+    """Check the request reading no weight: config supported, layout possible, tensors complete, files sound."""
     from dapo_megatron.policy.model import (
         ParallelLayoutError,
         UnsupportedModelError,
@@ -151,7 +158,7 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: HfToMegatronJob, sta
 
 def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parallel: int = 1,
                            pipeline_parallel: int = 1, dtype: str | None = None, force: bool = False) -> Path:
-    """Check, then convert on ``tensor_parallel × pipeline_parallel`` ranks; returns ``out``. Raises ConversionError."""
+    """Check, then convert on ``tensor_parallel × pipeline_parallel`` ranks; returns ``out`` (or ConversionError)."""
     job = plan_hf_to_megatron(hf_dir, out, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                               dtype=dtype, force=force)
     if launched_by_torchrun():
@@ -166,7 +173,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parall
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m checkpoint_tools.hf_to_megatron", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m checkpoint_tools.hf_to_megatron",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf-dir", required=True, type=Path, help="Hugging Face model folder (safetensors + config)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (gets model/ and hf/)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
@@ -179,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_backend_warnings()
     try:
         convert_hf_to_megatron(args.hf_dir, args.out, tensor_parallel=args.tp, pipeline_parallel=args.pp,
                                dtype=args.dtype, force=args.force)

@@ -65,8 +65,10 @@ def _rank_environ(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 def quiet_backend_warnings() -> None:
-    """megatron-core warns in every process that TE/apex are absent and about config defaults; expected here."""
+    """Silence what every rank would repeat and no user can act on: megatron-core's notes that TE/apex are absent
+    and about config defaults, and torch's deprecation notices for the checkpoint API megatron-core calls."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*(load_state_dict. is deprecated|use DTensor)")
 
 
 def _destroy_process_group() -> None:
@@ -128,17 +130,18 @@ def run_ranks(fn: RankFn, world_size: int, *args: Any) -> None:
         fn(None, *args)
         return
     if world_size == 1:
-        quiet_backend_warnings()
-        try:
-            fn(_rank_environ(0, 1, _free_port()), *args)
-        finally:
-            _destroy_process_group()
+        with warnings.catch_warnings():
+            quiet_backend_warnings()
+            try:
+                fn(_rank_environ(0, 1, _free_port()), *args)
+            finally:
+                _destroy_process_group()
         return
     import torch
 
     if torch.cuda.is_available() and world_size > torch.cuda.device_count():
         raise ConversionError(f"{world_size} ranks need {world_size} GPUs, this machine has "
-                              f"{torch.cuda.device_count()}: lower --tp/--pp or launch with torchrun over several nodes")
+                              f"{torch.cuda.device_count()}: lower --tp/--pp or use torchrun over several nodes")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()

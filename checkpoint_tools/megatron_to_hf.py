@@ -18,9 +18,11 @@ How: the checkpoint is checked first without loading it (readable metadata, ever
 enough). Then N×M ranks (any layout, independent of the one the checkpoint was written with) each build their
 stage's ``GPTModel`` with megatron's local layer spec (the checkpoint keys of the local and Transformer Engine specs
 are the same), compare the checkpoint's tensors with what the model needs — missing, unexpected and mis-shaped
-tensors are listed by name — load their shards (``trainer.checkpoint.load_model``) and stream full HF tensors to
-rank 0 in shard-sized buckets (:func:`dapo_megatron.handoff.exporter.export_hf_state_dict_to_dir`). Peak memory:
-each rank holds its 1/(N·M) of the model; rank 0 additionally one output shard.
+tensors are listed by name — and load their shards (``trainer.checkpoint.load_model``). Each stage's TP-0 rank
+turns its stage into full HF tensors one at a time (:func:`dapo_megatron.handoff.exporter.export_hf_buckets`) and
+streams each into its stage's safetensors files, planned up front (:mod:`checkpoint_tools.hf_writer`); rank 0 names
+the files and writes the index. Peak memory: each rank holds its 1/(N·M) of the model; a stage's TP-0 rank
+additionally the TP shards and the full HF tensor of the one parameter being written.
 """
 
 from __future__ import annotations
@@ -38,7 +40,15 @@ import torch
 
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.hf_folder import CONFIG_FILE, copy_side_files, load_config
-from checkpoint_tools.launch import RankFailedError, agree_on_error, launched_by_torchrun, run_ranks, shared_staging_dir
+from checkpoint_tools.hf_writer import PlannedTensor, name_shards_and_write_index, plan_shards, write_planned_shards
+from checkpoint_tools.launch import (
+    RankFailedError,
+    agree_on_error,
+    launched_by_torchrun,
+    quiet_backend_warnings,
+    run_ranks,
+    shared_staging_dir,
+)
 from checkpoint_tools.output_dir import check_output_dir, discard, make_staging_dir, publish
 
 DIST_CHECKPOINT_MARKER = "metadata.json"  # written by megatron's dist_checkpointing next to torch DCP's .metadata
@@ -106,9 +116,9 @@ def resolve_checkpoint(ckpt: Path, hf_config_from: Path | None) -> CheckpointSou
         latest = latest_checkpoint(ckpt) or latest_checkpoint(ckpt / "checkpoints")
         if latest is None:
             raise ConversionError(
-                f"--ckpt {ckpt} is not a checkpoint: expected {ckpt / MODEL_SUBDIR / DIST_CHECKPOINT_MARKER} (a trainer "
-                f"checkpoint step_N/ or hf_to_megatron output), {ckpt / DIST_CHECKPOINT_MARKER} (a distributed "
-                f"checkpoint) or complete step_N/ checkpoints under {ckpt} or {ckpt / 'checkpoints'}"
+                f"--ckpt {ckpt} is not a checkpoint: expected {ckpt / MODEL_SUBDIR / DIST_CHECKPOINT_MARKER} (a "
+                f"trainer checkpoint step_N/ or hf_to_megatron output), {ckpt / DIST_CHECKPOINT_MARKER} (a "
+                f"distributed checkpoint) or complete step_N/ checkpoints under {ckpt} or {ckpt / 'checkpoints'}"
             )
         print(f"[megatron_to_hf] converting the latest complete checkpoint {latest}", file=sys.stderr)
         root, model_dir, side = latest, latest / MODEL_SUBDIR, latest / HF_SUBDIR
@@ -128,11 +138,12 @@ def read_checkpoint_metadata(model_dir: Path):
     marker = json.loads((model_dir / DIST_CHECKPOINT_MARKER).read_text() or "{}")
     backend = marker.get("sharded_backend")
     if backend != "torch_dist":
-        raise ConversionError(f"{model_dir} uses dist_checkpointing backend {backend!r}; only 'torch_dist' is supported")
+        raise ConversionError(f"{model_dir} uses dist_checkpointing backend {backend!r}; only 'torch_dist' is read")
     try:
         metadata = FileSystemReader(str(model_dir)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same thing here
-        raise ConversionError(f"{model_dir / '.metadata'} is missing or corrupted: {type(exc).__name__}: {exc}") from None
+        problem = f"{type(exc).__name__}: {exc}"
+        raise ConversionError(f"{model_dir / '.metadata'} is missing or corrupted ({problem})") from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -145,10 +156,17 @@ def read_checkpoint_metadata(model_dir: Path):
     return metadata
 
 
-def stored_dtypes(metadata) -> set[torch.dtype]:
+def dominant_dtype(metadata) -> torch.dtype:
+    """The dtype most stored elements have: the weights' dtype (megatron's local spec keeps norms in fp32)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    return {m.properties.dtype for m in metadata.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)}
+    elements: dict[torch.dtype, int] = {}
+    for item in metadata.state_dict_metadata.values():
+        if isinstance(item, TensorStorageMetadata):
+            elements[item.properties.dtype] = elements.get(item.properties.dtype, 0) + item.size.numel()
+    if not elements:
+        raise ConversionError("the checkpoint holds no tensors")
+    return max(elements, key=elements.__getitem__)
 
 
 def plan_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from: str | Path | None = None,
@@ -173,12 +191,9 @@ def plan_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from: st
         check_parallel_layout(spec, tensor_parallel, pipeline_parallel)
     except (UnsupportedModelError, ParallelLayoutError) as exc:
         raise ConversionError(f"{source.side_files_dir / CONFIG_FILE}: {exc}") from None
-    dtypes = stored_dtypes(read_checkpoint_metadata(source.model_dir))
-    if not dtypes:
-        raise ConversionError(f"{source.model_dir} holds no tensors")
-    stored = dtypes.pop() if len(dtypes) == 1 else None
+    stored = dominant_dtype(read_checkpoint_metadata(source.model_dir))
     model_dtype = stored if stored in MODEL_DTYPES else torch.float32
-    output_dtype = OUTPUT_DTYPES[dtype] if dtype is not None else (stored or torch.float32)
+    output_dtype = OUTPUT_DTYPES[dtype] if dtype is not None else stored
     return MegatronToHfJob(source, out, tensor_parallel, pipeline_parallel, model_dtype, output_dtype,
                            max_shard_bytes, force)
 
@@ -261,6 +276,18 @@ def check_checkpoint_fits_model(model, metadata, spec, job: MegatronToHfJob) -> 
                               f"{job.source.side_files_dir / CONFIG_FILE}: " + " | ".join(parts))
 
 
+def stage_hf_tensors(model, spec, dtype: torch.dtype) -> list[PlannedTensor]:
+    """Name, shape and dtype of every HF tensor this rank's pipeline stage exports, in the exporter's order."""
+    from megatron.core import parallel_state
+
+    from dapo_megatron.policy.hf_loader import model_stage_mappings
+    from dapo_megatron.policy.weight_mapping import ShardGeometry, hf_shapes
+
+    geometry = ShardGeometry(spec, parallel_state.get_tensor_model_parallel_world_size())
+    return [PlannedTensor(name, shape, dtype) for mapping in model_stage_mappings(model, spec) if mapping.exported
+            for name, shape in zip(mapping.hf_names, hf_shapes(mapping, geometry), strict=True)]
+
+
 def write_side_files(src_dir: Path, dst_dir: Path, dtype: torch.dtype) -> None:
     """Copy config, generation config and tokenizer; set the config's dtype to the one the weights are written in."""
     copy_side_files(src_dir, dst_dir)
@@ -274,11 +301,11 @@ def write_side_files(src_dir: Path, dst_dir: Path, dtype: torch.dtype) -> None:
 
 
 def convert_on_rank(environ: Mapping[str, str] | None, job: MegatronToHfJob, staging: Path | None) -> None:
-    """One rank's part: build this stage, check and load its shards, stream HF tensors to rank 0 which writes."""
+    """One rank's part: build this stage, check and load its shards, write its HF shards; rank 0 indexes, publishes."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from dapo_megatron.handoff.exporter import export_hf_state_dict_to_dir
+    from dapo_megatron.handoff.exporter import export_hf_buckets
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.policy.model import build_model, model_spec_from_hf, transformer_config
     from dapo_megatron.trainer.checkpoint import CheckpointError, load_model
@@ -302,20 +329,28 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: MegatronToHfJob, sta
         if rank0:
             _log(f"loaded {job.source.model_dir} at TP={job.tensor_parallel} PP={job.pipeline_parallel} "
                  f"({time.perf_counter() - started:.1f} s)")
-        weights_dir = staging / HF_SUBDIR
-        export_hf_state_dict_to_dir(model, spec, weights_dir, max_shard_bytes=job.max_shard_bytes,
-                                    dtype=job.output_dtype)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        shards = plan_shards(stage_hf_tensors(model, spec, job.output_dtype), job.max_shard_bytes, stage)
+        buckets = export_hf_buckets(model, spec, bucket_bytes=1, dtype=job.output_dtype)  # one tensor per bucket
+        named_tensors = (item for bucket in buckets for item in bucket)
+        is_stage_source = (parallel_state.get_tensor_model_parallel_rank() == 0
+                           and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
+        write_planned_shards(shards if is_stage_source else [], named_tensors, staging)  # others: TP gathers only
+        written = shards if is_stage_source else []
         del model
+        stages: list = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, (stage, written))
         error = None
         if rank0:
             try:
-                write_side_files(job.source.side_files_dir, weights_dir, job.output_dtype)
-                publish(weights_dir, job.out, force=job.force)
-                discard(staging)
+                by_stage = sorted(((s, files) for s, files in stages if files), key=lambda item: item[0])
+                name_shards_and_write_index(staging, [files for _, files in by_stage])
+                write_side_files(job.source.side_files_dir, staging, job.output_dtype)
+                publish(staging, job.out, force=job.force)
                 _log(f"wrote {job.out} ({str(job.output_dtype).removeprefix('torch.')}, "
                      f"{time.perf_counter() - started:.1f} s)")
             except (ConversionError, OSError) as exc:
-                error = f"publishing {job.out} failed: {exc}"
+                error = f"writing {job.out} failed: {exc}"
         agree_on_error(error)
     except BaseException:
         if rank0:
@@ -328,7 +363,7 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: MegatronToHfJob, sta
 def convert_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from: str | Path | None = None,
                            tensor_parallel: int = 1, pipeline_parallel: int = 1, dtype: str | None = None,
                            max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, force: bool = False) -> Path:
-    """Check, then convert on ``tensor_parallel × pipeline_parallel`` ranks; returns ``out``. Raises ConversionError."""
+    """Check, then convert on ``tensor_parallel × pipeline_parallel`` ranks; returns ``out`` (or ConversionError)."""
     job = plan_megatron_to_hf(ckpt, out, hf_config_from=hf_config_from, tensor_parallel=tensor_parallel,
                               pipeline_parallel=pipeline_parallel, dtype=dtype, max_shard_size=max_shard_size,
                               force=force)
@@ -344,7 +379,8 @@ def convert_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m checkpoint_tools.megatron_to_hf", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m checkpoint_tools.megatron_to_hf",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, type=Path,
                         help="checkpoint folder with model/ and hf/, a distributed checkpoint, or a run's checkpoints/")
     parser.add_argument("--out", required=True, type=Path, help="output Hugging Face folder")
@@ -353,15 +389,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used for the conversion")
     parser.add_argument("--dtype", choices=sorted(OUTPUT_DTYPES), default=None,
-                        help="dtype of the written weights (default: as stored in the checkpoint)")
+                        help="dtype of the written weights (default: the dtype of the checkpoint's weights)")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
-                        help="largest safetensors file, e.g. 2GB or 500MB (rank 0 holds one such shard in memory)")
+                        help="largest safetensors file, e.g. 2GB or 500MB (a single larger tensor gets a file alone)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_backend_warnings()
     try:
         convert_megatron_to_hf(args.ckpt, args.out, hf_config_from=args.hf_config_from, tensor_parallel=args.tp,
                                pipeline_parallel=args.pp, dtype=args.dtype, max_shard_size=args.max_shard_size,

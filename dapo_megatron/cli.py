@@ -21,6 +21,8 @@ from dapo_megatron.config import ConfigError, load_config
 def _setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # megatron-core logs every parameter name and its FSDP probing at INFO: keep its warnings only.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
 def _rank_from_env() -> int:

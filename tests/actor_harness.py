@@ -1,7 +1,7 @@
 """Shared pieces of the policy-actor tests: a tiny HF checkpoint, random samples, an actor built from the checkpoint
 at any TP/PP/DP layout, and the full HF-named weights gathered back from it.
 
-Functions that build actors run inside ranks spawned by :func:`multiprocess.run_distributed`.
+Functions that build actors run inside ranks spawned by :func:`spawn_ranks.run_distributed`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-# Tests import their helpers (multiprocess.py, tiny_models.py) as top-level modules.
+# Tests import their helpers (spawn_ranks.py, tiny_models.py, actor_harness.py) as top-level modules.
 sys.path.insert(0, os.path.dirname(__file__))
 
 

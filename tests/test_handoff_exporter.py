@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiprocess import run_distributed
+from spawn_ranks import run_distributed
 from test_policy_model_parity import save_random_hf_model, tiny_config
 
 BUCKET_BYTES = 16 * 1024  # between the sizes of the tiny model's tensors (norms 192 B ... embedding 19 KB)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from actor_harness import TINY_VOCAB, build_test_actor, gather_hf_weights, plain, random_samples, write_tiny_qwen2
-from multiprocess import run_distributed
+from spawn_ranks import run_distributed
 
 NUM_SAMPLES = 8
 SAMPLE_SEED = 11
@@ -130,13 +130,18 @@ def tp2_pp2_job(hf_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    hf_dir = str(write_tiny_qwen2(tmp_path_factory.mktemp("actor") / "hf"))
-    return dict(
-        world_one=run_distributed(world_one_job, 1, hf_dir)[0],
-        data_parallel=run_distributed(data_parallel_job, 2, hf_dir),
-        tp2_pp2=run_distributed(tp2_pp2_job, 4, hf_dir),
-    )
+def hf_dir(tmp_path_factory):
+    return str(write_tiny_qwen2(tmp_path_factory.mktemp("actor") / "hf"))
+
+
+@pytest.fixture(scope="module")
+def world_one(hf_dir):
+    return run_distributed(world_one_job, 1, hf_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def data_parallel(hf_dir):
+    return run_distributed(data_parallel_job, 2, hf_dir)
 
 
 def assert_same_tensors(actual: dict, expected: dict, atol: float, what: str):
@@ -145,8 +150,7 @@ def assert_same_tensors(actual: dict, expected: dict, atol: float, what: str):
         np.testing.assert_allclose(actual[name], expected[name], atol=atol, rtol=1e-4, err_msg=f"{what}: {name}")
 
 
-def test_loss_and_gradient_equal_the_direct_reference(runs):
-    world_one = runs["world_one"]
+def test_loss_and_gradient_equal_the_direct_reference(world_one):
     reference = world_one["reference"]
     for name in ("one", "four"):
         run = world_one[name]
@@ -163,8 +167,7 @@ def test_loss_and_gradient_equal_the_direct_reference(runs):
     assert world_one["one"]["metrics"]["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
 
 
-def test_micro_batch_and_data_parallel_splits_give_the_same_update(runs):
-    world_one = runs["world_one"]
+def test_micro_batch_and_data_parallel_splits_give_the_same_update(world_one, data_parallel):
     one = world_one["one"]
     four = world_one["four"]
     assert_same_tensors(four["weights"], one["weights"], atol=1e-6, what="4 vs 1 micro-batches, weights")
@@ -174,7 +177,7 @@ def test_micro_batch_and_data_parallel_splits_give_the_same_update(runs):
     assert_same_tensors(seq_four["grads"], seq_one["grads"], atol=1e-6, what="seq-mean 4 vs 1, gradients")
 
     for optimizer in ("plain", "distopt"):
-        dp_rank0, dp_rank1 = (rank[optimizer] for rank in runs["data_parallel"])
+        dp_rank0, dp_rank1 = (rank[optimizer] for rank in data_parallel)
         assert dp_rank1["weights"] is None  # the exporter gathers on rank 0 only
         for metric in ("pg_loss", "grad_norm", "clipfrac_high", "clipfrac_low", "approx_kl", "entropy", "num_tokens"):
             assert dp_rank0["metrics"][metric] == pytest.approx(one["metrics"][metric], rel=1e-5, abs=1e-7), metric
@@ -182,12 +185,13 @@ def test_micro_batch_and_data_parallel_splits_give_the_same_update(runs):
         assert_same_tensors(dp_rank0["weights"], one["weights"], atol=1e-6, what=f"DP=2 {optimizer} weights")
         for got, want in zip(dp_rank1["logprobs"], one["logprobs"]):  # every rank gets every sample's log-probs
             np.testing.assert_allclose(got, want, atol=1e-5)
-    assert_same_tensors(runs["data_parallel"][0]["plain"]["grads"], one["grads"], atol=1e-6, what="DP=2 gradients")
+    assert_same_tensors(data_parallel[0]["plain"]["grads"], one["grads"], atol=1e-6, what="DP=2 gradients")
 
 
-def test_tp2_pp2_matches_tp1_pp1(runs):
-    one = runs["world_one"]["one"]
-    ranks = runs["tp2_pp2"]
+@pytest.mark.slow  # 4 processes
+def test_tp2_pp2_matches_tp1_pp1(world_one, hf_dir):
+    one = world_one["one"]
+    ranks = run_distributed(tp2_pp2_job, 4, hf_dir)
     assert_same_tensors(ranks[0]["grads"], one["grads"], atol=1e-6, what="TP=2/PP=2 gradients")
     assert_same_tensors(ranks[0]["weights"], one["weights"], atol=1e-6, what="TP=2/PP=2 weights")
     for rank in ranks:
@@ -198,8 +202,8 @@ def test_tp2_pp2_matches_tp1_pp1(runs):
     assert ranks[0]["metrics"]["num_micro_batches"] > 1
 
 
-def test_non_finite_step_is_skipped_and_training_resumes(runs):
-    guard = runs["world_one"]["guard"]
+def test_non_finite_step_is_skipped_and_training_resumes(world_one):
+    guard = world_one["guard"]
     assert guard["nan_metrics"]["skipped"] == 1.0
     assert not math.isfinite(guard["nan_metrics"]["pg_loss"])
     assert guard["unchanged"] and guard["grads_zeroed"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiprocess import run_distributed
+from spawn_ranks import run_distributed
 
 from dapo_megatron.policy.logprobs import temperature_scale, vocab_parallel_logprobs
 

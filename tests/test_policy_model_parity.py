@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from multiprocess import run_distributed
+from spawn_ranks import run_distributed
 
 from dapo_megatron.policy.model import (
     ParallelLayoutError,

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from actor_harness import TINY_VOCAB, random_samples, write_tiny_qwen2
-from multiprocess import run_distributed
+from spawn_ranks import run_distributed
 
 from dapo_megatron.policy.packing import (
     BatchingConfig,

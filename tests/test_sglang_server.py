@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 torch.set_num_threads(1)
 
 SERVER_PYTHON = os.environ.get("DAPO_SGLANG_PYTHON", sys.executable)
-REQUEST_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 180.0  # the failure test's re-sent rollout takes ~25 s at ~45 tokens/s on a loaded 2-core box
 STARTUP_TIMEOUT_S = 400.0
 
 
@@ -201,20 +201,21 @@ def test_killed_server_is_restarted_with_its_weights_and_lost_requests_are_resen
     old_pid = server.pid
     old_tree = [psutil.Process(old_pid)] + psutil.Process(old_pid).children(recursive=True)
     old_shared_memory = {m.path for p in old_tree for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
-    log_before = server.log_path.read_text().count("Decode batch")
+    prefills_before = server.log_path.read_text().count("Prefill batch")
     result = {}
 
     def rollout():
         try:
-            result["samples"] = engine.generate(prompts * 4, SamplingParams(n=2, max_new_tokens=200))
+            result["samples"] = engine.generate(prompts * 2, SamplingParams(n=2, max_new_tokens=64))
         except BaseException as error:  # reported to the main thread
             result["error"] = error
 
     started = time.monotonic()
     worker = threading.Thread(target=rollout)
     worker.start()
-    while server.log_path.read_text().count("Decode batch") == log_before and worker.is_alive():
+    while server.log_path.read_text().count("Prefill batch") == prefills_before and worker.is_alive():
         time.sleep(0.05)
+    assert worker.is_alive(), "the rollout finished before the server could be killed mid-rollout"
     os.killpg(old_pid, signal.SIGKILL)  # mid-rollout: requests are in flight
     bound_s = STARTUP_TIMEOUT_S + 2 * REQUEST_TIMEOUT_S + 30
     worker.join(timeout=bound_s)
@@ -226,7 +227,7 @@ def test_killed_server_is_restarted_with_its_weights_and_lost_requests_are_resen
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in old_tree)
     assert old_shared_memory and not [path for path in old_shared_memory if os.path.exists(path)]
     samples = result["samples"]
-    assert len(samples) == 4 * len(prompts) and all(len(group) == 2 for group in samples)
+    assert len(samples) == 2 * len(prompts) and all(len(group) == 2 for group in samples)
     assert all(s.weight_version == version for group in samples for s in group)
     _check_serves(engine, model_dir, prompts, state, version)  # the restart restored version's weights
 

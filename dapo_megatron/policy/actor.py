@@ -32,7 +32,7 @@ zeroed, and ``skipped=1`` in the metrics. Update ``k`` (counting applied updates
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Sequence
 
@@ -151,7 +151,6 @@ class Actor:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
-        self.applied_updates = 0
 
     @classmethod
     def wrap(cls, model: torch.nn.Module, *, real_vocab_size: int, config: ActorConfig) -> "Actor":
@@ -168,6 +167,9 @@ class Actor:
         tconfig = model.config
         if tconfig.fp16:
             raise ValueError("fp16 is not supported by the actor (its NaN guard assumes no loss scaler); use bf16")
+        if tconfig.calculate_per_token_loss:
+            raise ValueError("TransformerConfig.calculate_per_token_loss must be False: the actor scales each "
+                             "micro-batch loss itself (see the module docstring)")
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             tconfig.variable_seq_lengths = True  # packed micro-batches differ in length: p2p sends shapes first
         settings = config.optimizer
@@ -217,10 +219,18 @@ class Actor:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def _batching(self, batching: BatchingConfig | None) -> BatchingConfig:
+        """The batching to use; under sequence parallelism rows are split over TP ranks, so lengths pad to TP."""
+        batching = batching or self.config.batching
+        if self.model.config.sequence_parallel:
+            tp = self.model.config.tensor_model_parallel_size
+            batching = replace(batching, pad_to_multiple=math.lcm(batching.pad_to_multiple, tp))
+        return batching
+
     def _plan(self, samples: Sequence[PolicySample], batching: BatchingConfig | None):
         self._check_same_minibatch_on_dp_ranks(samples)
         plan = plan_data_parallel(
-            samples, batching or self.config.batching, data_parallel=self.dp_size, data_parallel_rank=self.dp_rank,
+            samples, self._batching(batching), data_parallel=self.dp_size, data_parallel_rank=self.dp_rank,
             layout=self.layout, vocab_size=self.real_vocab_size,
         )
         device = self.device
@@ -334,7 +344,6 @@ class Actor:
             applied, _, _ = self.optimizer.step()
             if not applied:
                 raise RuntimeError("the Megatron optimizer reported an unsuccessful step without a loss scaler")
-            self.applied_updates += 1
 
         tokens = max(float(summary[len(METRIC_NAMES) + 2]), 1.0)
         result = {"pg_loss": loss_value}

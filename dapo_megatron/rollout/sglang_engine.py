@@ -324,13 +324,14 @@ class SGLangEngine(RolloutEngine):
                 slot.down_reason = (f"failed ({error}) and cannot be restarted: the weights of version "
                                     f"{self._weight_version} were pushed over the {self.config.transport} "
                                     f"transport, which keeps no copy to relaunch from (use transport=disk)")
-            if slot.down_reason is not None:
-                if slot.process is not None:
-                    slot.process.stop()
-                self._dispatch.notify_all()
-                return
-            slot.restarting = True
-            slot.restarts += 1
+            if slot.down_reason is None:
+                slot.restarting = True
+                slot.restarts += 1
+            self._dispatch.notify_all()
+        if slot.down_reason is not None:
+            if slot.process is not None:
+                slot.process.stop()  # outside the lock: stopping takes seconds
+            return
         try:
             process = slot.process
             process.model_path = model_path

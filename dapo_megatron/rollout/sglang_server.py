@@ -183,7 +183,7 @@ class SGLangServerProcess:
         config_file.unlink(missing_ok=True)
         descriptor = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w") as handle:
-            handle.write(f"api-key: {self.api_key}\n")
+            handle.write(f'api-key: "{self.api_key}"\n')  # quoted: YAML must read it as a string
         self._launch_count += 1
         self._log_file = open(self.log_path, "a", buffering=1)
         self._log_file.write(f"\n===== launch {self._launch_count} of server {self.index}: "

@@ -210,7 +210,9 @@ def serialize_named_tensors(named_tensors: NamedTensors) -> str:
 
     CPU tensors are pickled by value (standard ``pickle``); CUDA tensors with ``ForkingPickler``, which
     ``torch.multiprocessing`` teaches to send CUDA IPC handles (the tensors stay alive until the server replied,
-    which the blocking HTTP call guarantees).
+    which the blocking HTTP call guarantees). The handle names its GPU by index, so this process and the server
+    must enumerate GPUs alike (same ``CUDA_VISIBLE_DEVICES``; servers launched here select GPUs with
+    ``--base-gpu-id``, which keeps that true). The CUDA path has not been run on a GPU in this project yet.
     """
     tensors = [(name, tensor.detach().contiguous()) for name, tensor in named_tensors]
     if any(tensor.is_cuda for _, tensor in tensors):

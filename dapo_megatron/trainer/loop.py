@@ -167,9 +167,13 @@ class DAPOTrainer:
         with timer.phase("old_logprob"):
             old = self.actor.compute_logprobs(samples)
         samples = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, old.logprobs)]
-        engine_lp = torch.cat([torch.tensor(lps, dtype=torch.float32) for g in groups for lps in g.engine_logprobs])
-        policy_lp = torch.cat(old.logprobs)
-        gap = (engine_lp - policy_lp).abs()
+        # Engine vs policy log-probs of the same tokens, over responses sampled by the weights the policy has now
+        # (surplus groups kept from an earlier step were sampled by older weights and differ by design).
+        current = max(g.weight_version for g in groups)
+        sample_versions = [g.weight_version for g in groups for _ in g.responses]
+        fresh = [i for i, version in enumerate(sample_versions) if version == current]
+        flat_engine = [lps for g in groups for lps in g.engine_logprobs]
+        gap = torch.cat([(torch.tensor(flat_engine[i], dtype=torch.float32) - old.logprobs[i]).abs() for i in fresh])
         entropy = torch.cat(old.entropy)
 
         updates = []
@@ -195,6 +199,7 @@ class DAPOTrainer:
             "actor/num_updates": float(len(applied)),
             "actor/skipped_updates": float(len(updates) - len(applied)),
             "actor/packing_efficiency": mean("packing_efficiency"),
+            "train/stale_group_fraction": sum(g.weight_version != current for g in groups) / len(groups),
             "rollout/logprob_diff/mean_abs": float(gap.mean()),
             "rollout/logprob_diff/max_abs": float(gap.max()),
             "perf/num_tokens": float(sum(s.length for s in samples)),
@@ -262,6 +267,7 @@ class DAPOTrainer:
                     self.hand_off_weights(version=step + 1)
             step += 1
             metrics = {**rollout_metrics, **train_metrics,
+                       "rollout/weight_version": float(self.engine.weight_version) if self.engine else float(step),
                        **{f"timing_s/{k}": v for k, v in timer.seconds.items()}}
             metrics["perf/throughput"] = metrics.get("perf/num_tokens", 0.0) / max(timer.seconds["step"], 1e-9)
             if c.eval.every and step % c.eval.every == 0 and step < c.trainer.total_steps:

@@ -4,9 +4,10 @@ What it replaces: the CPU ops of the real ``sgl_kernel`` (``sglang-kernel`` on P
 builds. SGLang's CPU engine imports the names below at module import time (speculative-decoding tree
 building/verification, KV-cache location assignment for speculative/disaggregated serving, all-layer KV-cache
 copy). Why a stand-in is enough: with speculative decoding, disaggregation and HiCache off (this project's
-server flags), none of them is called; a run that logged every call on a tiny Qwen2 model (generate,
-weight updates over disk/tensor/gloo) recorded none. Each stand-in raises ``NotImplementedError`` naming
-itself, so a code path that does need one fails loudly instead of computing something wrong.
+server flags), none of them is called (they are used only by ``alloc_for_spec_decode``, the speculative workers
+and ``copy_all_layer_kv_cache_func``); the SGLang test-suite of this project (generation, weight updates over
+disk/tensor/gloo, a server restart) passes with these stand-ins, which raise ``NotImplementedError`` naming
+themselves when called, so a code path that does need one fails loudly instead of computing something wrong.
 
 The list is exactly what SGLang 0.5.23 imports for dense decoder models at TP=1; an ``ImportError`` naming
 another ``sgl_kernel`` function means SGLang took a path this stand-in does not cover (a newer SGLang, an MoE or
