@@ -175,14 +175,15 @@ def main() -> None:
     print(f"\nmodel: {params / 1e6:.1f}M parameters, {model_bytes / 2**20:.0f} MiB fp32 "
           f"({shape}); megatron_to_hf --max-shard-size {args.max_shard_size}")
     print("peak = peak RSS; anon = peak of RSS minus file-backed pages (excludes the page cache of mmap'd inputs); "
-          "tiny = the same run on a ~0.1M-parameter model (import overhead)")
-    print(f"{'tool':<15} {'TPxPP':<6} {'wall s':>7} {'s/GB':>6}  {'process':<7} {'peak MiB':>9} {'tiny MiB':>9} "
-          f"{'peak/model':>10} {'(peak-tiny)/model':>18} {'(anon-tiny anon)/model':>23}")
+          "tiny = the same run on a ~0.1M-parameter model (process start-up and import overhead)")
+    print(f"{'tool':<15} {'TPxPP':<6} {'wall s':>7} {'tiny s':>7} {'s/GB':>6}  {'process':<7} {'peak MiB':>9} "
+          f"{'tiny MiB':>9} {'peak/model':>10} {'(peak-tiny)/model':>18} {'(anon-tiny anon)/model':>23}")
     for base, run in results:
         for role in sorted(run.peak_rss_mb):
             peak, tiny = run.peak_rss_mb[role], base.peak_rss_mb.get(role, 0.0)
             anon, tiny_anon = run.peak_anon_mb[role], base.peak_anon_mb.get(role, 0.0)
-            print(f"{run.tool:<15} {run.layout:<6} {run.wall_s:7.1f} {run.wall_s / (model_bytes / 1e9):6.1f}  "
+            print(f"{run.tool:<15} {run.layout:<6} {run.wall_s:7.1f} {base.wall_s:7.1f} "
+                  f"{run.wall_s / (model_bytes / 1e9):6.1f}  "
                   f"{role:<7} {peak:9.0f} {tiny:9.0f} {peak * 2**20 / model_bytes:10.2f} "
                   f"{(peak - tiny) * 2**20 / model_bytes:18.2f} {(anon - tiny_anon) * 2**20 / model_bytes:23.2f}")
     if args.json is not None:

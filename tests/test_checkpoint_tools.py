@@ -6,11 +6,11 @@ Three groups, each paying for its processes once (module-scoped fixtures):
   vocab 101 — not a multiple of TP) → megatron at TP=1/PP=1 (fast set) and TP=2/PP=2 (4 spawned gloo ranks; slow)
   → HF in one process. Every tensor comes back bit-exact; the folder loads in ``transformers`` with identical
   logits and tokenizer. The broken-checkpoint tests start from its output.
-* ``ranks`` (slow) — one set of 4 ranks (the torchrun path: RANK/WORLD_SIZE set) converts Qwen2-tied, Llama-untied and
-  Llama-tied at TP=2/PP=2 and back at other layouts (1×2, 2×1 with DP=2, 2×2), Qwen2 to a bf16 checkpoint and
-  back (the bf16-rounded weights, exactly); loads a TP=2/PP=1 checkpoint at
-  TP=1/PP=2 (and 2×1) and compares logits with HF; and feeds ``megatron_to_hf`` checkpoints that do not fit the
-  config (missing, unexpected, mis-shaped tensors), and an existing output folder with and without ``force``.
+* ``ranks`` (slow) — one set of 4 ranks (the torchrun path: RANK/WORLD_SIZE set) converts Qwen2-tied,
+  Llama-untied and Llama-tied at TP=2/PP=2 and back at other layouts (1×2, 2×1 with DP=2, 2×2), and Qwen2 to a
+  bf16 checkpoint and back (exactly the bf16-rounded weights); loads a TP=2/PP=1 checkpoint at TP=1/PP=2 (and 2×1)
+  and compares logits with HF; feeds ``megatron_to_hf`` checkpoints that do not fit the config (missing,
+  unexpected, mis-shaped tensors) and an existing output folder with and without ``force``.
 * bad HF inputs and broken checkpoints — refused before any rank starts, in this process.
 """
 
