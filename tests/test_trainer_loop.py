@@ -141,3 +141,90 @@ def test_generation_round_cap_trains_on_what_was_collected(tmp_path):
     assert row["train/filter/all_wrong_fraction"] == 1.0
     assert row["train/num_groups"] == 0 and row["train/skipped_empty_batch"] == 1.0
     assert result["changed"] == 0
+
+
+# ------------------------------------------------------------------------------------------- ablation switches
+
+LADDER = sorted((REPO / "examples" / "ablation").glob("*.yaml"))
+
+
+def test_each_ablation_rung_changes_exactly_its_switch():
+    """Rung k differs from rung k-1 in one algorithm field (plus its run_dir); rung 5 is the full DAPO config."""
+    import dataclasses
+
+    rungs = [load_config(path) for path in LADDER]
+    assert [p.stem.split("_", 1)[0] for p in LADDER] == ["0", "1", "2", "3", "4", "5"]
+    claimed = [None, {"overlong_filtering"}, {"eps_high"}, {"overlong_penalty"}, {"loss_agg"}, {"dynamic_sampling"}]
+    for k in range(1, len(rungs)):
+        before, after = dataclasses.asdict(rungs[k - 1]), dataclasses.asdict(rungs[k])
+        changed = {key for key in before["algorithm"] if before["algorithm"][key] != after["algorithm"][key]}
+        assert changed == claimed[k], (LADDER[k].name, changed)
+        before.pop("algorithm"), after.pop("algorithm")
+        before["trainer"].pop("run_dir"), after["trainer"].pop("run_dir")
+        assert before == after, LADDER[k].name
+    assert rungs[-1].algorithm == load_config(TINY).algorithm
+
+
+def test_ablation_switches_reach_the_actor_and_the_buffer():
+    from dapo_megatron.trainer.loop import actor_config_from
+    from dapo_megatron.trainer.rollout_collector import RolloutCollector
+
+    grpo, dapo = load_config(LADDER[0]), load_config(TINY)
+    assert (actor_config_from(grpo).loss.eps_high, actor_config_from(dapo).loss.eps_high) == (0.2, 0.28)
+    assert (actor_config_from(grpo).loss.agg, actor_config_from(dapo).loss.agg) == ("seq-mean-token-mean",
+                                                                                     "token-mean")
+    assert actor_config_from(dapo).loss.clip_ratio_c == dapo.algorithm.clip_ratio_c
+
+    class Sampler:
+        def __init__(self):
+            self.asked = []
+
+        def next_batch(self, size):
+            self.asked.append(size)
+            return []
+
+    for config, filters, per_round in ((grpo, False, grpo.trainer.train_batch_size),
+                                       (dapo, True, dapo.algorithm.gen_batch_size)):
+        sampler = Sampler()
+        collector = RolloutCollector(engine=None, sampler=sampler, tokenizer=None, config=config)
+        assert collector.buffer.filter_groups is filters
+        collector.engine = type("E", (), {"generate": lambda self, prompts, params: []})()
+        collector.tokenizer = type("T", (), {"eos_token_id": 1})()
+        collector.collect(step=0)
+        assert sampler.asked[0] == per_round
+
+
+# ------------------------------------------------------------------------------------------- eval and plot CLIs
+
+def test_plot_writes_a_png(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    rows = [{"step": s, "critic/score/mean": -1 + s / 10, "rollout/acc/mean": s / 20, "actor/entropy": 0.5 - s / 50,
+             "response_length/mean": 20 + s, "val/all/acc/mean@1": s / 25} for s in range(8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "plot", str(tmp_path)], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    png = tmp_path / "curves.png"
+    assert str(png) in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_eval_cli_scores_a_trainer_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    from spawn_ranks import run_distributed
+
+    overrides = _tiny_overrides(tmp_path, "algorithm.dynamic_sampling=false", "trainer.total_steps=1")
+    run_distributed(_run_trainer, 1, overrides)
+    checkpoint = tmp_path / "checkpoints" / "step_000001"
+    result = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "eval", str(TINY), *overrides,
+                             "--ckpt", str(checkpoint)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scores = dict(line.split(": ") for line in result.stdout.splitlines() if line.startswith("val/"))
+    assert set(scores) >= {"val/all/acc/mean@1", "val/synthetic-arith/acc/mean@1"}
+    assert all(0.0 <= float(v) <= 1.0 for v in scores.values())
+    bad = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "eval", str(TINY), *overrides,
+                          "--ckpt", str(tmp_path / "nope")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "no model/ folder" in bad.stderr

@@ -1,6 +1,7 @@
-"""Two DAPO steps with a real SGLang server on CPU generating the rollouts (examples/tiny_cpu_sglang.yaml):
-the Megatron policy trains, its weights reach the server through the disk transport, the server reports the new
-weight_version, and the server's log-probs agree with the policy's for the tokens it sampled."""
+"""Two DAPO steps with a real SGLang server on CPU generating the rollouts (examples/tiny_cpu_sglang.yaml), the
+Megatron policy at TP=2: it trains, its TP shards are gathered into HF tensors and reach the server through the disk
+transport, the server reports the new weight_version, and the server's log-probs agree with the policy's recomputed
+log-probs for the tokens it sampled."""
 
 from __future__ import annotations
 
@@ -31,11 +32,11 @@ def _run(overrides: list[str]) -> dict:
     try:
         trainer.run()
         changed = sum(int(not torch.equal(before[n], p.detach())) for n, p in trainer.actor.model.named_parameters())
-        version = trainer.engine.weight_version
+        version = trainer.engine.weight_version if trainer.engine is not None else None
     finally:
         trainer.shutdown()
     return {"changed": changed, "num_params": len(before), "version": version,
-            "metrics": read_metrics(config.trainer.run_dir)}
+            "metrics": read_metrics(config.trainer.run_dir) if trainer.rank == 0 else None}
 
 
 def test_dapo_steps_with_a_real_sglang_server(tmp_path):
@@ -51,9 +52,10 @@ def test_dapo_steps_with_a_real_sglang_server(tmp_path):
                  "rollout.n_samples=4", "data.synthetic.num_train=200", "data.synthetic.num_heldout=8",
                  "eval.every=0", "trainer.save_every=2", "rollout.max_response_length=24",
                  "algorithm.overlong_buffer_len=4", "algorithm.dynamic_sampling=false",
-                 "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64"]
-    (result,) = run_distributed(_run, 1, overrides, timeout_s=1200)
-    assert result["changed"] == result["num_params"]
+                 "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
+                 "parallel.tensor=2"]
+    result, other_rank = run_distributed(_run, 2, overrides, timeout_s=1200)
+    assert result["changed"] == result["num_params"] and other_rank["changed"] == other_rank["num_params"]
     assert result["version"] == 2
     rows = result["metrics"]
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -18,12 +18,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from dapo_megatron.algorithm import group_advantages
 from dapo_megatron.config import DAPOConfig, save_config
@@ -75,6 +77,26 @@ def mini_batches(samples: list[PolicySample], config: DAPOConfig, step: int) -> 
     return [shuffled[i:i + per_mini_batch] for i in range(0, len(shuffled), per_mini_batch)]
 
 
+def actor_config_from(config: DAPOConfig):
+    """The run config's optimizer, loss (clip-higher, dual clip, token-level aggregation) and batching settings, as
+    the actor takes them."""
+    from dapo_megatron.policy.actor import ActorConfig, LossSettings, OptimizerSettings
+    from dapo_megatron.policy.packing import BatchingConfig
+
+    c = config
+    return ActorConfig(
+        optimizer=OptimizerSettings(
+            lr=c.optim.lr, weight_decay=c.optim.weight_decay, betas=(c.optim.adam_beta1, c.optim.adam_beta2),
+            eps=c.optim.adam_eps, clip_grad=c.optim.grad_clip, lr_warmup_steps=c.optim.warmup_steps,
+            use_distributed_optimizer=c.parallel.use_distributed_optimizer),
+        loss=LossSettings(eps_low=c.algorithm.eps_low, eps_high=c.algorithm.eps_high,
+                          clip_ratio_c=c.algorithm.clip_ratio_c, agg=c.algorithm.loss_agg),
+        batching=BatchingConfig(token_budget=c.trainer.micro_batch_tokens),
+        temperature=c.rollout.temperature,
+        precision=c.model.precision,
+    )
+
+
 def _broadcast_object(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
@@ -101,8 +123,7 @@ class DAPOTrainer:
     # ------------------------------------------------------------------------------------------------ setup
 
     def _build(self) -> None:
-        from dapo_megatron.policy.actor import ActorConfig, LossSettings, OptimizerSettings, build_actor
-        from dapo_megatron.policy.packing import BatchingConfig
+        from dapo_megatron.policy.actor import build_actor
         from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
         from dapo_megatron.trainer.model_source import load_tokenizer, prepare_initial_model
 
@@ -112,17 +133,7 @@ class DAPOTrainer:
         self.initial_model = initial
         self.tokenizer = load_tokenizer(initial.tokenizer_dir)
         self.spec = load_model_spec(initial.hf_dir)
-        actor_config = ActorConfig(
-            optimizer=OptimizerSettings(
-                lr=c.optim.lr, weight_decay=c.optim.weight_decay, betas=(c.optim.adam_beta1, c.optim.adam_beta2),
-                eps=c.optim.adam_eps, clip_grad=c.optim.grad_clip, lr_warmup_steps=c.optim.warmup_steps,
-                use_distributed_optimizer=c.parallel.use_distributed_optimizer),
-            loss=LossSettings(eps_low=c.algorithm.eps_low, eps_high=c.algorithm.eps_high,
-                              clip_ratio_c=c.algorithm.clip_ratio_c, agg=c.algorithm.loss_agg),
-            batching=BatchingConfig(token_budget=c.trainer.micro_batch_tokens),
-            temperature=c.rollout.temperature,
-            precision=c.model.precision,
-        )
+        actor_config = actor_config_from(c)
         self.actor = build_actor(self.spec, actor_config)
         load_hf_weights(self.actor.model, self.spec, initial.hf_dir)
         self.actor.optimizer.reload_model_params()
@@ -178,7 +189,9 @@ class DAPOTrainer:
 
         updates = []
         with timer.phase("update"):
-            for mini_batch in mini_batches(samples, self.config, step):
+            batches = mini_batches(samples, self.config, step)
+            for mini_batch in tqdm(batches, desc=f"step {step + 1} updates", leave=False, unit="mini-batch",
+                                   disable=self.rank != 0 or not sys.stderr.isatty()):
                 updates.append(self.actor.train_minibatch(mini_batch))
         applied = [u for u in updates if not u["skipped"]]
 

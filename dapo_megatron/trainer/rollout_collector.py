@@ -11,9 +11,11 @@ Every generate call gets a seed derived from (run seed, step, round), so a resum
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from dapo_megatron.algorithm import DynamicSamplingBuffer, FilterStats, math_reward, overlong_penalty
 from dapo_megatron.config import DAPOConfig
@@ -98,6 +100,9 @@ class RolloutCollector:
         stats = FilterStats()
         generated: list[RolloutGroup] = []
         rounds = 0
+        progress = tqdm(total=self.buffer.target_groups, desc=f"step {step + 1} rollouts", unit="group",
+                        leave=False, disable=not sys.stderr.isatty())
+        progress.update(len(self.buffer))
         while not self.buffer.is_full and rounds < a.max_gen_rounds:
             records = self.sampler.next_batch(prompts_per_round)
             outputs = self.engine.generate([r.prompt_ids for r in records],
@@ -106,6 +111,9 @@ class RolloutCollector:
             generated.extend(groups)
             stats = stats + self.buffer.add(groups)
             rounds += 1
+            progress.update(min(len(self.buffer), self.buffer.target_groups) - progress.n)
+            progress.set_postfix(rounds=rounds, kept=f"{stats.kept_fraction:.2f}")
+        progress.close()
         hit_cap = not self.buffer.is_full
         batch = self.buffer.drain() if hit_cap else self.buffer.pop()
         return batch, self._metrics(batch, generated, stats, rounds, hit_cap)
