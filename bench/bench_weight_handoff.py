@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -120,9 +119,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from dapo_megatron.platform import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out_file = f"{tmp}/results.pt"
         mp.spawn(_worker, args=(2, port, args, out_file), nprocs=2, join=True)

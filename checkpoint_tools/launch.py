@@ -20,7 +20,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Any, Callable, Mapping
 
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.output_dir import make_staging_dir
+from dapo_megatron.platform import free_port
 
 RankFn = Callable[..., None]
 _POLL_S = 1.0
@@ -51,12 +51,6 @@ class RankOutcome:
 def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     return "RANK" in env and "WORLD_SIZE" in env
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_environ(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -133,7 +127,7 @@ def run_ranks(fn: RankFn, world_size: int, *args: Any) -> None:
         with warnings.catch_warnings():
             quiet_backend_warnings()
             try:
-                fn(_rank_environ(0, 1, _free_port()), *args)
+                fn(_rank_environ(0, 1, free_port()), *args)
             finally:
                 _destroy_process_group()
         return
@@ -144,7 +138,7 @@ def run_ranks(fn: RankFn, world_size: int, *args: Any) -> None:
                               f"{torch.cuda.device_count()}: lower --tp/--pp or use torchrun over several nodes")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned_rank, args=(fn, rank, world_size, port, args, results), daemon=False)
              for rank in range(world_size)]
     for proc in procs:

@@ -157,10 +157,11 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             launcher="slurm",
         )
     # A world of one rendezvous with itself: any free port will do unless the user chose one.
-    return LaunchEnv(0, 1, 0, "127.0.0.1", port if "MASTER_PORT" in env else _free_port(), "single")
+    return LaunchEnv(0, 1, 0, "127.0.0.1", port if "MASTER_PORT" in env else free_port(), "single")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -13,15 +13,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from dapo_megatron.platform import free_port
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: mp.Queue) -> None:

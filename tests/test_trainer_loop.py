@@ -13,6 +13,7 @@ from dapo_megatron.config import load_config
 from dapo_megatron.rollout.engine import Sample
 from dapo_megatron.trainer.loop import mini_batches, training_samples
 from dapo_megatron.trainer.rollout_collector import RolloutGroup, generation_seed, score_group
+from trainer_harness import run_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny_cpu.yaml"
@@ -77,24 +78,6 @@ def test_generation_seeds_differ_by_step_and_round():
 
 # ------------------------------------------------------------------------------------------- end to end
 
-def _run_trainer(overrides: list[str]) -> dict:
-    """In a fresh process (the CPU layer is process-wide): build the trainer, run it, report what changed."""
-    from dapo_megatron.trainer.loop import DAPOTrainer
-    from dapo_megatron.trainer.metrics import read_metrics
-
-    config = load_config(TINY, overrides)
-    trainer = DAPOTrainer(config)
-    before = {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}
-    try:
-        trainer.run()
-        changed = sum(int(not torch.equal(before[n], p.detach())) for n, p in trainer.actor.model.named_parameters())
-        version = trainer.engine.weight_version
-    finally:
-        trainer.shutdown()
-    return {"changed": changed, "num_params": len(before), "version": version,
-            "metrics": read_metrics(config.trainer.run_dir)}
-
-
 def _tiny_overrides(run_dir: Path, *extra: str) -> list[str]:
     return [f"trainer.run_dir={run_dir}", "warm_start.enabled=false", "trainer.total_steps=2",
             "trainer.train_batch_size=4", "trainer.mini_batch_size=2", "rollout.n_samples=4",
@@ -108,8 +91,8 @@ def test_two_dapo_steps_update_the_policy_and_the_engine(tmp_path):
 
     # A random model is never right, so with dynamic sampling every group would be filtered out; this run trains on
     # every group (the ablation switch) to exercise the update path.
-    (result,) = run_distributed(_run_trainer, 1, _tiny_overrides(tmp_path, "algorithm.dynamic_sampling=false"))
-    assert result["changed"] == result["num_params"]  # every parameter moved
+    (result,) = run_distributed(run_trainer, 1, _tiny_overrides(tmp_path, "algorithm.dynamic_sampling=false"))
+    assert result["changed"] == result["num_params"] and not result["padding_moved"]  # every parameter moved
     assert result["version"] == 2  # the engine serves the weights of the last update
     rows = result["metrics"]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -132,7 +115,7 @@ def test_generation_round_cap_trains_on_what_was_collected(tmp_path):
 
     # Random model: every group is all-wrong, so dynamic sampling keeps none; the step must stop at the cap,
     # say so, and not crash.
-    (result,) = run_distributed(_run_trainer, 1, _tiny_overrides(
+    (result,) = run_distributed(run_trainer, 1, _tiny_overrides(
         tmp_path, "algorithm.dynamic_sampling=true", "algorithm.max_gen_rounds=2", "algorithm.gen_batch_size=4",
         "trainer.total_steps=1"))
     (row,) = result["metrics"][1:]
@@ -217,7 +200,7 @@ def test_eval_cli_scores_a_trainer_checkpoint(tmp_path):
     from spawn_ranks import run_distributed
 
     overrides = _tiny_overrides(tmp_path, "algorithm.dynamic_sampling=false", "trainer.total_steps=1")
-    run_distributed(_run_trainer, 1, overrides)
+    run_distributed(run_trainer, 1, overrides)
     checkpoint = tmp_path / "checkpoints" / "step_000001"
     result = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "eval", str(TINY), *overrides,
                              "--ckpt", str(checkpoint)], cwd=REPO, capture_output=True, text=True, timeout=600)

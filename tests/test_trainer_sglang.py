@@ -14,29 +14,10 @@ import pytest
 
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang_server import require_sglang
+from trainer_harness import run_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
-
-
-def _run(overrides: list[str]) -> dict:
-    import torch
-
-    from dapo_megatron.config import load_config
-    from dapo_megatron.trainer.loop import DAPOTrainer
-    from dapo_megatron.trainer.metrics import read_metrics
-
-    config = load_config(REPO / "examples" / "tiny_cpu_sglang.yaml", overrides)
-    trainer = DAPOTrainer(config)
-    before = {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}
-    try:
-        trainer.run()
-        changed = sum(int(not torch.equal(before[n], p.detach())) for n, p in trainer.actor.model.named_parameters())
-        version = trainer.engine.weight_version if trainer.engine is not None else None
-    finally:
-        trainer.shutdown()
-    return {"changed": changed, "num_params": len(before), "version": version,
-            "metrics": read_metrics(config.trainer.run_dir) if trainer.rank == 0 else None}
 
 
 def test_dapo_steps_with_a_real_sglang_server(tmp_path):
@@ -54,8 +35,11 @@ def test_dapo_steps_with_a_real_sglang_server(tmp_path):
                  "algorithm.overlong_buffer_len=4", "algorithm.dynamic_sampling=false",
                  "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
                  "parallel.tensor=2"]
-    result, other_rank = run_distributed(_run, 2, overrides, timeout_s=1200)
-    assert result["changed"] == result["num_params"] and other_rank["changed"] == other_rank["num_params"]
+    result, other_rank = run_distributed(run_trainer, 2, overrides, REPO / "examples" / "tiny_cpu_sglang.yaml",
+                                           timeout_s=1200)
+    for rank_result in (result, other_rank):
+        assert rank_result["changed"] == rank_result["num_params"] and not rank_result["padding_moved"]
+    assert other_rank["num_params"] < result["num_params"]  # vocab 118 padded to 256: rank 1's vocab rows are padding
     assert result["version"] == 2
     rows = result["metrics"]
     assert [r["step"] for r in rows] == [0, 1, 2]

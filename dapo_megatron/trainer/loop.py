@@ -115,6 +115,7 @@ class DAPOTrainer:
         seed_everything(config.trainer.seed)
         self.run_dir = Path(config.trainer.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
+        self.first_eval: dict[str, float] | None = None  # validation before any RL step (kept across resumes)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(config, self.run_dir / "config.yaml")
@@ -223,7 +224,7 @@ class DAPOTrainer:
     def _trainer_state(self, step: int) -> dict:
         return {"step": step, "scheduler": self.actor.scheduler.state_dict(),
                 "collector": self.collector.state_dict() if self.collector else None,
-                "first_eval": getattr(self, "first_eval", None)}
+                "first_eval": self.first_eval}
 
     def save(self, step: int) -> None:
         ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model], optimizer=self.actor.optimizer,

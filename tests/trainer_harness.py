@@ -1,0 +1,37 @@
+"""Run a whole DAPOTrainer inside a spawned rank (the CPU layer is process-wide) and report what changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_trainer(overrides: list[str], config_path: str | Path = REPO / "examples" / "tiny_cpu.yaml") -> dict:
+    """Build the trainer from ``config_path`` + ``overrides``, run it, and return on every rank how many of its
+    parameters moved (vocabulary-padding shards excluded: they hold zeros that never get a gradient, and must stay
+    so), the engine's weight version (rank 0) and the logged metrics (rank 0)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from dapo_megatron.config import load_config
+    from dapo_megatron.trainer.loop import DAPOTrainer
+    from dapo_megatron.trainer.metrics import read_metrics
+
+    config = load_config(config_path, overrides)
+    trainer = DAPOTrainer(config)
+    before = {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    padding_only = {n for n, t in before.items() if n.endswith(("word_embeddings.weight", "output_layer.weight"))
+                    and tp_rank * t.shape[0] >= trainer.spec.vocab_size}
+    real = set(before) - padding_only
+    try:
+        trainer.run()
+        params = dict(trainer.actor.model.named_parameters())
+        changed = sum(int(not torch.equal(before[n], params[n].detach())) for n in real)
+        padding_moved = any(params[n].detach().any() for n in padding_only)
+        version = trainer.engine.weight_version if trainer.engine is not None else None
+    finally:
+        trainer.shutdown()
+    return {"changed": changed, "num_params": len(real), "padding_moved": padding_moved, "version": version,
+            "metrics": read_metrics(config.trainer.run_dir) if trainer.rank == 0 else None}
