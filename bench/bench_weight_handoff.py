@@ -1,7 +1,7 @@
 """Weight-handoff throughput: Megatron shards at TP=2 → bucketed full HF tensors on rank 0 → rollout engine,
 next to this machine's plain torch memory-copy bandwidth, measured in the same run.
 
-    python bench/bench_weight_handoff.py [--hidden 768 --layers 12 --vocab 32000 --repeats 3]
+    python bench/bench_weight_handoff.py [--hidden 768 --layers 6 --vocab 32000 --repeats 3]
 
 Prints, for the export alone (TP all-gather + un-interleave + bucketing + gather to rank 0), for export + the
 embedded engine's ``update_weights``, and for export + a safetensors snapshot on disk (what the SGLang disk transport
@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     init_distributed(tensor_parallel=world, pipeline_parallel=1)
     seed_everything(0)
     hf_config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                            num_attention_heads=args.hidden // 64, num_key_value_heads=max(args.hidden // 256, 2),
+                            num_attention_heads=args.hidden // 64, num_key_value_heads=4,
                             intermediate_size=args.hidden * 4, tie_word_embeddings=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     spec = model_spec_from_hf(hf_config)
@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
