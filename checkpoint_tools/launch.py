@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.output_dir import make_staging_dir
-from dapo_megatron.platform import free_port
+from dapo_megatron.platform import free_port, launch_env
 
 RankFn = Callable[..., None]
 _POLL_S = 1.0
@@ -49,8 +49,8 @@ class RankOutcome:
 
 
 def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if environ is None else environ
-    return "RANK" in env and "WORLD_SIZE" in env
+    """True when this process is already one rank of a launched world (the platform module decides how to read it)."""
+    return launch_env(environ).launcher == "torchrun"
 
 
 def _rank_environ(rank: int, world_size: int, port: int) -> dict[str, str]:
