@@ -14,19 +14,7 @@ from typing import Any
 
 import torch
 
-from dapo_megatron.checkpoint.layout import (
-    COMPLETE_MARKER,
-    DIST_CHECKPOINT_MARKER,
-    HF_DIR,
-    MODEL_DIR,
-    OPTIMIZER_DIR,
-    RNG_DIR,
-    TMP_SUFFIX,
-    TRAINER_STATE_FILE,
-    list_checkpoints,
-    rng_file,
-    step_dir,
-)
+from dapo_megatron.checkpoint import layout
 from dapo_megatron.hf_format.folder import copy_side_files
 from dapo_megatron.hf_format.mismatch import TensorMismatch
 
@@ -99,9 +87,9 @@ def load_model(model_chunks: list, directory: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
-    if not (directory / DIST_CHECKPOINT_MARKER).exists():
+    if not (directory / layout.DIST_CHECKPOINT_MARKER).exists():
         raise CheckpointError(f"{directory} is not a megatron-core distributed checkpoint "
-                              f"(no {DIST_CHECKPOINT_MARKER})")
+                              f"(no {layout.DIST_CHECKPOINT_MARKER})")
     state = dist_checkpointing.load(model_sharded_state_dict(model_chunks), str(directory))
     module = model_chunks[0]
     module = getattr(module, "module", module)
@@ -118,31 +106,31 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
     of the HF folder ``side_files_from``."""
     from megatron.core import dist_checkpointing
 
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + TMP_SUFFIX)
+    final = layout.step_dir(root, step)
+    tmp = final.with_name(final.name + layout.TMP_SUFFIX)
     if _rank() == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
-        (tmp / RNG_DIR).mkdir(parents=True)
-        (tmp / MODEL_DIR).mkdir()
-        (tmp / OPTIMIZER_DIR).mkdir()
+        (tmp / layout.RNG_DIR).mkdir(parents=True)
+        (tmp / layout.MODEL_DIR).mkdir()
+        (tmp / layout.OPTIMIZER_DIR).mkdir()
     _barrier()
     model_state = model_sharded_state_dict(model_chunks)
-    dist_checkpointing.save(model_state, str(tmp / MODEL_DIR))
+    dist_checkpointing.save(model_state, str(tmp / layout.MODEL_DIR))
     dist_checkpointing.save(optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks)),
-                            str(tmp / OPTIMIZER_DIR))
-    torch.save(rng_state(), rng_file(tmp, _rank()))
+                            str(tmp / layout.OPTIMIZER_DIR))
+    torch.save(rng_state(), layout.rng_file(tmp, _rank()))
     if _rank() == 0:
-        torch.save(trainer_state, tmp / TRAINER_STATE_FILE)
+        torch.save(trainer_state, tmp / layout.TRAINER_STATE_FILE)
         if side_files_from is not None:
-            copy_side_files(side_files_from, tmp / HF_DIR)
+            copy_side_files(side_files_from, tmp / layout.HF_DIR)
     _barrier()
     if _rank() == 0:
-        (tmp / COMPLETE_MARKER).write_text(f"{step}\n")
+        (tmp / layout.COMPLETE_MARKER).write_text(f"{step}\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        for old in layout.list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
@@ -153,15 +141,16 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if not (path / COMPLETE_MARKER).exists():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
-    load_model(model_chunks, path / MODEL_DIR)
+    if not (path / layout.COMPLETE_MARKER).exists():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {layout.COMPLETE_MARKER} marker)")
+    load_model(model_chunks, path / layout.MODEL_DIR)
     opt_state = dist_checkpointing.load(
-        optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True), str(path / OPTIMIZER_DIR)
+        optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True),
+        str(path / layout.OPTIMIZER_DIR),
     )
     optimizer.load_state_dict(opt_state)
-    rng = rng_file(path, _rank())
+    rng = layout.rng_file(path, _rank())
     if not rng.exists():
         raise CheckpointError(f"{rng} is missing: resume with the world size the checkpoint was written with")
     set_rng_state(torch.load(rng, weights_only=False))
-    return torch.load(path / TRAINER_STATE_FILE, weights_only=False)
+    return torch.load(path / layout.TRAINER_STATE_FILE, weights_only=False)
