@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Iterable, Literal, Sequence
 import torch
 from tqdm import tqdm
 
+from dapo_megatron.hf_format import Bucket
 from dapo_megatron.rollout.engine import EngineHealth, RolloutEngine, RolloutError, Sample, SamplingParams
 from dapo_megatron.rollout.sglang_client import ServerFailure, SGLangClient
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
 from dapo_megatron.rollout.sglang_server import SGLangLaunchConfig, SGLangServerProcess, require_sglang
-from dapo_megatron.hf_format import Bucket
 from dapo_megatron.rollout.sglang_transports import (
     DiskTransport,
     DistributedTransport,
