@@ -55,10 +55,10 @@ class RunMeasurement:
 
 def write_random_hf_model(directory: Path, shape: ModelShape, *, max_file_bytes: int = 100 * 2**20) -> int:
     """A random fp32 Qwen2 HF folder, tensor by tensor, in files of ≤ ``max_file_bytes``; returns the weight bytes."""
-    from safetensors.torch import save_file
     from transformers import Qwen2Config
 
     from checkpoint_tools.hf_to_megatron import expected_hf_tensors
+    from dapo_megatron.hf_format import bucketed, write_hf_folder
     from dapo_megatron.policy.model import model_spec_from_hf
 
     config = Qwen2Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
@@ -66,27 +66,12 @@ def write_random_hf_model(directory: Path, shape: ModelShape, *, max_file_bytes:
                          num_key_value_heads=shape.num_kv_heads, intermediate_size=shape.intermediate_size,
                          max_position_embeddings=2048, tie_word_embeddings=False)
     config.architectures = ["Qwen2ForCausalLM"]
-    directory.mkdir(parents=True)
-    config.save_pretrained(directory)
     generator = torch.Generator().manual_seed(0)
-    files: list[dict[str, torch.Tensor]] = [{}]
-    weight_map, total, in_file = {}, 0, 0
-    for name, tensor_shape in expected_hf_tensors(model_spec_from_hf(config)).items():
-        tensor = torch.randn(tensor_shape, generator=generator) * 0.02
-        nbytes = tensor.numel() * tensor.element_size()
-        if files[-1] and in_file + nbytes > max_file_bytes:
-            files.append({})
-            in_file = 0
-        files[-1][name] = tensor
-        in_file += nbytes
-        total += nbytes
-    for i, tensors in enumerate(files):
-        file_name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        save_file(tensors, str(directory / file_name), metadata={"format": "pt"})
-        weight_map.update({name: file_name for name in tensors})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return total
+    shapes = expected_hf_tensors(model_spec_from_hf(config))
+    tensors = ((name, torch.randn(tensor_shape, generator=generator) * 0.02) for name, tensor_shape in shapes.items())
+    write_hf_folder(directory, bucketed(tensors, max_file_bytes))
+    config.save_pretrained(directory)
+    return sum(torch.Size(tensor_shape).numel() * 4 for tensor_shape in shapes.values())
 
 
 def _is_rank(process: psutil.Process) -> bool:

@@ -114,7 +114,7 @@ def main() -> None:
     contenders: dict[str, Callable[[], int]] = {"hf model.generate": hf_generate_fn(model, prompts, params)}
     for fraction in args.drop_finished_fractions:
         engine = EmbeddedEngine(config, drop_finished_fraction=fraction)
-        engine.update_weights(model.state_dict().items(), version=0)
+        engine.update_weights([list(model.state_dict().items())], version=0)
         contenders[f"engine drop>={fraction:g}"] = engine_generate_fn(engine, prompts, params)
 
     timings: dict[str, list[float]] = {name: [] for name in contenders}

@@ -4,8 +4,10 @@ next to this machine's plain torch memory-copy bandwidth, measured in the same r
     python bench/bench_weight_handoff.py [--hidden 768 --layers 6 --vocab 32000 --repeats 3]
 
 Prints, for the export alone (TP all-gather + un-interleave + bucketing + gather to rank 0), for export + the
-embedded engine's ``update_weights``, and for export + a safetensors snapshot on disk (what the SGLang disk transport
-writes), the bytes/s of the fp32 model and the ratio to ``tensor.copy_`` bandwidth.
+embedded engine's ``update_weights`` (the buckets handed over as they are, as the trainer does), and for export + the
+snapshot the SGLang disk transport writes (one safetensors shard per bucket, index and side files:
+:func:`dapo_megatron.hf_format.write_hf_folder`), the bytes/s of the fp32 model and the ratio to ``tensor.copy_``
+bandwidth.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     from transformers import Qwen2Config
 
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
+    from dapo_megatron.hf_format import nbytes, write_hf_folder
     from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
     from dapo_megatron.policy.model import build_model, model_spec_from_hf, transformer_config
     from dapo_megatron.rollout.embedded import EmbeddedEngine
@@ -69,43 +72,40 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
         torch.distributed.barrier()
         return time.perf_counter() - start, total
 
+    def counted(buckets, total: list[int]):
+        """The buckets as they are, adding up their bytes."""
+        for bucket in buckets:
+            total[0] += sum(nbytes(t) for _, t in bucket)
+            yield bucket
+
     def count(buckets) -> int:
-        return sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket)
+        total = [0]
+        for _ in counted(buckets, total):
+            pass
+        return total[0]
 
     def to_engine(buckets) -> int:
-        nbytes = 0
-
-        def named():
-            nonlocal nbytes
-            for bucket in buckets:
-                for name, tensor in bucket:
-                    nbytes += tensor.numel() * tensor.element_size()
-                    yield name, tensor
-
+        total = [0]
         run.version = getattr(run, "version", 0) + 1
-        engine.update_weights(named(), version=run.version)
-        return nbytes
+        engine.update_weights(counted(buckets, total), version=run.version)
+        return total[0]
 
     def to_disk(buckets) -> int:
-        from safetensors.torch import save_file
-
-        nbytes = 0
+        total = [0]
         with tempfile.TemporaryDirectory() as tmp:
-            for i, bucket in enumerate(buckets):
-                save_file({n: t.contiguous() for n, t in bucket}, f"{tmp}/part{i}.safetensors")
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            write_hf_folder(Path(tmp) / "snapshot", counted(buckets, total))
             os.sync()
-        return nbytes
+        return total[0]
 
     results = {}
     for label, consume in (("export", count), ("export+embedded update", to_engine),
                            ("export+disk snapshot", to_disk)):
-        times, nbytes = [], 0
+        times, moved = [], 0
         for _ in range(args.repeats):
-            seconds, nbytes_run = run(consume)
+            seconds, moved_run = run(consume)
             times.append(seconds)
-            nbytes = nbytes_run or nbytes
-        results[label] = (min(times), nbytes)
+            moved = moved_run or moved
+        results[label] = (min(times), moved)
     if rank == 0:
         torch.save(results, out_file)
     destroy_distributed()

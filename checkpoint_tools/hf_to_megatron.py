@@ -2,14 +2,15 @@
 
     python -m checkpoint_tools.hf_to_megatron --hf-dir DIR --out DIR --tp N --pp M [--dtype bf16|fp32] [--force]
 
-Output layout (the same as a trainer checkpoint's ``model/`` and ``hf/``)::
+Output layout (the same as a trainer checkpoint's ``model/`` and ``hf/``; :mod:`dapo_megatron.checkpoint.layout`)::
 
-    <out>/model/   megatron-core distributed checkpoint, exactly what ``trainer.checkpoint.save_model`` writes;
-                   ``trainer.checkpoint.load_model`` loads it at any TP/PP (tensors are stored with global shapes)
+    <out>/model/   megatron-core distributed checkpoint, exactly what ``dapo_megatron.checkpoint.save_model``
+                   writes; ``dapo_megatron.checkpoint.load_model`` loads it at any TP/PP (tensors are stored with
+                   global shapes)
     <out>/hf/      config.json, generation_config.json and tokenizer files copied from the HF folder
 
 How: the input is checked from safetensors headers first (names, shapes, file integrity; see
-:mod:`checkpoint_tools.hf_folder`). Then N×M ranks each build their pipeline stage's ``GPTModel`` (uninitialized:
+:mod:`dapo_megatron.hf_format`). Then N×M ranks each build their pipeline stage's ``GPTModel`` (uninitialized:
 every parameter is overwritten), read only their slice of each HF tensor (:func:`dapo_megatron.policy.hf_loader.
 load_hf_weights`) and write their shards with ``dist_checkpointing``. Peak memory per rank is about its own share
 of the model (1/(N·M) of it) plus one tensor slice being read; no rank ever holds the full state dict.
@@ -23,45 +24,55 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
+from checkpoint_tools.driver import ConversionJob, bad_input, check_output_dir, checked_spec, run_cli, run_conversion
 from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.hf_folder import check_hf_tensors, copy_side_files, list_hf_tensors, load_config, weights_dtype
-from checkpoint_tools.launch import (
-    RankFailedError,
-    agree_on_error,
-    launched_by_torchrun,
-    quiet_backend_warnings,
-    run_ranks,
-    shared_staging_dir,
-)
-from checkpoint_tools.output_dir import check_output_dir, discard, make_staging_dir, publish
+from dapo_megatron.checkpoint.layout import HF_DIR, MODEL_DIR
+from dapo_megatron.hf_format import CONFIG_FILE, StoredTensor, compare_shapes, copy_side_files, list_tensors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-MODEL_SUBDIR = "model"
-HF_SUBDIR = "hf"
 
 
 @dataclass(frozen=True)
-class HfToMegatronJob:
-    """A checked conversion request: everything the ranks need."""
-
+class HfToMegatronJob(ConversionJob):
     hf_dir: Path
-    out: Path
-    tensor_parallel: int
-    pipeline_parallel: int
     dtype: str  # "fp32" | "bf16"
-    force: bool
+
+    tool = "hf_to_megatron"
 
     @property
-    def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
+    def input_dir(self) -> Path:
+        return self.hf_dir
+
+    @property
+    def config_dir(self) -> Path:
+        return self.hf_dir
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def written_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def fill(self, model, spec) -> None:
+        from dapo_megatron.policy.hf_loader import load_hf_weights
+
+        load_hf_weights(model, spec, self.hf_dir)
+
+    def write_rank_part(self, model, spec, staging: Path) -> None:
+        from dapo_megatron.checkpoint import save_model
+
+        save_model([model], staging / MODEL_DIR)
+
+    def write_rank0_files(self, staging: Path, parts: list) -> None:
+        copy_side_files(self.hf_dir, staging / HF_DIR)
 
 
 def expected_hf_tensors(spec) -> dict[str, tuple[int, ...]]:
@@ -73,103 +84,57 @@ def expected_hf_tensors(spec) -> dict[str, tuple[int, ...]]:
             for name, shape in zip(mapping.hf_names, hf_shapes(mapping, geometry), strict=True)}
 
 
+def _not_a_weight(name: str, tie_embeddings: bool) -> bool:
+    """Stored tensors that are not weights of the model: RoPE buffers, and a tied model's copy of the embedding."""
+    return name.endswith("rotary_emb.inv_freq") or (tie_embeddings and name == "lm_head.weight")
+
+
+def check_hf_tensors(stored: dict[str, StoredTensor], expected: dict[str, tuple[int, ...]], *,
+                     tie_embeddings: bool, where: Path) -> None:
+    """Exactly the ``expected`` names with the expected shapes, else one error listing every problem by name."""
+    mismatch = compare_shapes({name: t.shape for name, t in stored.items()}, expected,
+                              where=lambda name: stored[name].file,
+                              ignore_unexpected=lambda name: _not_a_weight(name, tie_embeddings))
+    if mismatch:
+        raise ConversionError(mismatch.report(f"{where} does not match its {CONFIG_FILE}"))
+
+
+def weights_dtype(stored: dict[str, StoredTensor], expected: dict[str, tuple[int, ...]]) -> torch.dtype:
+    """The one dtype every weight is stored in (an error when they differ)."""
+    dtypes = {stored[n].torch_dtype for n in expected}
+    if len(dtypes) != 1:
+        raise ConversionError(f"the weights are stored in several dtypes ({sorted(map(str, dtypes))}): pass --dtype")
+    return dtypes.pop()
+
+
 def plan_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                         dtype: str | None = None, force: bool = False) -> HfToMegatronJob:
     """Check the request reading no weight: config supported, layout possible, tensors complete, files sound."""
-    from dapo_megatron.policy.model import (
-        ParallelLayoutError,
-        UnsupportedModelError,
-        check_parallel_layout,
-        model_spec_from_hf,
-    )
-
     hf_dir, out = Path(hf_dir), Path(out)
     if not hf_dir.is_dir():
         raise ConversionError(f"--hf-dir {hf_dir} is not a directory")
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_output_dir(out, force=force, inputs=(hf_dir,))
-    try:
-        spec = model_spec_from_hf(load_config(hf_dir))
-        check_parallel_layout(spec, tensor_parallel, pipeline_parallel)
-    except (UnsupportedModelError, ParallelLayoutError) as exc:
-        raise ConversionError(f"{hf_dir}: {exc}") from None
+    spec = checked_spec(hf_dir, tensor_parallel, pipeline_parallel)
     expected = expected_hf_tensors(spec)
-    stored = list_hf_tensors(hf_dir)
+    with bad_input():
+        stored = list_tensors(hf_dir)
     check_hf_tensors(stored, expected, tie_embeddings=spec.tie_embeddings, where=hf_dir)
     if dtype is None:
         stored_dtype = weights_dtype(stored, expected)
         if stored_dtype not in DTYPE_NAMES:
             raise ConversionError(f"{hf_dir} stores its weights as {stored_dtype}: pass --dtype bf16 or --dtype fp32")
         dtype = DTYPE_NAMES[stored_dtype]
-    return HfToMegatronJob(hf_dir, out, tensor_parallel, pipeline_parallel, dtype, force)
-
-
-def _log(message: str) -> None:
-    print(f"[hf_to_megatron] {message}", file=sys.stderr, flush=True)
-
-
-def convert_on_rank(environ: Mapping[str, str] | None, job: HfToMegatronJob, staging: Path | None) -> None:
-    """One rank's part: build this stage, read its HF slices, write its checkpoint shards; rank 0 publishes."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from dapo_megatron.platform import init_distributed
-    from dapo_megatron.policy.hf_loader import HFCheckpointError, load_hf_weights, load_model_spec
-    from dapo_megatron.policy.model import build_model, transformer_config
-    from dapo_megatron.trainer.checkpoint import save_model
-
-    init_distributed(job.tensor_parallel, job.pipeline_parallel, environ=environ)
-    staging = shared_staging_dir(staging, job.out)
-    rank0 = dist.get_rank() == 0
-    try:
-        started = time.perf_counter()
-        spec = load_model_spec(job.hf_dir)
-        tconfig = transformer_config(spec, tensor_parallel=job.tensor_parallel,
-                                     pipeline_parallel=job.pipeline_parallel, params_dtype=DTYPES[job.dtype],
-                                     precision=job.dtype)
-        tconfig.perform_initialization = False  # every parameter is loaded below; skip the random init
-        model = build_model(spec, tconfig)
-        try:
-            load_hf_weights(model, spec, job.hf_dir)
-        except HFCheckpointError as exc:
-            raise ConversionError(str(exc)) from None
-        if rank0:
-            _log(f"read {job.hf_dir} at TP={job.tensor_parallel} PP={job.pipeline_parallel} "
-                 f"({time.perf_counter() - started:.1f} s)")
-        save_model([model], staging / MODEL_SUBDIR)
-        del model
-        error = None
-        if rank0:
-            try:
-                copy_side_files(job.hf_dir, staging / HF_SUBDIR)
-                publish(staging, job.out, force=job.force)
-                _log(f"wrote {job.out} ({job.dtype}, {time.perf_counter() - started:.1f} s)")
-            except (ConversionError, OSError) as exc:
-                error = f"publishing {job.out} failed: {exc}"
-        agree_on_error(error)
-    except BaseException:
-        if rank0:
-            discard(staging)
-        raise
-    finally:
-        parallel_state.destroy_model_parallel()
+    return HfToMegatronJob(out=out, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                           force=force, hf_dir=hf_dir, dtype=dtype)
 
 
 def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parallel: int = 1,
                            pipeline_parallel: int = 1, dtype: str | None = None, force: bool = False) -> Path:
     """Check, then convert on ``tensor_parallel × pipeline_parallel`` ranks; returns ``out`` (or ConversionError)."""
-    job = plan_hf_to_megatron(hf_dir, out, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                              dtype=dtype, force=force)
-    if launched_by_torchrun():
-        convert_on_rank(None, job, None)
-        return job.out
-    staging = make_staging_dir(job.out)
-    try:
-        run_ranks(convert_on_rank, job.world_size, job, staging)
-    finally:
-        discard(staging)  # already renamed to out on success
-    return job.out
+    return run_conversion(plan_hf_to_megatron(hf_dir, out, tensor_parallel=tensor_parallel,
+                                              pipeline_parallel=pipeline_parallel, dtype=dtype, force=force))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,17 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    quiet_backend_warnings()
-    try:
-        convert_hf_to_megatron(args.hf_dir, args.out, tensor_parallel=args.tp, pipeline_parallel=args.pp,
-                               dtype=args.dtype, force=args.force)
-    except ConversionError as exc:
-        print(f"hf_to_megatron: error: {exc}", file=sys.stderr)
-        return 2
-    except RankFailedError as exc:
-        print(f"hf_to_megatron: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_cli(HfToMegatronJob.tool, lambda: convert_hf_to_megatron(
+        args.hf_dir, args.out, tensor_parallel=args.tp, pipeline_parallel=args.pp, dtype=args.dtype,
+        force=args.force))
 
 
 if __name__ == "__main__":  # required: dist_checkpointing's writer spawns a Manager that re-imports __main__

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from checkpoint_tools.errors import ConversionError
-from checkpoint_tools.output_dir import make_staging_dir
+from dapo_megatron.hf_format.writer import staging_dir
 from dapo_megatron.platform import free_port, launch_env
 
 RankFn = Callable[..., None]
@@ -162,7 +162,7 @@ def shared_staging_dir(staging: Path | None, out: Path) -> Path:
 
     if staging is not None:
         return staging
-    box = [str(make_staging_dir(out)) if dist.get_rank() == 0 else None]
+    box = [str(staging_dir(out)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return Path(box[0])
 

@@ -61,14 +61,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from dapo_megatron.checkpoint import MODEL_DIR, load_model
     from dapo_megatron.platform import destroy_distributed
-    from dapo_megatron.trainer.checkpoint import load_model
     from dapo_megatron.trainer.loop import DAPOTrainer
 
     config = load_config(args.config, args.overrides)
     rank = _rank_from_env()
     _setup_logging(rank)
-    model_dir = Path(args.ckpt) / "model"
+    model_dir = Path(args.ckpt) / MODEL_DIR
     if not model_dir.is_dir():
         raise SystemExit(f"--ckpt {args.ckpt}: no model/ folder (expected a trainer or checkpoint_tools checkpoint)")
     trainer = DAPOTrainer(config)

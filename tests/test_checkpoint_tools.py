@@ -158,7 +158,7 @@ def _rank_logits(ckpt_model_dir: str, hf_dir: str, tp: int, pp: int, tokens: tor
     from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.hf_loader import load_model_spec
     from dapo_megatron.policy.model import build_model, transformer_config
-    from dapo_megatron.trainer.checkpoint import load_model
+    from dapo_megatron.checkpoint import load_model
 
     init_distributed(tp, pp)
     seed_everything(0)  # registers megatron's model-parallel RNG streams, which the forward pass forks
@@ -279,7 +279,7 @@ def test_megatron_to_hf_names_missing_unexpected_and_misshaped_tensors(ranks):
     unexpected, unexpected_written = results["mismatch"]["unexpected"]
     assert unexpected and "unexpected tensors: decoder.layers.self_attention.linear_qkv.bias" in unexpected
     shape, shape_written = results["mismatch"]["shape"]
-    assert shape and "decoder.layers.mlp.linear_fc2.weight shape: checkpoint [4, 48, 96], model [4, 48, 64]" in shape
+    assert shape and "decoder.layers.mlp.linear_fc2.weight: shape [4, 48, 96], expected [4, 48, 64]" in shape
     assert "decoder.layers.mlp.linear_fc1.weight" in shape and "embedding" not in shape
     assert not (missing_written or unexpected_written or shape_written)
 

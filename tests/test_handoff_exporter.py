@@ -4,9 +4,9 @@ One set of 4 spawned gloo ranks, two models (Qwen2 untied with vocab 101, Llama 
 * :func:`export_hf_buckets` — per-stage buckets on the stage sources, each within ``bucket_bytes`` unless it is a
   single larger tensor, together every HF name exactly once;
 * :func:`gather_hf_buckets_to_rank0` with a bf16 cast — everything on global rank 0 through the packed p2p path;
-* :func:`export_hf_state_dict_to_dir` — sharded safetensors + index that ``transformers`` loads back bit-exact and
-  that our loader loads back into the megatron model bit-exact; an existing folder is refused on every rank
-  unless ``overwrite=True`` (then replaced).
+* rank 0 writing the gathered buckets with :func:`dapo_megatron.hf_format.write_hf_folder` (one shard per bucket)
+  — sharded safetensors + index that ``transformers`` loads back bit-exact and that our loader loads back into the
+  megatron model bit-exact.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ BUCKET_BYTES = 16 * 1024  # between the sizes of the tiny model's tensors (norms
 def _export_job(model_dirs: dict, out_root: str, bucket_bytes: int) -> dict:
     from megatron.core import parallel_state
 
-    from dapo_megatron.handoff import export_hf_buckets, export_hf_state_dict_to_dir, gather_hf_buckets_to_rank0
+    import torch.distributed as dist
+
+    from dapo_megatron.handoff import export_hf_buckets, gather_hf_buckets_to_rank0
+    from dapo_megatron.hf_format import write_hf_folder
     from dapo_megatron.platform import init_distributed, seed_everything
-    from dapo_megatron.policy.hf_loader import load_hf_config, load_hf_weights, load_model_spec, unwrap_model
+    from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec, unwrap_model
     from dapo_megatron.policy.model import build_model, transformer_config
 
     init_distributed(2, 2)
@@ -46,21 +49,19 @@ def _export_job(model_dirs: dict, out_root: str, bucket_bytes: int) -> dict:
                 assert n not in on_rank0, f"{n} received twice"
                 on_rank0[n] = t.clone()
         out_dir = Path(out_root) / name
-        export_hf_state_dict_to_dir(model, spec, out_dir, hf_config=load_hf_config(model_dir), max_shard_bytes=bucket_bytes)
-
-        try:  # a second export to the same folder: refused on every rank unless overwrite=True
-            export_hf_state_dict_to_dir(model, spec, out_dir, max_shard_bytes=bucket_bytes)
-            refused = None
-        except RuntimeError as exc:
-            refused = str(exc)
-        export_hf_state_dict_to_dir(model, spec, out_dir, hf_config=load_hf_config(model_dir),
-                                    max_shard_bytes=bucket_bytes, overwrite=True)
+        buckets = gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes)
+        if dist.get_rank() == 0:
+            write_hf_folder(out_dir, buckets, side_files_from=model_dir)
+        else:
+            for _ in buckets:  # the TP gathers and the sends to rank 0
+                pass
+        dist.barrier()
 
         reloaded = build_model(spec, tconfig)  # the exported folder loads back into the same layout, bit-exact
         load_hf_weights(reloaded, spec, out_dir)
         original = dict(unwrap_model(model).named_parameters())
         reload_equal = all(torch.equal(p, original[n]) for n, p in unwrap_model(reloaded).named_parameters())
-        results[name] = dict(stage_buckets=stage_buckets, on_rank0=on_rank0, reload_equal=reload_equal, refused=refused,
+        results[name] = dict(stage_buckets=stage_buckets, on_rank0=on_rank0, reload_equal=reload_equal,
                              pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                              tp_rank=parallel_state.get_tensor_model_parallel_rank())
     return results
@@ -135,7 +136,6 @@ def test_exported_dir_loads_in_transformers_and_back_into_megatron(exported, nam
     assert set(on_disk) == set(references[name]) == set(index["weight_map"])
     assert all(torch.equal(on_disk[n], t) for n, t in references[name].items())
     assert all(r[name]["reload_equal"] for r in results)
-    assert all(r[name]["refused"] and "already exists" in r[name]["refused"] for r in results)
 
     from transformers import AutoModelForCausalLM
 

@@ -63,7 +63,7 @@ def reference_model(config, seed: int = 0) -> torch.nn.Module:
 
 def loaded_engine(config, model, version: int = 0, **kwargs) -> EmbeddedEngine:
     engine = EmbeddedEngine(config, **kwargs)
-    engine.update_weights(model.state_dict().items(), version)
+    engine.update_weights([list(model.state_dict().items())], version)
     return engine
 
 
@@ -248,17 +248,17 @@ def test_update_weights_names_missing_unexpected_wrong_shape_and_duplicate_tenso
     wrong_shape = [(n, t[:-1] if n == "model.norm.weight" else t) for n, t in named]
     duplicate = named + [("model.layers.0.input_layernorm.weight", state["model.layers.0.input_layernorm.weight"])]
     not_finite = [(n, torch.full_like(t, float("nan")) if n == "model.norm.weight" else t) for n, t in named]
-    cases = {
-        "missing (1): model.layers.1.mlp.up_proj.weight": missing,
-        "unexpected (1): model.layers.7.self_attn.q_proj.weight (48, 48)": extra,
-        "wrong shape (1): model.norm.weight: got (47,), expected (48,)": wrong_shape,
-        "provided more than once (1): model.layers.0.input_layernorm.weight": duplicate,
-        "model.norm.weight: contains NaN or inf": not_finite,
+    cases = {  # each the one problem reported, on a line of its own
+        "  missing tensors: model.layers.1.mlp.up_proj.weight": missing,
+        "  unexpected tensors: model.layers.7.self_attn.q_proj.weight (48, 48)": extra,
+        "  shape mismatches: model.norm.weight: shape [47], expected [48]": wrong_shape,
+        "  provided more than once: model.layers.0.input_layernorm.weight": duplicate,
+        "  bad values: model.norm.weight: contains NaN or inf": not_finite,
     }
-    for expected_text, tensors in cases.items():
+    for expected_line, tensors in cases.items():
         with pytest.raises(ValueError) as error:
-            engine.update_weights(iter(tensors), version=1)
-        assert expected_text in str(error.value)
+            engine.update_weights([tensors[:5], tensors[5:]], version=1)
+        assert str(error.value).splitlines()[1:] == [expected_line]
         assert "version=1" in str(error.value)
         # A failed update leaves nothing served.
         assert engine.weight_version == NO_WEIGHTS_VERSION and not engine.health().healthy
@@ -266,19 +266,19 @@ def test_update_weights_names_missing_unexpected_wrong_shape_and_duplicate_tenso
             engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
 
     with pytest.raises(ValueError, match="tied weights disagree"):
-        engine.update_weights(named + [("lm_head.weight", torch.zeros_like(state["lm_head.weight"]))], version=1)
-    engine.update_weights(named, version=1)  # tied: lm_head.weight may be absent
+        engine.update_weights([named + [("lm_head.weight", torch.zeros_like(state["lm_head.weight"]))]], version=1)
+    engine.update_weights([named], version=1)  # tied: lm_head.weight may be absent
     assert engine.weight_version == 1
     with pytest.raises(ValueError, match="older than the served version 1"):
-        engine.update_weights(named, version=0)
+        engine.update_weights([named], version=0)
 
 
 def test_untied_model_requires_lm_head():
     config = llama_config()
     state = reference_model(config).state_dict()
     engine = EmbeddedEngine(config)
-    with pytest.raises(ValueError, match=r"missing \(1\): lm_head.weight"):
-        engine.update_weights([(n, t) for n, t in state.items() if n != "lm_head.weight"], version=0)
+    with pytest.raises(ValueError, match=r"\n  missing tensors: lm_head.weight$"):
+        engine.update_weights([[(n, t) for n, t in state.items() if n != "lm_head.weight"]], version=0)
 
 
 def test_update_with_perturbed_weights_serves_them():
@@ -295,13 +295,34 @@ def test_update_with_perturbed_weights_serves_them():
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * param.std())
             param.copy_(param.to(torch.bfloat16))
-    engine.update_weights(((n, t.to(torch.bfloat16)) for n, t in model.state_dict().items()), version=5)
+    engine.update_weights(([(n, t.to(torch.bfloat16))] for n, t in model.state_dict().items()), version=5)
 
     after = engine.generate(PROMPTS, params)
     assert engine.weight_version == 5 and engine.health().weight_version == 5
     assert all(group[0].weight_version == 5 for group in after)
     assert [group[0].token_ids for group in after] == [hf_greedy(model, prompt, 10) for prompt in PROMPTS]
     assert [group[0].token_ids for group in after] != before
+
+
+def test_each_bucket_is_loaded_before_the_next_is_pulled():
+    config = qwen2_config()
+    model = reference_model(config)
+
+    def reusing_producer():
+        """Like an exporter reusing one buffer: pulling a bucket overwrites the previous bucket's tensors."""
+        previous = None
+        for name, tensor in model.state_dict().items():
+            if previous is not None:
+                previous[0][1].fill_(float("nan"))
+            previous = [(name, tensor.clone())]
+            yield previous
+
+    engine = EmbeddedEngine(config)
+    engine.update_weights(reusing_producer(), version=0)
+    group = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
+    assert group[0].token_ids == hf_greedy(model, PROMPTS[0], 8)
+    with pytest.raises(ValueError, match="contains NaN"):  # control: tensors taken after the next pull are clobbered
+        engine.update_weights([bucket for bucket in list(reusing_producer())], version=1)
 
 
 def test_from_hf_directory(tmp_path):
@@ -325,7 +346,7 @@ def test_lifecycle_and_bad_inputs():
     assert engine.health().detail == "no weights loaded"
     with pytest.raises(RolloutError, match="no weights loaded"):
         engine.generate(PROMPTS, SamplingParams())
-    engine.update_weights(reference_model(config).state_dict().items(), version=0)
+    engine.update_weights([list(reference_model(config).state_dict().items())], version=0)
     assert engine.health().healthy
 
     assert engine.generate([], SamplingParams()) == []

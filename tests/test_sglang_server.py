@@ -19,6 +19,7 @@ import pytest
 import torch
 from tiny_models import build_tiny_qwen2, load_hf_model, perturbed_state_dict, sample_prompts
 
+from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
 from dapo_megatron.rollout.sglang_client import SGLangClient
 from dapo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
@@ -30,6 +31,7 @@ torch.set_num_threads(1)
 SERVER_PYTHON = os.environ.get("DAPO_SGLANG_PYTHON", sys.executable)
 REQUEST_TIMEOUT_S = 180.0  # the failure test's re-sent rollout takes ~25 s at ~45 tokens/s on a loaded 2-core box
 STARTUP_TIMEOUT_S = 400.0
+BUCKET_BYTES = 64 * 1024  # several buckets for the tiny model (its embedding alone is larger)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +144,7 @@ def _check_serves(engine, model_dir, prompts, state_dict, version):
 def test_weight_update_over_disk_serves_the_new_weights(engine, model_dir, prompts):
     before = engine_greedy(engine, prompts, 12)
     state = perturbed_state_dict(model_dir, scale=0.1, seed=11)
-    engine.update_weights(iter(state.items()), version=1)
+    engine.update_weights(bucketed(state.items(), BUCKET_BYTES), version=1)
     _check_serves(engine, model_dir, prompts, state, 1)
     assert engine_greedy(engine, prompts, 12) != before
     snapshots = sorted(p.name for p in (engine.run_dir / "weights").iterdir())
@@ -154,13 +156,19 @@ def test_weight_update_over_same_host_transports_serves_the_new_weights(engine, 
     with attached(engine, transport) as other:
         version = other.weight_version + 1
         state = perturbed_state_dict(model_dir, scale=0.1, seed=100 + version)
+        buckets = list(bucketed(state.items(), BUCKET_BYTES))
+        (client,) = [slot.client for slot in other._slots]
+        sent = []  # the buckets reach the server as given: one update call per bucket, none re-bucketed
+        update_call = getattr(client, f"update_weights_from_{transport}")
+        setattr(client, f"update_weights_from_{transport}", lambda *a, **k: (sent.append(1), update_call(*a, **k)))
         started = time.monotonic()
-        other.update_weights(iter(state.items()), version=version)
+        other.update_weights(iter(buckets), version=version)
         print(f"{transport} update of the tiny model: {time.monotonic() - started:.2f} s")
+        assert len(buckets) > 2 and len(sent) == len(buckets)
         _check_serves(other, model_dir, prompts, state, version)
         if transport == "distributed":
             second = perturbed_state_dict(model_dir, scale=0.1, seed=200)
-            other.update_weights(iter(second.items()), version=version + 1)  # reuses the gloo group
+            other.update_weights([list(second.items())], version=version + 1)  # reuses the gloo group
             _check_serves(other, model_dir, prompts, second, version + 1)
 
 
@@ -172,7 +180,7 @@ def test_served_version_mismatch_is_detected(engine, model_dir, prompts):
     with pytest.raises(RolloutError, match=f"weight_version '{served}'"):
         engine.generate(prompts[:1], SamplingParams(max_new_tokens=2))
     state = perturbed_state_dict(model_dir, scale=0.1, seed=12)
-    engine.update_weights(iter(state.items()), version=int(served) + 1)
+    engine.update_weights([list(state.items())], version=int(served) + 1)
     _check_serves(engine, model_dir, prompts, state, int(served) + 1)
 
 
@@ -196,7 +204,7 @@ def test_server_that_stops_answering_raises_within_the_timeout(engine, prompts):
 def test_killed_server_is_restarted_with_its_weights_and_lost_requests_are_resent(engine, model_dir, prompts):
     version = engine.weight_version + 1
     state = perturbed_state_dict(model_dir, scale=0.1, seed=33)
-    engine.update_weights(iter(state.items()), version=version)
+    engine.update_weights([list(state.items())], version=version)
     (server,) = engine.server_processes()
     old_pid = server.pid
     old_tree = [psutil.Process(old_pid)] + psutil.Process(old_pid).children(recursive=True)

@@ -27,12 +27,8 @@ from dapo_megatron.rollout.sglang_requests import (
     samples_from_outputs,
 )
 from dapo_megatron.rollout.sglang_server import SGLangLaunchConfig, SGLangServerProcess, require_sglang
-from dapo_megatron.rollout.sglang_transports import (
-    DiskTransport,
-    iter_buckets,
-    serialize_named_tensors,
-    with_last_flag,
-)
+from dapo_megatron.hf_format import bucketed
+from dapo_megatron.rollout.sglang_transports import DiskTransport, serialize_named_tensors
 
 torch.set_num_threads(1)
 
@@ -105,19 +101,7 @@ def test_reply_with_wrong_sample_count_or_inconsistent_logprobs_is_an_error():
         samples_from_outputs([bad], 0, 1, 3, "srv")
 
 
-# ---- buckets and serialization -----------------------------------------------------------------------------------
-def test_buckets_respect_the_byte_limit_and_flag_the_last_one():
-    tensors = [(f"w{i}", torch.zeros(10)) for i in range(5)]  # 40 bytes each
-    buckets = list(iter_buckets(iter(tensors), 100))
-    assert [[name for name, _ in b] for b in buckets] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
-    assert [flag for _, flag in with_last_flag(iter(buckets))] == [False, False, True]
-    assert [len(b) for b in iter_buckets(iter([("big", torch.zeros(100))]), 8)] == [1]
-    with pytest.raises(RolloutError, match="no tensors"):
-        list(with_last_flag(iter_buckets(iter([]), 100)))
-    with pytest.raises(RolloutError, match="appears twice"):
-        list(iter_buckets(iter([("a", torch.zeros(1)), ("a", torch.zeros(1))]), 100))
-
-
+# ---- serialization -----------------------------------------------------------------------------------------------
 def test_cpu_tensors_are_serialized_by_value_not_as_shared_memory_handles():
     original = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(2, dtype=torch.bfloat16))]
     raw = base64.b64decode(serialize_named_tensors(original))
@@ -137,13 +121,15 @@ def test_disk_snapshot_is_a_complete_hf_directory(tmp_path):
     (hf_dir / "config.json").write_text('{"model_type": "qwen2"}')
     (hf_dir / "tokenizer.json").write_text("{}")
     (hf_dir / "model.safetensors").write_bytes(b"old weights, must not be copied")
-    transport = DiskTransport(tmp_path / "snapshots", hf_dir, shard_bytes=64)
+    (hf_dir / "chat_template.jinja").write_text("{{ messages }}")
+    (hf_dir / "notes.txt").write_text("not a side file")
+    transport = DiskTransport(tmp_path / "snapshots", hf_dir)
     tensors = {f"layer{i}.weight": torch.full((4, 2), float(i)) for i in range(3)}  # 32 bytes each
-    path = transport.write_snapshot(iter(tensors.items()), version=7)
+    path = transport.write_snapshot(bucketed(tensors.items(), 64), version=7)  # one shard per bucket, as given
     assert path == tmp_path / "snapshots" / "v7"
     names = sorted(p.name for p in path.iterdir())
-    assert names == ["config.json", "model-00001.safetensors", "model-00002.safetensors",
-                     "model.safetensors.index.json", "tokenizer.json"]
+    assert names == ["chat_template.jinja", "config.json", "model-00001-of-00002.safetensors",
+                     "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json"]
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == 96
     loaded = {}

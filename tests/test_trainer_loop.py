@@ -107,6 +107,8 @@ def test_two_dapo_steps_update_the_policy_and_the_engine(tmp_path):
     assert "val/all/acc/mean@1" in rows[0] and "val/all/acc/mean@1" in rows[-1]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "step_000002" / "COMPLETE").exists()
+    hf_side_files = {p.name for p in (tmp_path / "checkpoints" / "step_000002" / "hf").iterdir()}
+    assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= hf_side_files  # what an HF export needs
     assert (tmp_path / "config.yaml").exists()
 
 

@@ -6,8 +6,9 @@ Who does what (every rank calls the same function; it returns/yields nothing on 
 * Within each pipeline stage, the TP ranks ``gather`` each parameter's shard to TP rank 0 (the stage's *source*),
   which turns the shards into full HF tensors through :mod:`dapo_megatron.policy.weight_mapping` (QKV and fc1
   un-interleaved, vocabulary padding removed). Replicated tensors (norms) are not gathered.
-* The source packs the tensors into buckets of at most ``bucket_bytes`` (a single larger tensor travels alone) and
-  yields them: :func:`export_hf_buckets`. Each HF name appears exactly once over all stages.
+* The source packs the tensors into buckets of at most ``bucket_bytes`` (a single larger tensor travels alone;
+  :func:`dapo_megatron.hf_format.bucketed`) and yields them: :func:`export_hf_buckets`. Each HF name appears exactly
+  once over all stages. These are the buckets a rollout engine's ``update_weights`` receives, as they are.
 * :func:`gather_hf_buckets_to_rank0` additionally moves every stage's buckets to global rank 0 (stage 0's source),
   point-to-point, stage by stage, so one process can feed the inference engine.
 
@@ -15,36 +16,22 @@ Memory bound: a source holds one bucket plus the TP shards of one parameter (``b
 shard); with :func:`gather_hf_buckets_to_rank0` global rank 0 holds one received bucket at a time, and a stage's
 source blocks in ``send`` until rank 0 has taken its previous bucket. Consumers must be done with a bucket before
 asking for the next (its tensors may be views of one receive buffer).
-
-:func:`export_hf_state_dict_to_dir` writes the result as sharded safetensors + ``model.safetensors.index.json``
-(+ ``config.json``) that ``transformers`` and :mod:`dapo_megatron.policy.hf_loader` load; the folder appears
-atomically (written under a temporary name in the same parent, then renamed).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.policy.hf_loader import INDEX_FILE, model_stage_mappings, unwrap_model
+from dapo_megatron.hf_format.buckets import Bucket, bucketed, nbytes
+from dapo_megatron.policy.hf_loader import model_stage_mappings, unwrap_model
 from dapo_megatron.policy.model import ModelSpec
 from dapo_megatron.policy.weight_mapping import ShardGeometry, Split, hf_from_shards
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
-DEFAULT_SHARD_BYTES = 2 * 2**30
 _ALIGN = 16  # byte alignment of each tensor inside a packed p2p buffer, so every dtype view is valid
-
-Bucket = list[tuple[str, torch.Tensor]]
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _is_export_source_group_member() -> bool:
@@ -88,19 +75,6 @@ def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
             yield name, tensor if dtype is None else tensor.to(dtype)
 
 
-def _bucketed(named_tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    bucket: Bucket = []
-    size = 0
-    for name, tensor in named_tensors:
-        if bucket and size + _nbytes(tensor) > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += _nbytes(tensor)
-    if bucket:
-        yield bucket
-
-
 def export_hf_buckets(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       dtype: torch.dtype | None = None) -> Iterator[Bucket]:
     """This pipeline stage's HF tensors in buckets of ≤ ``bucket_bytes``, yielded on the stage's source rank only.
@@ -112,14 +86,7 @@ def export_hf_buckets(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: 
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     if not _is_export_source_group_member():
         return
-    yield from _bucketed(_stage_hf_tensors(model, spec, dtype), bucket_bytes)
-
-
-def iter_hf_tensors(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`export_hf_buckets`, one ``(hf_name, tensor)`` at a time."""
-    for bucket in export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype):
-        yield from bucket
+    yield from bucketed(_stage_hf_tensors(model, spec, dtype), bucket_bytes)
 
 
 def _aligned(n: int) -> int:
@@ -129,12 +96,12 @@ def _aligned(n: int) -> int:
 def _send_bucket(bucket: Bucket, dst: int) -> None:
     """Metadata as an object, then all tensors packed into one byte buffer (any dtype, one transfer)."""
     meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
-    total = sum(_aligned(_nbytes(t)) for _, t in bucket)
+    total = sum(_aligned(nbytes(t)) for _, t in bucket)
     dist.send_object_list([(meta, total)], dst=dst)
     buffer = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device)
     offset = 0
     for _, tensor in bucket:
-        n = _nbytes(tensor)
+        n = nbytes(tensor)
         buffer[offset:offset + n].copy_(tensor.reshape(-1).view(torch.uint8))
         offset += _aligned(n)
     dist.send(buffer, dst=dst)
@@ -187,80 +154,3 @@ def gather_hf_buckets_to_rank0(model: torch.nn.Module, spec: ModelSpec, *, bucke
             _send_bucket(bucket, dst=0)
     if is_source and pp_rank > 0:
         dist.send_object_list([None], dst=0)
-
-
-def _write_shards(buckets: Iterator[Bucket], tmp_dir: Path) -> tuple[dict[str, str], int]:
-    """One safetensors file per bucket, then renamed to HF's ``model-0000i-of-0000n.safetensors``."""
-    from safetensors.torch import save_file
-
-    written: list[tuple[Path, list[str]]] = []
-    total_bytes = 0
-    for i, bucket in enumerate(buckets):
-        total_bytes += sum(_nbytes(t) for _, t in bucket)
-        path = tmp_dir / f"part-{i:05d}.safetensors"
-        save_file({name: t.detach().to("cpu").contiguous() for name, t in bucket}, str(path), metadata={"format": "pt"})
-        written.append((path, [name for name, _ in bucket]))
-    weight_map: dict[str, str] = {}
-    for i, (path, names) in enumerate(written):
-        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-        path.rename(tmp_dir / final)
-        for name in names:
-            if name in weight_map:
-                raise RuntimeError(f"tensor {name!r} was exported twice")
-            weight_map[name] = final
-    return weight_map, total_bytes
-
-
-def _replace_dir(new_dir: Path, out_dir: Path) -> None:
-    """Move ``new_dir`` to ``out_dir``; an old ``out_dir`` is renamed aside first and deleted only afterwards."""
-    if not out_dir.exists():
-        new_dir.rename(out_dir)
-        return
-    old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    old_dir.rmdir()
-    out_dir.rename(old_dir)
-    new_dir.rename(out_dir)
-    shutil.rmtree(old_dir)
-
-
-def export_hf_state_dict_to_dir(model: torch.nn.Module, spec: ModelSpec, out_dir: str | Path, *,
-                                hf_config: Any = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                                dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
-    """Write the full model as a HF safetensors folder at ``out_dir``; every rank calls it, global rank 0 writes.
-
-    Shards hold at most ``max_shard_bytes`` (one bucket each, so rank 0 holds one shard in memory at a time).
-    ``hf_config`` (a ``transformers`` config) is saved as ``config.json`` when given. The folder is built as
-    ``.<name>.tmp-*`` next to ``out_dir`` and renamed into place; an existing ``out_dir`` is an error unless
-    ``overwrite``. Every rank returns after the folder exists (or raises the writer's error).
-    """
-    out_dir = Path(out_dir)
-    buckets = gather_hf_buckets_to_rank0(model, spec, bucket_bytes=max_shard_bytes, dtype=dtype)
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            if out_dir.exists() and not overwrite:
-                raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
-            tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-            try:
-                weight_map, total = _write_shards(buckets, tmp_dir)
-                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-                (tmp_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
-                if hf_config is not None:
-                    hf_config.save_pretrained(str(tmp_dir))
-                _replace_dir(tmp_dir, out_dir)
-            except BaseException:
-                shutil.rmtree(tmp_dir, ignore_errors=True)
-                raise
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error = f"{type(exc).__name__}: {exc}"
-            for _ in buckets:  # keep the other stages' sends matched so no rank hangs
-                pass
-    else:
-        for _ in buckets:
-            pass
-    status = [error]
-    dist.broadcast_object_list(status, src=0)
-    if status[0] is not None:
-        raise RuntimeError(f"exporting to {out_dir} failed on rank 0: {status[0]}")
-    return out_dir

@@ -1,8 +1,8 @@
 """Hugging Face safetensors → this rank's tensor/pipeline-parallel shard of a megatron ``GPTModel``.
 
-Each rank reads only what it holds: the tensors of its pipeline stage, and of those only its tensor-parallel slice
-(``safe_open(...).get_slice``), as :mod:`dapo_megatron.policy.weight_mapping` prescribes. Works with a single
-``model.safetensors`` or a sharded checkpoint with ``model.safetensors.index.json``.
+Each rank reads only what it holds: the tensors of its pipeline stage, and of those only its tensor-parallel slice,
+as :mod:`dapo_megatron.policy.weight_mapping` prescribes, through :class:`dapo_megatron.hf_format.HFWeights` (a single
+``model.safetensors`` or a sharded folder with its index; every file's header checked first).
 
 Everything is checked before a parameter is touched: every megatron parameter must have a mapping and every mapped
 HF tensor must exist with its expected shape; errors name the tensor, the file and both shapes.
@@ -10,19 +10,15 @@ HF tensor must exist with its expected shape; errors name the tensor, the file a
 
 from __future__ import annotations
 
-import json
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from dapo_megatron.hf_format import HFFormatError, HFWeights, compare_shapes, load_hf_config
 from dapo_megatron.policy.model import ModelSpec, model_spec_from_hf
 from dapo_megatron.policy.weight_mapping import (
     BoundMapping,
-    HFSlice,
     ShardGeometry,
     assemble_shard,
     hf_shapes,
@@ -31,22 +27,9 @@ from dapo_megatron.policy.weight_mapping import (
     stage_mappings,
 )
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
-
-class HFCheckpointError(ValueError):
-    """The HF checkpoint does not match the model: missing tensors, wrong shapes, missing files."""
-
-
-def load_hf_config(model_dir: str | Path):
-    """The ``transformers`` config of a local HF model folder (no hub access)."""
-    from transformers import AutoConfig
-
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise HFCheckpointError(f"{model_dir} has no config.json: not a Hugging Face model folder")
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+class HFCheckpointError(HFFormatError):
+    """The HF checkpoint does not match the model: missing tensors, wrong shapes, unmapped parameters."""
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
@@ -96,72 +79,23 @@ def model_stage_mappings(model: torch.nn.Module, spec: ModelSpec) -> list[BoundM
     return mappings
 
 
-class SafetensorsCheckpoint:
-    """Read access to a HF safetensors checkpoint folder; use as a context manager (keeps files open)."""
-
-    def __init__(self, model_dir: str | Path):
-        self.model_dir = Path(model_dir)
-        index = self.model_dir / INDEX_FILE
-        if index.is_file():
-            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        elif (self.model_dir / SINGLE_FILE).is_file():
-            with safe_open(self.model_dir / SINGLE_FILE, framework="pt") as f:
-                self.weight_map = {name: SINGLE_FILE for name in f.keys()}
-        else:
-            raise HFCheckpointError(f"{self.model_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-        self._stack = ExitStack()
-        self._handles: dict[str, Any] = {}
-
-    def __enter__(self) -> "SafetensorsCheckpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-        self._handles.clear()
-
-    def _handle(self, name: str):
-        file = self.weight_map[name]
-        if file not in self._handles:
-            path = self.model_dir / file
-            if not path.is_file():
-                raise HFCheckpointError(f"{path} (listed for tensor {name!r} in {INDEX_FILE}) does not exist")
-            self._handles[file] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._handles[file]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def read(self, piece: HFSlice) -> torch.Tensor:
-        """The slice of one tensor (the whole tensor when ``piece.dim`` is None), reading only those bytes."""
-        handle = self._handle(piece.name)
-        if piece.dim is None:
-            return handle.get_tensor(piece.name)
-        window = slice(piece.start, piece.stop)
-        return handle.get_slice(piece.name)[window] if piece.dim == 0 else handle.get_slice(piece.name)[:, window]
-
-    def where(self, name: str) -> str:
-        return str(self.model_dir / self.weight_map[name])
-
-
 @dataclass(frozen=True)
 class LoadStats:
     parameters_loaded: int
     elements_read: int  # HF elements read from disk by this rank (its slices only)
 
 
-def check_checkpoint(ckpt: SafetensorsCheckpoint, mappings: list[BoundMapping], geometry: ShardGeometry) -> None:
+def check_checkpoint(weights: HFWeights, mappings: list[BoundMapping], geometry: ShardGeometry) -> None:
     """Every mapped HF tensor exists with its expected full shape; one error naming all problems."""
-    missing, wrong = [], []
+    expected, used_by = {}, {}
     for mapping in mappings:
-        for name, expected in zip(mapping.hf_names, hf_shapes(mapping, geometry), strict=True):
-            if name not in ckpt.weight_map:
-                missing.append(f"{name} (for {mapping.megatron_name})")
-            elif ckpt.shape(name) != expected:
-                wrong.append(f"{name} in {ckpt.where(name)}: shape {list(ckpt.shape(name))}, expected {list(expected)}")
-    if missing or wrong:
-        parts = ([f"missing tensors: {', '.join(missing)}"] if missing else []) + (
-            [f"shape mismatches: {'; '.join(wrong)}"] if wrong else [])
-        raise HFCheckpointError(f"checkpoint {ckpt.model_dir} does not fit the model: " + " | ".join(parts))
+        for name, shape in zip(mapping.hf_names, hf_shapes(mapping, geometry), strict=True):
+            expected[name], used_by[name] = shape, mapping.megatron_name
+    stored = {name: tensor.shape for name, tensor in weights.tensors.items()}
+    mismatch = compare_shapes(stored, expected, where=weights.where, ignore_unexpected=lambda name: True)
+    mismatch.missing = [f"{name} (for {used_by[name]})" for name in mismatch.missing]
+    if mismatch:
+        raise HFCheckpointError(mismatch.report(f"checkpoint {weights.model_dir} does not fit the model"))
 
 
 @torch.no_grad()
@@ -178,10 +112,11 @@ def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, model_dir: str | Pa
     mappings = model_stage_mappings(model, spec)
     params = dict(unwrap_model(model).named_parameters())
     elements = 0
-    with SafetensorsCheckpoint(model_dir) as ckpt:
-        check_checkpoint(ckpt, mappings, geometry)
+    with HFWeights(model_dir) as weights:
+        check_checkpoint(weights, mappings, geometry)
         for mapping in mappings:
-            pieces = [ckpt.read(s) for s in slices_for_rank(mapping, geometry, tp_rank)]
+            pieces = [weights.read(piece.name, piece.dim, piece.start, piece.stop)
+                      for piece in slices_for_rank(mapping, geometry, tp_rank)]
             elements += sum(p.numel() for p in pieces)
             shard = assemble_shard(mapping, geometry, pieces)
             param = params[mapping.megatron_name]

@@ -1,23 +1,15 @@
 """In-process rollout engine: batched KV-cached sampling on an HF-format copy of the policy (the CPU default).
 
 The engine builds the HF model from its config (fp32, CPU, eval, no grad) and receives weights only through
-:meth:`EmbeddedEngine.update_weights` — the same ``(hf_name, tensor)`` path the SGLang engine uses — so the handoff
-code runs in every mode.
+:meth:`EmbeddedEngine.update_weights` — the same buckets of ``(hf_name, tensor)`` the SGLang engine receives — so the
+handoff code runs in every mode.
 
 Generation (:meth:`EmbeddedEngine.generate`) is a custom decode loop rather than ``model.generate``:
 
 * every sample of a call is one row (all ``n`` copies of a prompt included); rows are sorted by prompt length and
   cut into chunks bounded by a row count and a KV-cache byte budget;
-* a chunk is left-padded to its longest prompt ``P``. Row ``b`` with prompt length ``L_b`` has ``P - L_b`` pad slots;
-  its real tokens get positions ``0 .. L_b - 1`` (computed from the pad mask by a cumulative sum) and the token
-  generated at step ``t`` gets position ``L_b + t``, so RoPE sees exactly what it sees for the prompt alone;
-* attention masks are built here as 4D boolean masks (True = attend) and handed to the model as-is: a real query
-  attends causally to real keys only; a pad query attends only to itself. That keeps the (unused) hidden states of
-  pad slots finite on every SDPA backend: some return NaN for a fully masked row (torch 2.13's CPU kernel returns
-  zeros), and a NaN value in a pad slot would poison real rows, since NaN times a zero attention weight is NaN;
-* the KV cache is preallocated for the whole chunk (``P + max_new_tokens - 1`` slots) and written in place; each
-  step attends to a view of the filled prefix. HF's growing cache concatenates every layer's K and V each step,
-  which dominated the decode time of a ~1M-parameter model (74% of it at 256 rows);
+* a chunk is left-padded, masked and cached as :mod:`dapo_megatron.rollout.decode_batch` describes (positions that
+  ignore the padding, masks that keep pad slots finite, a KV cache preallocated for the whole decode);
 * a row finishes on a stop token (kept in its ``token_ids``, reason ``"stop"``) or after ``max_new_tokens``
   (``"length"``); finished rows are dropped from the batch once they are a large enough share of it, which
   shrinks every later forward at the cost of one copy of the cache.
@@ -30,15 +22,15 @@ Log-probs and the sampling rule are documented in :mod:`dapo_megatron.rollout.sa
 from __future__ import annotations
 
 import copy
-import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from dapo_megatron.hf_format import Bucket, TensorMismatch, WrongShape, bucketed, iter_tensors, load_hf_config
+from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache
 from dapo_megatron.rollout.engine import (
     EngineHealth,
     FinishReason,
@@ -63,98 +55,6 @@ _MAX_NAMES_IN_ERROR = 20
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# KV cache
-
-
-class PreallocatedKVLayer(DynamicLayer):
-    """One layer's KV cache with room for ``capacity`` positions, written in place.
-
-    ``update`` stores the new keys/values at the next free slots and returns views ``[B, H, filled, D]`` of the
-    filled prefix, so decoding never concatenates. ``batch_select_indices`` keeps a subset of rows (finished rows
-    leaving the batch).
-    """
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = capacity
-        self.filled = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, key_dim = key_states.shape
-        self.device = key_states.device
-        self.keys = key_states.new_empty(batch, heads, self.capacity, key_dim)
-        self.values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start, stop = self.filled, self.filled + key_states.shape[-2]
-        if stop > self.capacity:
-            raise RolloutError(f"KV cache overflow: {stop} positions written into a cache of {self.capacity}")
-        self.keys[:, :, start:stop] = key_states
-        self.values[:, :, start:stop] = value_states
-        self.filled = stop
-        return self.keys[:, :, :stop], self.values[:, :, :stop]
-
-    def get_seq_length(self) -> int:
-        return self.filled
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.is_initialized:
-            self.keys = self.keys[indices]
-            self.values = self.values[indices]
-
-
-def preallocated_kv_cache(num_layers: int, capacity: int) -> Cache:
-    return Cache(layers=[PreallocatedKVLayer(capacity) for _ in range(num_layers)])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Left-padded batch
-
-
-@dataclass
-class LeftPaddedBatch:
-    """A chunk of prompts left-padded to a common length ``P``, with room for ``max_new_tokens`` more positions.
-
-    ``key_valid[b, j]`` says whether cache slot ``j`` of row ``b`` holds a real token. Slots past ``P`` (generated
-    tokens) are all valid: at step ``t`` only slots ``< P + t + 1`` are attended, and those are filled.
-    """
-
-    input_ids: torch.Tensor  # [B, P] int64
-    key_valid: torch.Tensor  # [B, P + max_new_tokens] bool
-    prompt_lengths: torch.Tensor  # [B] int64
-
-    @classmethod
-    def build(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id: int) -> "LeftPaddedBatch":
-        prompt_lengths = torch.tensor([len(prompt) for prompt in prompts], dtype=torch.int64)
-        padded_length = int(prompt_lengths.max())
-        real = torch.arange(padded_length)[None, :] >= (padded_length - prompt_lengths)[:, None]
-        input_ids = torch.full((len(prompts), padded_length), pad_token_id, dtype=torch.int64)
-        input_ids[real] = torch.tensor(list(itertools.chain.from_iterable(prompts)), dtype=torch.int64)  # row-major
-        key_valid = torch.cat([real, torch.ones(len(prompts), max_new_tokens, dtype=torch.bool)], dim=1)
-        return cls(input_ids=input_ids, key_valid=key_valid, prompt_lengths=prompt_lengths)
-
-    @property
-    def padded_length(self) -> int:
-        return self.input_ids.shape[1]
-
-    def prompt_position_ids(self) -> torch.Tensor:
-        """``[B, P]``: real tokens numbered from 0 (cumulative count of real tokens minus one), pads at 0."""
-        real = self.key_valid[:, : self.padded_length].long()
-        return (real.cumsum(dim=-1) - 1).clamp_(min=0)
-
-    def prompt_attention_mask(self) -> torch.Tensor:
-        """``[B, 1, P, P]`` bool: causal among real tokens; a pad query sees only itself (keeps SDPA finite)."""
-        length = self.padded_length
-        causal = torch.ones(length, length, dtype=torch.bool).tril_()
-        real_keys = self.key_valid[:, None, None, :length]
-        diagonal = torch.eye(length, dtype=torch.bool)
-        return (causal & real_keys) | diagonal
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Weight handoff
 
 
@@ -164,8 +64,9 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
     Every parameter must be provided once, with its exact shape, as a finite floating-point tensor. A parameter
     shared under several names (``lm_head.weight`` tied to ``model.embed_tokens.weight``) needs only one of them; if
     several are sent they must be equal. Tensors are copied (cast to the parameter's dtype) one at a time as the
-    iterator yields them, so memory stays at one tensor beyond the model. All problems are collected and raised
-    together as one ``ValueError`` naming the tensors; the model is then partially overwritten and must not serve.
+    iterator yields them, so memory stays at what the producer holds beyond the model. All problems are collected
+    and raised together as one ``ValueError`` naming the tensors; the model is then partially overwritten and must
+    not serve.
     """
     name_to_param = dict(model.named_parameters(remove_duplicate=False))
     aliases: dict[int, list[str]] = {}
@@ -175,7 +76,7 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
     received: set[str] = set()
     provided_twice: list[str] = []
     unexpected: list[str] = []
-    wrong_shape: list[str] = []
+    wrong_shape: list[WrongShape] = []
     bad_values: list[str] = []
     tied_disagree: list[str] = []
     with torch.no_grad():
@@ -189,7 +90,7 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
                 unexpected.append(f"{name} {tuple(tensor.shape)}")
                 continue
             if tuple(tensor.shape) != tuple(param.shape):
-                wrong_shape.append(f"{name}: got {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                wrong_shape.append(WrongShape(name, tuple(tensor.shape), tuple(param.shape)))
                 continue
             if not tensor.is_floating_point():
                 bad_values.append(f"{name}: dtype {tensor.dtype} is not floating point")
@@ -203,41 +104,16 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
                 continue
             param.copy_(tensor)
 
-    missing = [
-        " / ".join(names) for names in aliases.values() if not any(name in received for name in names)
-    ]
-    problems = [
-        (label, items)
-        for label, items in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("wrong shape", wrong_shape),
-            ("provided more than once", provided_twice),
-            ("bad values", bad_values),
-            ("tied weights disagree", tied_disagree),
-        )
-        if items
-    ]
-    if problems:
-        lines = [f"the tensors do not match {type(model).__name__}:"]
-        for label, items in problems:
-            shown = items[:_MAX_NAMES_IN_ERROR]
-            more = f" ... and {len(items) - len(shown)} more" if len(items) > len(shown) else ""
-            lines.append(f"  {label} ({len(items)}): {', '.join(shown)}{more}")
-        raise ValueError("\n".join(lines))
-
-
-def iter_safetensors_directory(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` from every ``*.safetensors`` file of an HF checkpoint directory."""
-    from safetensors import safe_open
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in HF directory {directory}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+    mismatch = TensorMismatch(
+        missing=[" / ".join(names) for names in aliases.values() if not any(name in received for name in names)],
+        unexpected=unexpected,
+        wrong_shape=wrong_shape,
+        other={"provided more than once": provided_twice, "bad values": bad_values,
+               "tied weights disagree": tied_disagree},
+    )
+    if mismatch:
+        raise ValueError(mismatch.report(f"the tensors do not match {type(model).__name__}",
+                                         max_names=_MAX_NAMES_IN_ERROR))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -286,10 +162,9 @@ class EmbeddedEngine(RolloutEngine):
     @classmethod
     def from_hf_directory(cls, directory: str | Path, *, version: int = 0, **engine_kwargs) -> "EmbeddedEngine":
         """Build from an HF checkpoint directory: its ``config.json``, then its safetensors weights pushed through
-        :meth:`update_weights` as ``version``."""
-        directory = Path(directory)
-        engine = cls(AutoConfig.from_pretrained(directory), **engine_kwargs)
-        engine.update_weights(iter_safetensors_directory(directory), version)
+        :meth:`update_weights` as ``version``, one tensor per bucket."""
+        engine = cls(load_hf_config(directory), **engine_kwargs)
+        engine.update_weights(bucketed(iter_tensors(directory), bucket_bytes=1), version)
         return engine
 
     # -- weights ---------------------------------------------------------------------------------------------
@@ -298,7 +173,7 @@ class EmbeddedEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self._version
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         model = self._require_model()
         if version < 0:
             raise ValueError(f"EmbeddedEngine.update_weights: version must be >= 0, got {version}")
@@ -308,7 +183,7 @@ class EmbeddedEngine(RolloutEngine):
             )
         self._version = NO_WEIGHTS_VERSION  # until the new set is fully and correctly loaded
         try:
-            load_named_tensors(model, named_tensors)
+            load_named_tensors(model, (named for bucket in buckets for named in bucket))
         except ValueError as error:
             raise ValueError(f"EmbeddedEngine.update_weights(version={version}): {error}") from None
         self._version = version

@@ -7,8 +7,9 @@ Two engines implement it:
 * :class:`dapo_megatron.rollout.sglang_engine.SGLangEngine` — SGLang servers launched here or attached by URL
   (the production path).
 
-Both receive new weights the same way: an iterator of ``(hf_name, tensor)`` pairs produced by the Megatron-side
-exporter (:mod:`dapo_megatron.handoff.exporter`), tagged with a monotonically increasing version number.
+Both receive new weights the same way: the buckets of ``(hf_name, tensor)`` pairs the Megatron-side exporter
+(:mod:`dapo_megatron.handoff.exporter`) makes, consumed as they come (never re-bucketed), tagged with a monotonically
+increasing version number.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Sequence
 
-import torch
+from dapo_megatron.hf_format.buckets import Bucket
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -83,10 +84,11 @@ class RolloutEngine(abc.ABC):
         """Return, for each prompt in order, its ``params.n`` samples."""
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Replace the served weights with these full, HF-named tensors and tag them ``version``.
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
+        """Replace the served weights with the full, HF-named tensors of ``buckets`` and tag them ``version``.
 
-        Must fail loudly if afterwards the engine does not serve ``version``.
+        A bucket is consumed entirely before the next is pulled (the producer may reuse its memory). Must fail
+        loudly if afterwards the engine does not serve ``version``.
         """
 
     @property

@@ -21,6 +21,5 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
 
     engine_config = SGLangEngineConfig.from_sglang_config(
         r.sglang, model_path=str(hf_dir), run_dir=str(Path(run_dir) / "sglang"),
-        bucket_bytes=r.handoff_bucket_mb * 2**20,
     )
     return SGLangEngine(engine_config)

@@ -14,7 +14,7 @@ out of restarts, is taken out of rotation and its requests go to the others. Wit
 a server that dies after the first update cannot be restored and is taken out of rotation instead.
 ``request_timeout_s`` must therefore exceed the longest legitimate generation of one prompt.
 
-Weights: :meth:`SGLangEngine.update_weights` pauses every server, flushes its cache, pushes the tensors through the
+Weights: :meth:`SGLangEngine.update_weights` pauses every server, flushes its cache, pushes the buckets through the
 configured transport (:mod:`dapo_megatron.rollout.sglang_transports`), continues generation, and reads back each
 server's ``weight_version`` (``/model_info``), raising :class:`RolloutError` on any mismatch. Every generated
 sample's reported ``weight_version`` is checked as well.
@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Iterable, Literal, Sequence
 import torch
 from tqdm import tqdm
 
+from dapo_megatron.hf_format import Bucket
 from dapo_megatron.rollout.engine import EngineHealth, RolloutEngine, RolloutError, Sample, SamplingParams
 from dapo_megatron.rollout.sglang_client import ServerFailure, SGLangClient
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
 from dapo_megatron.rollout.sglang_server import SGLangLaunchConfig, SGLangServerProcess, require_sglang
 from dapo_megatron.rollout.sglang_transports import (
-    DEFAULT_BUCKET_BYTES,
     DiskTransport,
     DistributedTransport,
     ServerTarget,
@@ -74,7 +74,6 @@ class SGLangEngineConfig:
     transport: TransportName = "disk"
     run_dir: str | None = None
     weight_dir: str | None = None
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     distributed_backend: Literal["nccl", "gloo"] | None = None  # None: nccl for cuda servers, gloo for cpu
     distributed_master_address: str = "127.0.0.1"
     request_timeout_s: float = 600.0
@@ -101,8 +100,7 @@ class SGLangEngineConfig:
     @classmethod
     def from_sglang_config(cls, config: "SGLangConfig", *, model_path: str, run_dir: str | None = None,
                            device: Literal["cpu", "cuda"] | None = None, dtype: str = "auto",
-                           max_total_tokens: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                           show_progress: bool = True) -> "SGLangEngineConfig":
+                           max_total_tokens: int | None = None, show_progress: bool = True) -> "SGLangEngineConfig":
         """Map the run config's ``rollout.sglang`` section onto an engine config.
 
         ``device``: default cuda when torch sees a GPU. ``max_total_tokens``: the KV-cache size in tokens; on CPU it
@@ -124,7 +122,7 @@ class SGLangEngineConfig:
         )
         return cls(model_path=model_path, urls=tuple(config.urls), api_key=api_key, num_servers=config.num_servers,
                    launch=launch, transport=config.transport, run_dir=run_dir, weight_dir=config.weight_dir,
-                   bucket_bytes=bucket_bytes, request_timeout_s=config.request_timeout_s,
+                   request_timeout_s=config.request_timeout_s,
                    max_restarts=config.max_restarts, max_concurrent_requests=config.max_concurrent_requests,
                    show_progress=show_progress)
 
@@ -223,10 +221,10 @@ class SGLangEngine(RolloutEngine):
             weight_dir = Path(config.weight_dir) if config.weight_dir else self.run_dir / "weights"
             return DiskTransport(weight_dir, config.model_path)
         if config.transport == "tensor":
-            return TensorTransport(bucket_bytes=min(config.bucket_bytes, 256 * 1024 * 1024))
+            return TensorTransport()
         backend = config.distributed_backend or ("nccl" if config.launch.device == "cuda" else "gloo")
         return DistributedTransport(master_address=config.distributed_master_address, backend=backend,
-                                    bucket_bytes=config.bucket_bytes, timeout_s=config.request_timeout_s)
+                                    timeout_s=config.request_timeout_s)
 
     # ---- public state --------------------------------------------------------------------------------------------
     @property
@@ -360,7 +358,7 @@ class SGLangEngine(RolloutEngine):
         return self.transport.restart_model_path(self._weight_version)
 
     # ---- weights ---------------------------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         self._check_open()
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"SGLangEngine.update_weights: version must be an int >= 0, got {version!r}")
@@ -377,7 +375,7 @@ class SGLangEngine(RolloutEngine):
                 target.client.pause_generation()
                 target.client.flush_cache()
             try:
-                self.transport.push(targets, named_tensors, version)
+                self.transport.push(targets, buckets, version)
             finally:
                 failures = []
                 for target in targets:

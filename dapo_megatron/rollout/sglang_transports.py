@@ -2,12 +2,13 @@
 
 The engine (:class:`dapo_megatron.rollout.sglang_engine.SGLangEngine`) pauses every server and flushes its cache
 before calling :meth:`WeightTransport.push`, and continues generation and checks the served ``weight_version``
-after it. A transport consumes the ``(hf_name, tensor)`` iterator once, in buckets of about ``bucket_bytes``, and
-sends every bucket to every server before pulling the next one, so the trainer never holds more than one bucket of
-copies. Full tensors are sent; SGLang shards them for its own TP degree.
+after it. A transport consumes the buckets of ``(hf_name, tensor)`` pairs as the exporter made them (it never
+re-buckets) and sends every bucket to every server before pulling the next one, so the trainer never holds more
+than one bucket. Full tensors are sent; SGLang shards them for its own TP degree.
 
-* :class:`DiskTransport` — safetensors shards + ``config.json`` + tokenizer files into ``snapshot_root/v{version}``
-  (a complete HF model directory, on a filesystem the servers can read), then ``/update_weights_from_disk``.
+* :class:`DiskTransport` — one safetensors shard per bucket + index + config and tokenizer files into
+  ``snapshot_root/v{version}`` (a complete HF model directory written by :func:`dapo_megatron.hf_format.
+  write_hf_folder`, on a filesystem the servers can read), then ``/update_weights_from_disk``.
   Works across hosts and is the one a restarted server can be relaunched from (:meth:`restart_model_path`).
 * :class:`TensorTransport` — same host: ``/update_weights_from_tensor``. CPU tensors are pickled by value (the
   server's ``SafeUnpickler`` admits ``torch.storage._load_from_bytes``); CUDA tensors go through
@@ -22,8 +23,9 @@ copies. Full tensors are sent; SGLang shards them for its own TP degree.
   through to its process-group constructor).
 
 SGLang 0.5.23 accepts tensor and distributed updates only between ``/begin_weight_update`` and
-``/end_weight_update`` (:func:`weight_update_session`); the last bucket carries the new ``weight_version`` and
-flushes the prefix cache.
+``/end_weight_update`` (:func:`weight_update_session`). Which bucket is the last is known only once the stream
+ends, so after the session every server flushes its prefix cache and is tagged with the new ``weight_version``
+(:func:`tag_version`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import abc
 import base64
 import contextlib
 import io
-import json
 import pickle
 import shutil
 import threading
@@ -45,11 +46,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from dapo_megatron.hf_format import CONFIG_FILE, Bucket, checked_buckets, write_hf_folder
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang_client import SGLangClient
-
-DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
-NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 @dataclass
@@ -58,40 +57,6 @@ class ServerTarget:
 
     client: SGLangClient
     tp_size: int
-
-
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
-    """Group consecutive tensors into lists of at most ``bucket_bytes`` (a larger tensor gets a bucket alone)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    bucket: NamedTensors = []
-    size = 0
-    seen: set[str] = set()
-    for name, tensor in named_tensors:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if name in seen:
-            raise RolloutError(f"weight {name!r} appears twice in the exported tensors")
-        seen.add(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def with_last_flag(buckets: Iterator[NamedTensors]) -> Iterator[tuple[NamedTensors, bool]]:
-    """Yield ``(bucket, is_last)``, looking one bucket ahead; raise if there is no bucket at all."""
-    current = next(buckets, None)
-    if current is None:
-        raise RolloutError("update_weights got no tensors")
-    for following in buckets:
-        yield current, False
-        current = following
-    yield current, True
 
 
 def on_all_servers(servers: Sequence[ServerTarget], call: Callable[[ServerTarget], None]) -> None:
@@ -114,15 +79,28 @@ def weight_update_session(servers: Sequence[ServerTarget]) -> Iterator[None]:
         on_all_servers(servers, lambda server: server.client.end_weight_update())
 
 
+def tag_version(servers: Sequence[ServerTarget], version: int) -> None:
+    """After a complete update: flush every server's prefix cache and tag its weights ``str(version)``."""
+    def tag(server: ServerTarget) -> None:
+        server.client.flush_cache()
+        server.client.set_weight_version(str(version))
+
+    on_all_servers(servers, tag)
+
+
 class WeightTransport(abc.ABC):
     """Moves one full set of HF-named weights to servers that are paused and flushed."""
 
     name: str
 
+    def push(self, servers: Sequence[ServerTarget], buckets: Iterable[Bucket], version: int) -> None:
+        """Load the weights of ``buckets`` into every server and tag them ``str(version)``; a bucket with a
+        non-tensor or a name seen before, or no tensor at all, is an error."""
+        self.send(servers, checked_buckets(buckets), version)
+
     @abc.abstractmethod
-    def push(self, servers: Sequence[ServerTarget], named_tensors: Iterable[tuple[str, torch.Tensor]],
-             version: int) -> None:
-        """Load these weights into every server and tag them ``str(version)``."""
+    def send(self, servers: Sequence[ServerTarget], buckets: Iterator[Bucket], version: int) -> None:
+        """:meth:`push` with the buckets checked."""
 
     def restart_model_path(self, version: int) -> str | None:
         """A model directory with the weights of ``version`` to relaunch a server from, if this transport has one."""
@@ -140,59 +118,25 @@ class DiskTransport(WeightTransport):
     """Write a complete HF directory per version; servers reload from it. Keeps the newest snapshot only."""
 
     name = "disk"
-    _WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-    _WEIGHT_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
-    def __init__(self, snapshot_root: str | Path, hf_config_dir: str | Path,
-                 shard_bytes: int = 2 * 1024 * 1024 * 1024) -> None:
+    def __init__(self, snapshot_root: str | Path, hf_config_dir: str | Path) -> None:
         self.snapshot_root = Path(snapshot_root)
         self.hf_config_dir = Path(hf_config_dir)
-        self.shard_bytes = shard_bytes
-        if not (self.hf_config_dir / "config.json").is_file():
-            raise ValueError(f"DiskTransport: hf_config_dir {self.hf_config_dir} has no config.json")
+        if not (self.hf_config_dir / CONFIG_FILE).is_file():
+            raise ValueError(f"DiskTransport: hf_config_dir {self.hf_config_dir} has no {CONFIG_FILE}")
         self._latest: tuple[int, Path] | None = None
 
     def snapshot_dir(self, version: int) -> Path:
         return self.snapshot_root / f"v{version}"
 
-    def write_snapshot(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
-        """Write ``v{version}``: the HF config dir's non-weight files + safetensors shards + their index.
+    def write_snapshot(self, buckets: Iterable[Bucket], version: int) -> Path:
+        """Write ``v{version}``: one safetensors shard per bucket, their index, and the HF config dir's side files
+        (config, generation config, tokenizer). Memory: the bucket being written. The folder is built under a
+        temporary name and renamed at the end, so a server never reads a half-written snapshot."""
+        return write_hf_folder(self.snapshot_dir(version), buckets, side_files_from=self.hf_config_dir, replace=True)
 
-        Shards are written one at a time as the iterator fills them (memory: one shard), into a staging directory
-        renamed at the end, so a server never reads a half-written snapshot.
-        """
-        from safetensors.torch import save_file
-
-        staging = self.snapshot_root / f".v{version}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        for source in self.hf_config_dir.iterdir():
-            if source.is_file() and not source.name.endswith(self._WEIGHT_FILE_SUFFIXES) \
-                    and source.name not in self._WEIGHT_INDEX_FILES:
-                shutil.copy2(source, staging / source.name)
-        weight_map: dict[str, str] = {}
-        total_bytes = 0
-        shard_names = []
-        for index, shard in enumerate(iter_buckets(named_tensors, self.shard_bytes)):
-            shard_name = f"model-{index + 1:05d}.safetensors"
-            tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in shard}
-            save_file(tensors, str(staging / shard_name), metadata={"format": "pt"})
-            shard_names.append(shard_name)
-            for name, tensor in tensors.items():
-                weight_map[name] = shard_name
-                total_bytes += tensor.numel() * tensor.element_size()
-        if not weight_map:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise RolloutError("update_weights got no tensors")
-        (staging / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=1))
-        final = self.snapshot_dir(version)
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        return final
-
-    def push(self, servers, named_tensors, version):
-        path = self.write_snapshot(named_tensors, version)
+    def send(self, servers, buckets, version):
+        path = self.write_snapshot(buckets, version)
         on_all_servers(servers, lambda server: server.client.update_weights_from_disk(str(path), str(version)))
         previous, self._latest = self._latest, (version, path)
         if previous is not None and previous[1] != path:
@@ -205,7 +149,7 @@ class DiskTransport(WeightTransport):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def serialize_named_tensors(named_tensors: NamedTensors) -> str:
+def serialize_named_tensors(named_tensors: Bucket) -> str:
     """Base64 of a pickle that SGLang's ``MultiprocessingSerializer.deserialize`` accepts.
 
     CPU tensors are pickled by value (standard ``pickle``); CUDA tensors with ``ForkingPickler``, which
@@ -228,19 +172,17 @@ def serialize_named_tensors(named_tensors: NamedTensors) -> str:
 
 
 class TensorTransport(WeightTransport):
-    """``/update_weights_from_tensor`` in buckets, one payload per server TP rank."""
+    """``/update_weights_from_tensor`` per bucket, one payload per server TP rank."""
 
     name = "tensor"
 
-    def __init__(self, bucket_bytes: int = 256 * 1024 * 1024) -> None:
-        self.bucket_bytes = bucket_bytes
-
-    def push(self, servers, named_tensors, version):
+    def send(self, servers, buckets, version):
         with weight_update_session(servers):
-            for bucket, is_last in with_last_flag(iter_buckets(named_tensors, self.bucket_bytes)):
+            for bucket in buckets:
                 payload = serialize_named_tensors(bucket)
                 on_all_servers(servers, lambda server: server.client.update_weights_from_tensor(
-                    [payload] * server.tp_size, version=str(version) if is_last else None, flush_cache=is_last))
+                    [payload] * server.tp_size, version=None, flush_cache=False))
+        tag_version(servers, version)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -272,12 +214,10 @@ class DistributedTransport(WeightTransport):
     name = "distributed"
 
     def __init__(self, *, master_address: str = "127.0.0.1", master_port: int = 0, backend: str = "gloo",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group_name: str = "dapo_weight_update",
-                 timeout_s: float = 600.0) -> None:
+                 group_name: str = "dapo_weight_update", timeout_s: float = 600.0) -> None:
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend
-        self.bucket_bytes = bucket_bytes
         self.group_name_prefix = group_name
         self.group_name = group_name
         self.timeout_s = timeout_s
@@ -316,25 +256,26 @@ class DistributedTransport(WeightTransport):
                 join.result()
         self._group, self._group_servers = group, list(servers)
 
-    def push(self, servers, named_tensors, version):
+    def send(self, servers, buckets, version):
         with self._lock:
             urls = [server.client.base_url for server in servers]
             if self._group is None or [s.client.base_url for s in self._group_servers] != urls:
                 self.reset()
                 self.connect(servers)
             with weight_update_session(servers):
-                for bucket, is_last in with_last_flag(iter_buckets(named_tensors, self.bucket_bytes)):
-                    self._send_bucket(servers, bucket, version=str(version) if is_last else None)
+                for bucket in buckets:
+                    self._send_bucket(servers, bucket)
+            tag_version(servers, version)
 
-    def _send_bucket(self, servers: Sequence[ServerTarget], bucket: NamedTensors, version: str | None) -> None:
+    def _send_bucket(self, servers: Sequence[ServerTarget], bucket: Bucket) -> None:
         """Announce the bucket to every server (in threads: the calls return after the broadcast) and broadcast it."""
         names = [name for name, _ in bucket]
         dtypes = [str(tensor.dtype).removeprefix("torch.") for _, tensor in bucket]
         shapes = [list(tensor.shape) for _, tensor in bucket]
         with ThreadPoolExecutor(max_workers=len(servers)) as pool:
             announcements = [pool.submit(server.client.update_weights_from_distributed, names=names, dtypes=dtypes,
-                                         shapes=shapes, group_name=self.group_name, version=version,
-                                         flush_cache=version is not None)
+                                         shapes=shapes, group_name=self.group_name, version=None,
+                                         flush_cache=False)
                              for server in servers]
             try:
                 self._broadcast(bucket, announcements)
@@ -346,7 +287,7 @@ class DistributedTransport(WeightTransport):
             for announcement in announcements:
                 announcement.result()
 
-    def _broadcast(self, bucket: NamedTensors, announcements: list[Future]) -> None:
+    def _broadcast(self, bucket: Bucket, announcements: list[Future]) -> None:
         """Broadcast the bucket from rank 0 without blocking on the collective, so a server that rejects the
         announcement (its HTTP reply arrives meanwhile) ends the wait at once instead of after the group timeout."""
         sent = [tensor.detach().to(self.device).contiguous() for _, tensor in bucket]

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from dapo_megatron import checkpoint as ckpt
 from dapo_megatron.algorithm import group_advantages
 from dapo_megatron.config import DAPOConfig, save_config
 from dapo_megatron.platform import init_distributed, seed_everything
 from dapo_megatron.policy.packing import PolicySample
-from dapo_megatron.trainer import checkpoint as ckpt
 from dapo_megatron.trainer.evaluate import evaluate
 from dapo_megatron.trainer.metrics import MetricsWriter
 from dapo_megatron.trainer.rollout_collector import RolloutCollector, RolloutGroup
@@ -161,7 +161,7 @@ class DAPOTrainer:
         buckets = gather_hf_buckets_to_rank0(self.actor.model, self.spec,
                                              bucket_bytes=self.config.rollout.handoff_bucket_mb * 2**20)
         if self.rank == 0:
-            self.engine.update_weights((named for bucket in buckets for named in bucket), version)
+            self.engine.update_weights(buckets, version)
         else:
             for _ in buckets:
                 pass
@@ -228,23 +228,8 @@ class DAPOTrainer:
 
     def save(self, step: int) -> None:
         ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model], optimizer=self.actor.optimizer,
-                             trainer_state=self._trainer_state(step), hf_files_dir=self._hf_files_dir(),
+                             trainer_state=self._trainer_state(step), side_files_from=self.initial_model.hf_dir,
                              keep=self.config.trainer.keep_checkpoints)
-
-    def _hf_files_dir(self) -> Path | None:
-        """config.json + tokenizer of the initial model, copied into checkpoints for HF export."""
-        if self.rank != 0:
-            return None
-        out = self.run_dir / "hf_files"
-        if not out.exists():
-            tmp = self.run_dir / "hf_files.tmp"
-            tmp.mkdir(parents=True, exist_ok=True)
-            src = self.initial_model.hf_dir
-            for path in list(Path(src).glob("*.json")) + list(Path(src).glob("*.txt")) + list(Path(src).glob("*.model")):
-                if path.name != "model.safetensors.index.json":
-                    (tmp / path.name).write_bytes(path.read_bytes())
-            tmp.rename(out)
-        return out
 
     def restore(self) -> int:
         path = ckpt.latest_checkpoint(self.ckpt_dir)

@@ -100,7 +100,7 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer, *, train_records: S
         step += 1
         if step % config.eval_every == 0 or step == config.max_steps:
             model.eval()
-            engine.update_weights(((n, p.detach()) for n, p in model.named_parameters()), version=step)
+            engine.update_weights([[(n, p.detach()) for n, p in model.named_parameters()]], version=step)
             accuracy = greedy_accuracy(engine, val_records, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
             history.append((step, accuracy))
             logger.info("warm-start step %d: loss %.3f, validation greedy accuracy %.3f", step, loss.item(), accuracy)

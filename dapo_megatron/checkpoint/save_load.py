@@ -1,14 +1,4 @@
-"""Atomic, resumable checkpoints.
-
-Layout of one checkpoint (``<run_dir>/checkpoints/step_000012``)::
-
-    model/            megatron-core distributed checkpoint of the model (loads at any TP/PP; the same format
-                      checkpoint_tools.hf_to_megatron writes and checkpoint_tools.megatron_to_hf reads)
-    optimizer/        distributed checkpoint of the Megatron optimizer (Adam moments, fp32 master weights)
-    trainer_state.pt  step, LR-scheduler state, data-sampler position, dynamic-sampling buffer, weight version
-    rng/rank_N.pt     every generator of rank N (python, numpy, torch CPU/CUDA, megatron's model-parallel tracker)
-    hf/               config.json, generation_config.json and tokenizer files: what an HF export needs
-    COMPLETE          written last
+"""Saving and loading checkpoints with megatron-core's distributed checkpointing (layout: :mod:`.layout`).
 
 Every rank writes into ``step_000012.tmp``; after a barrier rank 0 writes ``COMPLETE`` and renames the folder, so a
 run killed at any moment leaves either a whole checkpoint or a ``.tmp`` folder that resume ignores (and the next save
@@ -18,14 +8,15 @@ replaces). Old checkpoints beyond ``keep`` are deleted only after a newer one is
 from __future__ import annotations
 
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+from dapo_megatron.checkpoint import layout
+from dapo_megatron.hf_format.folder import copy_side_files
+from dapo_megatron.hf_format.mismatch import TensorMismatch
 
 
 class CheckpointError(RuntimeError):
@@ -39,28 +30,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step_{step:06d}"
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / "COMPLETE").exists():
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
 
 
 def rng_state() -> dict[str, Any]:
@@ -118,47 +87,50 @@ def load_model(model_chunks: list, directory: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
-    if not (directory / "metadata.json").exists():
-        raise CheckpointError(f"{directory} is not a megatron-core distributed checkpoint (no metadata.json)")
+    if not (directory / layout.DIST_CHECKPOINT_MARKER).exists():
+        raise CheckpointError(f"{directory} is not a megatron-core distributed checkpoint "
+                              f"(no {layout.DIST_CHECKPOINT_MARKER})")
     state = dist_checkpointing.load(model_sharded_state_dict(model_chunks), str(directory))
     module = model_chunks[0]
     module = getattr(module, "module", module)
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise CheckpointError(f"{directory}: missing tensors {missing}, unexpected tensors {list(unexpected)}")
+    mismatch = TensorMismatch(missing=missing, unexpected=list(unexpected))
+    if mismatch:
+        raise CheckpointError(mismatch.report(f"{directory} does not fit the model"))
 
 
 def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimizer, trainer_state: dict,
-                    hf_files_dir: str | Path | None, keep: int) -> Path:
-    """Write checkpoint ``step`` atomically (all ranks call this)."""
+                    side_files_from: str | Path | None, keep: int) -> Path:
+    """Write checkpoint ``step`` atomically (all ranks call this); ``hf/`` gets the side files (config, tokenizer)
+    of the HF folder ``side_files_from``."""
     from megatron.core import dist_checkpointing
 
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+    final = layout.step_dir(root, step)
+    tmp = final.with_name(final.name + layout.TMP_SUFFIX)
     if _rank() == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
-        (tmp / "rng").mkdir(parents=True)
-        (tmp / "model").mkdir()
-        (tmp / "optimizer").mkdir()
+        (tmp / layout.RNG_DIR).mkdir(parents=True)
+        (tmp / layout.MODEL_DIR).mkdir()
+        (tmp / layout.OPTIMIZER_DIR).mkdir()
     _barrier()
     model_state = model_sharded_state_dict(model_chunks)
-    dist_checkpointing.save(model_state, str(tmp / "model"))
+    dist_checkpointing.save(model_state, str(tmp / layout.MODEL_DIR))
     dist_checkpointing.save(optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks)),
-                            str(tmp / "optimizer"))
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank()}.pt")
+                            str(tmp / layout.OPTIMIZER_DIR))
+    torch.save(rng_state(), layout.rng_file(tmp, _rank()))
     if _rank() == 0:
-        torch.save(trainer_state, tmp / "trainer_state.pt")
-        if hf_files_dir is not None:
-            shutil.copytree(hf_files_dir, tmp / "hf")
+        torch.save(trainer_state, tmp / layout.TRAINER_STATE_FILE)
+        if side_files_from is not None:
+            copy_side_files(side_files_from, tmp / layout.HF_DIR)
     _barrier()
     if _rank() == 0:
-        (tmp / "COMPLETE").write_text(f"{step}\n")
+        (tmp / layout.COMPLETE_MARKER).write_text(f"{step}\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        for old in layout.list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
@@ -169,15 +141,16 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if not (path / "COMPLETE").exists():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
-    load_model(model_chunks, path / "model")
+    if not (path / layout.COMPLETE_MARKER).exists():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {layout.COMPLETE_MARKER} marker)")
+    load_model(model_chunks, path / layout.MODEL_DIR)
     opt_state = dist_checkpointing.load(
-        optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True), str(path / "optimizer")
+        optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True),
+        str(path / layout.OPTIMIZER_DIR),
     )
     optimizer.load_state_dict(opt_state)
-    rng_file = path / "rng" / f"rank_{_rank()}.pt"
-    if not rng_file.exists():
-        raise CheckpointError(f"{rng_file} is missing: resume with the world size the checkpoint was written with")
-    set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(path / "trainer_state.pt", weights_only=False)
+    rng = layout.rng_file(path, _rank())
+    if not rng.exists():
+        raise CheckpointError(f"{rng} is missing: resume with the world size the checkpoint was written with")
+    set_rng_state(torch.load(rng, weights_only=False))
+    return torch.load(path / layout.TRAINER_STATE_FILE, weights_only=False)

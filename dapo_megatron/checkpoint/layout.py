@@ -1,0 +1,63 @@
+"""The folder layout of a checkpoint, the one place it is spelled out (no megatron here).
+
+One trainer checkpoint (``<run_dir>/checkpoints/step_000012``)::
+
+    model/            megatron-core distributed checkpoint of the model (loads at any TP/PP; the same format
+                      checkpoint_tools.hf_to_megatron writes and checkpoint_tools.megatron_to_hf reads)
+    optimizer/        distributed checkpoint of the Megatron optimizer (Adam moments, fp32 master weights)
+    trainer_state.pt  step, LR-scheduler state, data-sampler position, dynamic-sampling buffer, weight version
+    rng/rank_N.pt     every generator of rank N (python, numpy, torch CPU/CUDA, megatron's model-parallel tracker)
+    hf/               config.json, generation_config.json and tokenizer files: what an HF export needs
+    COMPLETE          written last
+
+It is written as ``step_000012.tmp`` and renamed once ``COMPLETE`` is in it. ``checkpoint_tools.hf_to_megatron``
+writes only ``model/`` and ``hf/``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"
+HF_DIR = "hf"
+RNG_DIR = "rng"
+TRAINER_STATE_FILE = "trainer_state.pt"
+COMPLETE_MARKER = "COMPLETE"
+TMP_SUFFIX = ".tmp"
+DIST_CHECKPOINT_MARKER = "metadata.json"  # written by megatron's dist_checkpointing next to torch DCP's .metadata
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def rng_file(checkpoint: Path, rank: int) -> Path:
+    return checkpoint / RNG_DIR / f"rank_{rank}.pt"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / COMPLETE_MARKER).exists():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def is_incomplete_checkpoint(folder: Path) -> bool:
+    """A trainer checkpoint whose writing did not finish (a ``.tmp`` folder, or no ``COMPLETE`` marker)."""
+    looks_like_trainer = (folder / TRAINER_STATE_FILE).exists() or (folder / OPTIMIZER_DIR).is_dir()
+    return folder.name.endswith(TMP_SUFFIX) or (looks_like_trainer and not (folder / COMPLETE_MARKER).exists())
