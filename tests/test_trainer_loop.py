@@ -11,7 +11,7 @@ import torch
 
 from dapo_megatron.config import load_config
 from dapo_megatron.rollout.engine import Sample
-from dapo_megatron.trainer.loop import mini_batches, training_samples
+from dapo_megatron.trainer.samples import mini_batches, training_samples
 from dapo_megatron.trainer.rollout_collector import RolloutGroup, generation_seed, score_group
 from trainer_harness import run_trainer
 
