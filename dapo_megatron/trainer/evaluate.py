@@ -44,24 +44,37 @@ def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, 
 
 
 def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path) -> dict[str, float]:
-    """Score a checkpoint's model (``<checkpoint>/model``, a megatron-core distributed checkpoint, loaded at the
-    config's TP/PP) on the config's validation prompts; every rank calls it, after ``init_distributed``.
+    """Score a checkpoint's model on the config's validation prompts; every rank calls it, after
+    ``init_distributed``. Builds only what that needs (:func:`checkpoint_engine`, the validation prompts); the run
+    the checkpoint came from is read (its initial model's config and tokenizer), never written."""
+    from dapo_megatron.rank_zero import run_on_rank0
+    from dapo_megatron.trainer.model_source import initial_model_dir, load_tokenizer
+    from dapo_megatron.trainer.task import eval_prompts
 
-    Builds only what that needs: this rank's model stage (no DDP, no optimizer), the rollout engine on rank 0 (its
-    working files in a temporary directory) and the validation prompts. The run the checkpoint came from is read
-    (its initial model's config and tokenizer), never written.
-    """
+    tokenizer = load_tokenizer(config, initial_model_dir(config))
+    with tempfile.TemporaryDirectory(prefix="dapo_eval_") as scratch:
+        engine = checkpoint_engine(config, checkpoint, scratch)
+        try:
+            return run_on_rank0(lambda: evaluate(engine, eval_prompts(config, tokenizer), tokenizer, config),
+                                what="evaluation")
+        finally:
+            if engine is not None:
+                engine.shutdown()
+
+
+def checkpoint_engine(config: DAPOConfig, checkpoint: str | Path, work_dir: str | Path) -> RolloutEngine | None:
+    """A rollout engine (on rank 0; None elsewhere) serving ``<checkpoint>/model``, a megatron-core distributed
+    checkpoint loaded at the config's TP/PP into this rank's model stage: no DDP, no optimizer. The engine keeps its
+    working files (SGLang's logs and weight snapshots) under ``work_dir``."""
     from dapo_megatron.policy.hf_loader import load_model_spec
     from dapo_megatron.policy.model import build_model, transformer_config
     from dapo_megatron.rank_zero import run_on_rank0
     from dapo_megatron.rollout.factory import build_rollout_engine
     from dapo_megatron.trainer.checkpoint import load_model
-    from dapo_megatron.trainer.model_source import initial_model_dir, load_tokenizer
-    from dapo_megatron.trainer.task import eval_prompts
+    from dapo_megatron.trainer.model_source import initial_model_dir
     from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
     model_dir = initial_model_dir(config)
-    tokenizer = load_tokenizer(config, model_dir)
     spec = load_model_spec(model_dir)
     p = config.parallel
     tconfig = transformer_config(spec, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
@@ -69,16 +82,12 @@ def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path) -> dict[str,
     tconfig.perform_initialization = False  # every parameter comes from the checkpoint
     model = build_model(spec, tconfig)
     load_model([model], Path(checkpoint) / "model")
-
-    scratch = tempfile.TemporaryDirectory(prefix="dapo_eval_")
-    engine = None
+    engine = run_on_rank0(lambda: build_rollout_engine(config, model_dir, work_dir),
+                          what="starting the rollout engine", broadcast_result=False)
     try:
-        engine = run_on_rank0(lambda: build_rollout_engine(config, model_dir, scratch.name),
-                              what="starting the rollout engine", broadcast_result=False)
         sync_engine_weights(model, spec, engine, version=1, bucket_bytes=config.rollout.handoff_bucket_mb * 2**20)
-        return run_on_rank0(lambda: evaluate(engine, eval_prompts(config, tokenizer), tokenizer, config),
-                            what="evaluation")
-    finally:
+    except BaseException:
         if engine is not None:
             engine.shutdown()
-        scratch.cleanup()
+        raise
+    return engine
