@@ -1,16 +1,20 @@
-"""``dapo-megatron`` — train, evaluate, plot.
+"""``dapo-megatron`` — prepare the demo model, train, evaluate, plot.
 
-    dapo-megatron train CONFIG.yaml [dotted.key=value ...] [--resume]
-    dapo-megatron eval  CONFIG.yaml --ckpt RUN/checkpoints/step_000012 [dotted.key=value ...]
-    dapo-megatron plot  RUN_DIR [--out FILE.png]
+    dapo-megatron prepare-tiny CONFIG.yaml [dotted.key=value ...] [--out DIR]
+    dapo-megatron train        CONFIG.yaml [dotted.key=value ...] [--resume]
+    dapo-megatron eval         CONFIG.yaml --ckpt RUN/checkpoints/step_000012 [dotted.key=value ...] [--out FILE]
+    dapo-megatron plot         RUN_DIR [--out FILE.png]
 
-``train`` and ``eval`` run as one process, or under torchrun / srun for many (the layout comes from the
+``prepare-tiny`` builds the CPU demo's model (``model.source = tiny``) as an HF folder, by default where ``train``
+looks for it (``<run_dir>/initial_model``); ``train`` prepares it itself when it is missing, so one command does it
+all. ``train`` and ``eval`` run as one process, or under torchrun / srun for many (the layout comes from the
 environment; see dapo_megatron.platform).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -39,18 +43,45 @@ def _accuracy_line(first: dict, last: dict) -> str | None:
     return f"held-out accuracy: before={first.get(key, float('nan')):.4f} after={last[key]:.4f}"
 
 
+def _init_distributed(config) -> None:
+    from dapo_megatron.platform import init_distributed
+
+    p = config.parallel
+    init_distributed(p.tensor, p.pipeline, p.data, timeout_s=p.collective_timeout_s)
+
+
+def cmd_prepare_tiny(args: argparse.Namespace) -> int:
+    from dapo_megatron.platform import launch_env
+    from dapo_megatron.tiny_model import prepare_tiny_model
+    from dapo_megatron.trainer.model_source import tiny_model_dir
+
+    config = load_config(args.config, args.overrides)
+    if launch_env().world_size > 1:
+        raise SystemExit("prepare-tiny runs as one process (not under torchrun / srun with several tasks): "
+                         "`train` prepares the model on rank 0 by itself")
+    _setup_logging(0)
+    out = prepare_tiny_model(config, args.out or tiny_model_dir(config))
+    print(f"tiny model: {Path(out).resolve()}")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from dapo_megatron.platform import destroy_distributed
     from dapo_megatron.trainer.loop import DAPOTrainer
+    from dapo_megatron.trainer.model_source import prepare_initial_model
 
     config = load_config(args.config, args.overrides)
     rank = _rank_from_env()
     _setup_logging(rank)
-    trainer = DAPOTrainer(config, resume=args.resume)
+    _init_distributed(config)
     try:
-        result = trainer.run()
+        model_dir = prepare_initial_model(config)  # model.source = tiny: rank 0 makes it (once), the others wait
+        trainer = DAPOTrainer(config, model_dir, resume=args.resume)
+        try:
+            result = trainer.run()
+        finally:
+            trainer.shutdown()
     finally:
-        trainer.shutdown()
         destroy_distributed()
     if rank == 0:
         line = _accuracy_line(result["first_eval"], result["last_eval"])
@@ -61,28 +92,34 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dapo_megatron.checkpoint import MODEL_DIR, load_model
+    from dapo_megatron.checkpoint import MODEL_DIR
     from dapo_megatron.platform import destroy_distributed
-    from dapo_megatron.trainer.loop import DAPOTrainer
+    from dapo_megatron.trainer.evaluate import evaluate_checkpoint
 
     config = load_config(args.config, args.overrides)
     rank = _rank_from_env()
     _setup_logging(rank)
-    model_dir = Path(args.ckpt) / MODEL_DIR
-    if not model_dir.is_dir():
+    if not (Path(args.ckpt) / MODEL_DIR).is_dir():
         raise SystemExit(f"--ckpt {args.ckpt}: no model/ folder (expected a trainer or checkpoint_tools checkpoint)")
-    trainer = DAPOTrainer(config)
+    _init_distributed(config)
     try:
-        load_model([trainer.actor.model], model_dir)
-        trainer.hand_off_weights(version=1)
-        metrics = trainer.validate()
+        metrics = evaluate_checkpoint(config, args.ckpt)
     finally:
-        trainer.shutdown()
         destroy_distributed()
     if rank == 0:
         for key, value in sorted(metrics.items()):
             print(f"{key}: {value:.4f}")
+        if args.out:
+            _write_json(Path(args.out), metrics)
     return 0
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Atomically: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -97,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo-megatron", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    prepare = sub.add_parser("prepare-tiny", help="build (and warm-start) the CPU demo's model as an HF folder")
+    prepare.add_argument("config")
+    prepare.add_argument("overrides", nargs="*", help="dotted.key=value")
+    prepare.add_argument("--out", default=None, help="folder to write (default: <trainer.run_dir>/initial_model, "
+                                                     "where `train` looks for it)")
+    prepare.set_defaults(func=cmd_prepare_tiny)
     train = sub.add_parser("train", help="run DAPO training")
     train.add_argument("config")
     train.add_argument("overrides", nargs="*", help="dotted.key=value")
@@ -106,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("config")
     evaluate.add_argument("overrides", nargs="*", help="dotted.key=value")
     evaluate.add_argument("--ckpt", required=True)
+    evaluate.add_argument("--out", default=None, help="also write the metrics to this JSON file")
     evaluate.set_defaults(func=cmd_eval)
     plot = sub.add_parser("plot", help="PNG of reward, accuracy, entropy and response length")
     plot.add_argument("run_dir")

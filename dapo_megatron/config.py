@@ -109,7 +109,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_response_length: int = 20480
-    handoff_bucket_mb: int = 512
+    handoff_bucket_mb: float = 512  # MiB per weight-handoff bucket (a larger tensor travels alone)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 

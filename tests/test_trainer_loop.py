@@ -11,7 +11,8 @@ import torch
 
 from dapo_megatron.config import load_config
 from dapo_megatron.rollout.engine import Sample
-from dapo_megatron.trainer.loop import mini_batches, training_samples
+from dapo_megatron.trainer.metrics import read_metrics
+from dapo_megatron.trainer.samples import mini_batches, training_samples
 from dapo_megatron.trainer.rollout_collector import RolloutGroup, generation_seed, score_group
 from trainer_harness import run_trainer
 
@@ -195,21 +196,66 @@ def test_plot_writes_a_png(tmp_path):
     assert str(png) in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_eval_cli_scores_a_trainer_checkpoint(tmp_path):
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _train_then_reload_the_checkpoint(overrides: list[str]) -> dict:
+    """Train, then serve the last checkpoint through eval's loader (no optimizer, no DDP) and sample the validation
+    prompts from it, from the engine the run ended with, and (the control) from the run's initial weights."""
+    import tempfile
+
+    from dapo_megatron.rollout.embedded import EmbeddedEngine
+    from dapo_megatron.rollout.engine import SamplingParams
+    from dapo_megatron.trainer.evaluate import checkpoint_engine
+    from trainer_harness import build_trainer
+
+    trainer = build_trainer(overrides)
+    try:
+        trainer.run()
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7,
+                                stop_token_ids=(trainer.tokenizer.eos_token_id,))
+        prompts = [r.prompt_ids for r in trainer.eval_prompts]
+
+        def sampled(engine):
+            return [(s.token_ids, s.logprobs) for samples in engine.generate(prompts, params) for s in samples]
+
+        with tempfile.TemporaryDirectory() as scratch:
+            reloaded = checkpoint_engine(trainer.config, trainer.ckpt_dir / "step_000002", scratch)
+            initial = EmbeddedEngine.from_hf_directory(trainer.model_dir)
+            return {"served": sampled(trainer.engine), "reloaded": sampled(reloaded), "initial": sampled(initial)}
+    finally:
+        trainer.shutdown()
+
+
+def test_eval_reproduces_the_run_and_writes_nothing_into_it(tmp_path):
+    import json
     import subprocess
     import sys
 
     from spawn_ranks import run_distributed
 
-    overrides = _tiny_overrides(tmp_path, "algorithm.dynamic_sampling=false", "trainer.total_steps=1")
-    run_distributed(run_trainer, 1, overrides)
-    checkpoint = tmp_path / "checkpoints" / "step_000001"
+    run_dir = tmp_path / "run"
+    # Two steps: in the first, the random model's groups may all score alike (zero advantages: no update).
+    overrides = _tiny_overrides(run_dir, "algorithm.dynamic_sampling=false", "trainer.total_steps=2")
+    (engines,) = run_distributed(_train_then_reload_the_checkpoint, 1, overrides)
+    assert engines["reloaded"] == engines["served"]  # the same weights: same tokens, same log-probs
+    assert engines["initial"] != engines["served"]  # control: the comparison tells weights apart
+
+    logged = {k: v for k, v in read_metrics(run_dir)[-1].items() if k.startswith("val/")}
+    before = _files(run_dir)
+    out = tmp_path / "eval.json"
+    # A config that differs from the run's in a setting eval does not use: the run's config.yaml must not change.
     result = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "eval", str(TINY), *overrides,
-                             "--ckpt", str(checkpoint)], cwd=REPO, capture_output=True, text=True, timeout=600)
+                             "trainer.total_steps=9", "--ckpt", str(run_dir / "checkpoints" / "step_000002"),
+                             "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    scores = dict(line.split(": ") for line in result.stdout.splitlines() if line.startswith("val/"))
+    scores = json.loads(out.read_text())
     assert set(scores) >= {"val/all/acc/mean@1", "val/synthetic-arith/acc/mean@1"}
-    assert all(0.0 <= float(v) <= 1.0 for v in scores.values())
+    assert scores == logged  # the numbers the training run logged for this checkpoint
+    printed = dict(line.split(": ") for line in result.stdout.splitlines() if line.startswith("val/"))
+    assert {k: float(v) for k, v in printed.items()} == pytest.approx(logged, abs=5e-5)
+    assert _files(run_dir) == before  # config.yaml byte for byte, and no file added, removed or changed
     bad = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "eval", str(TINY), *overrides,
                           "--ckpt", str(tmp_path / "nope")], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "no model/ folder" in bad.stderr

@@ -7,6 +7,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def build_trainer(overrides: list[str], config_path: str | Path = REPO / "examples" / "tiny_cpu.yaml"):
+    """What ``dapo-megatron train`` does before ``run()``: distributed init, the initial model, the trainer."""
+    from dapo_megatron.config import load_config
+    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.trainer.loop import DAPOTrainer
+    from dapo_megatron.trainer.model_source import prepare_initial_model
+
+    config = load_config(config_path, overrides)
+    p = config.parallel
+    init_distributed(p.tensor, p.pipeline, p.data, timeout_s=p.collective_timeout_s)
+    return DAPOTrainer(config, prepare_initial_model(config))
+
+
 def run_trainer(overrides: list[str], config_path: str | Path = REPO / "examples" / "tiny_cpu.yaml") -> dict:
     """Build the trainer from ``config_path`` + ``overrides``, run it, and return on every rank how many of its
     parameters moved (vocabulary-padding shards excluded: they hold zeros that never get a gradient, and must stay
@@ -14,12 +27,9 @@ def run_trainer(overrides: list[str], config_path: str | Path = REPO / "examples
     import torch
     from megatron.core import parallel_state
 
-    from dapo_megatron.config import load_config
-    from dapo_megatron.trainer.loop import DAPOTrainer
     from dapo_megatron.trainer.metrics import read_metrics
 
-    config = load_config(config_path, overrides)
-    trainer = DAPOTrainer(config)
+    trainer = build_trainer(overrides, config_path)
     before = {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     padding_only = {n for n, t in before.items() if n.endswith(("word_embeddings.weight", "output_layer.weight"))
@@ -34,4 +44,4 @@ def run_trainer(overrides: list[str], config_path: str | Path = REPO / "examples
     finally:
         trainer.shutdown()
     return {"changed": changed, "num_params": len(real), "padding_moved": padding_moved, "version": version,
-            "metrics": read_metrics(config.trainer.run_dir) if trainer.rank == 0 else None}
+            "metrics": read_metrics(trainer.run_dir) if trainer.rank == 0 else None}

@@ -1,8 +1,14 @@
 """Validation: avg@k (the paper's metric, k samples per problem, mean accuracy) or greedy accuracy (k = 1,
-temperature 0: the CPU demo's held-out number). Runs on the rank that drives the rollout engine."""
+temperature 0: the CPU demo's held-out number).
+
+* :func:`evaluate` — the trainer's validation, on the rank that drives the rollout engine;
+* :func:`evaluate_checkpoint` — ``dapo-megatron eval``: a saved checkpoint, with nothing built for training.
+"""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Sequence
 
 from dapo_megatron.algorithm import math_reward
@@ -15,7 +21,10 @@ EVAL_SEED = 1_234_567  # fixed: every evaluation of a run samples with the same 
 
 
 def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, config: DAPOConfig) -> dict[str, float]:
-    """``val/<source>/acc/mean@k`` (and best@k) for every data source in ``records`` and over all of them."""
+    """``val/<source>/acc/mean@k`` (and best@k) for every data source in ``records`` and over all of them; nothing
+    when there are no records."""
+    if not records:
+        return {}
     e = config.eval
     k = 1 if e.greedy else e.n_samples
     params = SamplingParams(
@@ -32,3 +41,53 @@ def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, 
     scored = score_samples(records, responses,
                            lambda response, truth: math_reward(response, truth, use_math_verify=use_mv).acc)
     return avg_at_k(scored, k).metrics(prefix="val")
+
+
+def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path) -> dict[str, float]:
+    """Score a checkpoint's model on the config's validation prompts; every rank calls it, after
+    ``init_distributed``. Builds only what that needs (:func:`checkpoint_engine`, the validation prompts); the run
+    the checkpoint came from is read (its initial model's config and tokenizer), never written."""
+    from dapo_megatron.rank_zero import run_on_rank0
+    from dapo_megatron.trainer.model_source import initial_model_dir, load_tokenizer
+    from dapo_megatron.trainer.task import eval_prompts
+
+    tokenizer = load_tokenizer(config, initial_model_dir(config))
+    with tempfile.TemporaryDirectory(prefix="dapo_eval_") as scratch:
+        engine = checkpoint_engine(config, checkpoint, scratch)
+        try:
+            return run_on_rank0(lambda: evaluate(engine, eval_prompts(config, tokenizer), tokenizer, config),
+                                what="evaluation")
+        finally:
+            if engine is not None:
+                engine.shutdown()
+
+
+def checkpoint_engine(config: DAPOConfig, checkpoint: str | Path, work_dir: str | Path) -> RolloutEngine | None:
+    """A rollout engine (on rank 0; None elsewhere) serving ``<checkpoint>/model``, a megatron-core distributed
+    checkpoint loaded at the config's TP/PP into this rank's model stage: no DDP, no optimizer. The engine keeps its
+    working files (SGLang's logs and weight snapshots) under ``work_dir``."""
+    from dapo_megatron.policy.hf_loader import load_model_spec
+    from dapo_megatron.policy.model import build_model, transformer_config
+    from dapo_megatron.rank_zero import run_on_rank0
+    from dapo_megatron.rollout.factory import build_rollout_engine
+    from dapo_megatron.checkpoint import MODEL_DIR, load_model
+    from dapo_megatron.trainer.model_source import initial_model_dir
+    from dapo_megatron.trainer.weight_sync import sync_engine_weights
+
+    model_dir = initial_model_dir(config)
+    spec = load_model_spec(model_dir)
+    p = config.parallel
+    tconfig = transformer_config(spec, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
+                                 precision=config.model.precision)
+    tconfig.perform_initialization = False  # every parameter comes from the checkpoint
+    model = build_model(spec, tconfig)
+    load_model([model], Path(checkpoint) / MODEL_DIR)
+    engine = run_on_rank0(lambda: build_rollout_engine(config, model_dir, work_dir),
+                          what="starting the rollout engine", broadcast_result=False)
+    try:
+        sync_engine_weights(model, spec, engine, version=1, bucket_bytes=int(config.rollout.handoff_bucket_mb * 2**20))
+    except BaseException:
+        if engine is not None:
+            engine.shutdown()
+        raise
+    return engine

@@ -1,4 +1,5 @@
-"""Steps 1–5 of the DAPO loop, on the rank that drives the rollout engine (global rank 0):
+"""Steps 1–4 of a DAPO step (:meth:`dapo_megatron.trainer.loop.DAPOTrainer.train_step`), on the rank that drives
+the rollout engine (global rank 0):
 
     prompts (sampler) → G responses each (engine) → reward + overlong shaping → dynamic-sampling filter → buffer,
     repeated until the buffer holds ``trainer.train_batch_size`` groups or ``algorithm.max_gen_rounds`` is reached.
@@ -22,6 +23,7 @@ from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
+from dapo_megatron.trainer.step_metrics import rollout_metrics
 
 
 @dataclass
@@ -116,43 +118,7 @@ class RolloutCollector:
         progress.close()
         hit_cap = not self.buffer.is_full
         batch = self.buffer.drain() if hit_cap else self.buffer.pop()
-        return batch, self._metrics(batch, generated, stats, rounds, hit_cap)
-
-    def _metrics(self, batch: list[RolloutGroup], generated: list[RolloutGroup], stats: FilterStats,
-                 rounds: int, hit_cap: bool) -> dict[str, float]:
-        max_len = self.config.rollout.max_response_length
-        all_accs = [acc for g in generated for acc in g.accs]
-        metrics = {
-            "train/num_gen_batches": rounds,
-            "train/hit_gen_round_cap": float(hit_cap),
-            "train/num_groups": len(batch),
-            "train/filter/kept_fraction": stats.kept_fraction,
-            "train/filter/all_correct_fraction": stats.all_correct_fraction,
-            "train/filter/all_wrong_fraction": stats.all_wrong_fraction,
-            "rollout/acc/mean": sum(all_accs) / max(len(all_accs), 1),  # over everything generated this step
-            "rollout/num_samples": len(all_accs),
-        }
-        if not batch:
-            return metrics
-        scores = [s for g in batch for s in g.scores]
-        lengths = [len(resp) for g in batch for resp in g.responses]
-        prompt_lengths = [len(g.prompt_ids) for g in batch]
-        accs = [acc for g in batch for acc in g.accs]
-        token_logprobs = [lp for g in batch for lps in g.engine_logprobs for lp in lps]
-        metrics.update({
-            "critic/score/mean": sum(scores) / len(scores),
-            "critic/score/max": max(scores),
-            "critic/score/min": min(scores),
-            "critic/acc/mean": sum(accs) / len(accs),
-            "critic/overlong_penalty/mean": sum(p for g in batch for p in g.overlong_penalties) / len(scores),
-            "response_length/mean": sum(lengths) / len(lengths),
-            "response_length/max": max(lengths),
-            "response_length/min": min(lengths),
-            "response_length/clip_ratio": sum(length >= max_len for length in lengths) / len(lengths),
-            "prompt_length/mean": sum(prompt_lengths) / len(prompt_lengths),
-            "rollout/gen_prob/mean": float(torch.tensor(token_logprobs).exp().mean()) if token_logprobs else 0.0,
-        })
-        return metrics
+        return batch, rollout_metrics(batch, generated, stats, rounds, hit_cap, self.config.rollout.max_response_length)
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "buffer": self.buffer.state_dict()}

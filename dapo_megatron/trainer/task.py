@@ -4,7 +4,6 @@ validation) or the synthetic arithmetic task (train split + held-out split exclu
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.dapo_math import load_dapo_math
@@ -15,38 +14,43 @@ from dapo_megatron.data.synthetic import SyntheticSplit, make_split
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Task:
-    train: tuple[PromptRecord, ...]
-    eval: tuple[PromptRecord, ...]  # may hold several data_sources; metrics are reported per source
-
-
 def synthetic_split(config: DAPOConfig) -> SyntheticSplit:
     s = config.data.synthetic
     return make_split(s.seed, s.num_train, s.num_heldout)
 
 
-def build_task(config: DAPOConfig, tokenizer) -> Task:
+def _synthetic_rows(config: DAPOConfig, split_name: str) -> list:
+    split = synthetic_split(config)
+    rows = split.train_rows() if split_name == "train" else split.heldout_rows()
+    source = "synthetic/train" if split_name == "train" else "synthetic/heldout"
+    return [validate_row(r, source=source, row=i, integer_answers=True) for i, r in enumerate(rows)]
+
+
+def _file_rows(config: DAPOConfig, paths: list[str]) -> list:
     d = config.data
-    if d.source == "synthetic":
-        split = synthetic_split(config)
-        train_rows = [validate_row(r, source="synthetic/train", row=i, integer_answers=True)
-                      for i, r in enumerate(split.train_rows())]
-        eval_rows = [validate_row(r, source="synthetic/heldout", row=i, integer_answers=True)
-                     for i, r in enumerate(split.heldout_rows())]
-    else:
-        train_rows = [row for path in d.train_files
-                      for row in load_dapo_math(path, integer_answers=d.integer_answers, on_bad_row=d.on_bad_row).rows]
-        eval_rows = [row for path in d.val_files
-                     for row in load_dapo_math(path, integer_answers=d.integer_answers, on_bad_row=d.on_bad_row).rows]
-    train = build_prompt_records(train_rows, tokenizer, max_prompt_length=d.max_prompt_length)
-    evals = build_prompt_records(eval_rows, tokenizer, max_prompt_length=d.max_prompt_length) if eval_rows else None
+    return [row for path in paths
+            for row in load_dapo_math(path, integer_answers=d.integer_answers, on_bad_row=d.on_bad_row).rows]
+
+
+def train_prompts(config: DAPOConfig, tokenizer) -> tuple[PromptRecord, ...]:
+    """The training prompts (chat-templated, tokenized; those over ``data.max_prompt_length`` dropped, with a warning)."""
+    d = config.data
+    rows = _synthetic_rows(config, "train") if d.source == "synthetic" else _file_rows(config, d.train_files)
+    train = build_prompt_records(rows, tokenizer, max_prompt_length=d.max_prompt_length)
     if train.num_filtered_too_long:
         logger.warning("dropped %d training prompts longer than data.max_prompt_length=%d",
                        train.num_filtered_too_long, d.max_prompt_length)
     if not train.records:
         raise ValueError("no training prompt is left after length filtering (data.max_prompt_length too small?)")
-    eval_records = evals.records if evals else ()
-    if config.eval.max_problems is not None:
-        eval_records = eval_records[: config.eval.max_problems]
-    return Task(train=train.records, eval=eval_records)
+    return train.records
+
+
+def eval_prompts(config: DAPOConfig, tokenizer) -> tuple[PromptRecord, ...]:
+    """The validation prompts (may hold several data_sources; metrics are reported per source), at most
+    ``eval.max_problems``; empty when there are none."""
+    d = config.data
+    rows = _synthetic_rows(config, "heldout") if d.source == "synthetic" else _file_rows(config, d.val_files)
+    if not rows:
+        return ()
+    records = build_prompt_records(rows, tokenizer, max_prompt_length=d.max_prompt_length).records
+    return records if config.eval.max_problems is None else records[: config.eval.max_problems]

@@ -7,8 +7,8 @@ groups with mixed outcomes (a model that is already right on every prompt leaves
 
 It trains the HF-format model with plain PyTorch (AdamW, cross-entropy on the response tokens only) and measures
 greedy accuracy through the rollout engine, so the reward code and the weight handoff are the ones RL uses.
-The RL stage then starts from the HF folder this writes, through the same HF → Megatron loader a user's checkpoint
-goes through.
+The RL stage then starts from the HF folder :func:`dapo_megatron.tiny_model.prepare_tiny_model` writes, through the
+same HF → Megatron loader a user's checkpoint goes through.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from dapo_megatron.algorithm import math_reward
-from dapo_megatron.config import WarmStartConfig
-from dapo_megatron.data.prompts import PromptRecord
+from dapo_megatron.config import DAPOConfig, WarmStartConfig
+from dapo_megatron.data.prompts import PromptRecord, build_prompt_records
+from dapo_megatron.data.schema import validate_row
+from dapo_megatron.data.synthetic import make_split
 from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -108,3 +110,32 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer, *, train_records: S
                 break
     model.eval()
     return WarmStartResult(step, accuracy, time.perf_counter() - start, history)
+
+
+def warm_start_on_synthetic_task(config: DAPOConfig, model: torch.nn.Module, tokenizer, hf_config) -> dict:
+    """:func:`supervised_warm_start` on the synthetic training problems; returns the report saved with the model."""
+    from dapo_megatron.rollout.embedded import EmbeddedEngine
+
+    synthetic = config.data.synthetic
+    split = make_split(synthetic.seed, synthetic.num_train, synthetic.num_heldout)
+    n_val = min(200, len(split.train) // 10)
+    # The validation slice comes from the training problems: the held-out set stays untouched until RL is scored.
+    val_problems, sft_problems = split.train[:n_val], split.train[n_val:]
+
+    def records(problems):
+        rows = [validate_row(p.to_row(i, "train"), source="synthetic", row=i, integer_answers=True)
+                for i, p in enumerate(problems)]
+        return build_prompt_records(rows, tokenizer, max_prompt_length=config.data.max_prompt_length).records
+
+    engine = EmbeddedEngine(hf_config)
+    result = supervised_warm_start(
+        model, tokenizer,
+        train_records=records(sft_problems), train_solutions=[p.solution for p in sft_problems],
+        val_records=records(val_problems), engine=engine, config=config.warm_start,
+        max_new_tokens=config.rollout.max_response_length, seed=config.trainer.seed,
+    )
+    engine.shutdown()
+    logger.info("warm-start: %d steps, validation greedy accuracy %.3f, %.0f s",
+                result.steps, result.val_accuracy, result.seconds)
+    return {"steps": result.steps, "val_accuracy": result.val_accuracy, "seconds": result.seconds,
+            "history": result.history}

@@ -1,0 +1,134 @@
+"""What one DAPO step reports: the scalars, from the step's rollouts, log-probs and updates, and its console line.
+
+Names follow verl's so curves can be compared across systems (``actor/pg_loss``, ``critic/score/mean``,
+``response_length/clip_ratio``, ``train/num_gen_batches`` ...). Where they go: :mod:`.metrics`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from dapo_megatron.algorithm import FilterStats
+
+if TYPE_CHECKING:
+    from dapo_megatron.policy.actor import PolicyLogProbs
+    from dapo_megatron.policy.packing import PolicySample
+    from dapo_megatron.trainer.rollout_collector import RolloutGroup
+
+
+class StepTimer:
+    """Wall-clock seconds per phase of a step (``timing_s/<phase>``); a phase entered twice adds up."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], stats: FilterStats, rounds: int,
+                    hit_cap: bool, max_response_length: int) -> dict[str, float]:
+    """The collection's numbers: filter statistics over everything generated, scores and lengths of the batch."""
+    all_accs = [acc for g in generated for acc in g.accs]
+    metrics = {
+        "train/num_gen_batches": rounds,
+        "train/hit_gen_round_cap": float(hit_cap),
+        "train/num_groups": len(batch),
+        "train/filter/kept_fraction": stats.kept_fraction,
+        "train/filter/all_correct_fraction": stats.all_correct_fraction,
+        "train/filter/all_wrong_fraction": stats.all_wrong_fraction,
+        "rollout/acc/mean": sum(all_accs) / max(len(all_accs), 1),  # over everything generated this step
+        "rollout/num_samples": len(all_accs),
+    }
+    if not batch:
+        return metrics
+    scores = [s for g in batch for s in g.scores]
+    lengths = [len(resp) for g in batch for resp in g.responses]
+    prompt_lengths = [len(g.prompt_ids) for g in batch]
+    accs = [acc for g in batch for acc in g.accs]
+    token_logprobs = [lp for g in batch for lps in g.engine_logprobs for lp in lps]
+    metrics.update({
+        "critic/score/mean": sum(scores) / len(scores),
+        "critic/score/max": max(scores),
+        "critic/score/min": min(scores),
+        "critic/acc/mean": sum(accs) / len(accs),
+        "critic/overlong_penalty/mean": sum(p for g in batch for p in g.overlong_penalties) / len(scores),
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": max(lengths),
+        "response_length/min": min(lengths),
+        "response_length/clip_ratio": sum(length >= max_response_length for length in lengths) / len(lengths),
+        "prompt_length/mean": sum(prompt_lengths) / len(prompt_lengths),
+        "rollout/gen_prob/mean": float(torch.tensor(token_logprobs).exp().mean()) if token_logprobs else 0.0,
+    })
+    return metrics
+
+
+def policy_metrics(groups: list[RolloutGroup], samples: list[PolicySample], old: PolicyLogProbs | None,
+                   updates: list[dict]) -> dict[str, float]:
+    """The policy side: loss, clip fractions, KL, entropy, gradient norm over the applied updates, and the gap between
+    the engine's and the policy's log-probs of the sampled tokens."""
+    if not samples:
+        return {"train/skipped_empty_batch": 1.0}
+    # Engine vs policy log-probs of the same tokens, over responses sampled by the weights the policy has now
+    # (surplus groups kept from an earlier step were sampled by older weights and differ by design).
+    current = max(g.weight_version for g in groups)
+    sample_versions = [g.weight_version for g in groups for _ in g.responses]
+    fresh = [i for i, version in enumerate(sample_versions) if version == current]
+    flat_engine = [lps for g in groups for lps in g.engine_logprobs]
+    gap = torch.cat([(torch.tensor(flat_engine[i], dtype=torch.float32) - old.logprobs[i]).abs() for i in fresh])
+    entropy = torch.cat(old.entropy)
+    applied = [u for u in updates if not u["skipped"]]
+
+    def mean(key: str) -> float:
+        values = [u[key] for u in applied]
+        return sum(values) / len(values) if values else float("nan")
+
+    return {
+        "actor/pg_loss": mean("pg_loss"),
+        "actor/pg_clipfrac": mean("clipfrac_high") + mean("clipfrac_low"),
+        "actor/pg_clipfrac_high": mean("clipfrac_high"),
+        "actor/pg_clipfrac_low": mean("clipfrac_low"),
+        "actor/pg_clipfrac_lower": mean("clipfrac_dual"),  # verl's name for the dual-clip fraction
+        "actor/ppo_kl": mean("approx_kl"),
+        "actor/entropy": float(entropy.mean()),
+        "actor/grad_norm": mean("grad_norm"),
+        "actor/lr": updates[-1]["lr"],
+        "actor/num_updates": float(len(applied)),
+        "actor/skipped_updates": float(len(updates) - len(applied)),
+        "actor/packing_efficiency": mean("packing_efficiency"),
+        "train/stale_group_fraction": sum(g.weight_version != current for g in groups) / len(groups),
+        "rollout/logprob_diff/mean_abs": float(gap.mean()),
+        "rollout/logprob_diff/max_abs": float(gap.max()),
+        "perf/num_tokens": float(sum(s.length for s in samples)),
+    }
+
+
+def step_metrics(rollout: dict[str, float], policy: dict[str, float], timer: StepTimer,
+                 weight_version: int) -> dict[str, float]:
+    """One row of ``metrics.jsonl`` (before validation): rollout + policy numbers, timings, throughput."""
+    metrics = {**rollout, **policy, "rollout/weight_version": float(weight_version),
+               **{f"timing_s/{k}": v for k, v in timer.seconds.items()}}
+    metrics["perf/throughput"] = metrics.get("perf/num_tokens", 0.0) / max(timer.seconds["step"], 1e-9)
+    return metrics
+
+
+def summary_line(step: int, total: int, m: dict[str, float]) -> str:
+    def fmt(key: str, spec: str = ".3f") -> str:
+        value = m.get(key)
+        return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+    return (f"step {step}/{total} | score {fmt('critic/score/mean')} | acc {fmt('rollout/acc/mean')} | "
+            f"kept {fmt('train/filter/kept_fraction', '.2f')} | gen rounds {m.get('train/num_gen_batches', 0)} | "
+            f"pg_loss {fmt('actor/pg_loss', '.4f')} | entropy {fmt('actor/entropy')} | "
+            f"clip {fmt('actor/pg_clipfrac', '.4f')} | len {fmt('response_length/mean', '.1f')} | "
+            f"{fmt('timing_s/step', '.1f')} s")
