@@ -77,26 +77,6 @@ def mini_batches(samples: list[PolicySample], config: DAPOConfig, step: int) -> 
     return [shuffled[i:i + per_mini_batch] for i in range(0, len(shuffled), per_mini_batch)]
 
 
-def actor_config_from(config: DAPOConfig):
-    """The run config's optimizer, loss (clip-higher, dual clip, token-level aggregation) and batching settings, as
-    the actor takes them."""
-    from dapo_megatron.policy.actor import ActorConfig, LossSettings, OptimizerSettings
-    from dapo_megatron.policy.packing import BatchingConfig
-
-    c = config
-    return ActorConfig(
-        optimizer=OptimizerSettings(
-            lr=c.optim.lr, weight_decay=c.optim.weight_decay, betas=(c.optim.adam_beta1, c.optim.adam_beta2),
-            eps=c.optim.adam_eps, clip_grad=c.optim.grad_clip, lr_warmup_steps=c.optim.warmup_steps,
-            use_distributed_optimizer=c.parallel.use_distributed_optimizer),
-        loss=LossSettings(eps_low=c.algorithm.eps_low, eps_high=c.algorithm.eps_high,
-                          clip_ratio_c=c.algorithm.clip_ratio_c, agg=c.algorithm.loss_agg),
-        batching=BatchingConfig(token_budget=c.trainer.micro_batch_tokens),
-        temperature=c.rollout.temperature,
-        precision=c.model.precision,
-    )
-
-
 def _broadcast_object(obj, src: int = 0):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
@@ -134,8 +114,8 @@ class DAPOTrainer:
         self.initial_model = initial
         self.tokenizer = load_tokenizer(initial.tokenizer_dir)
         self.spec = load_model_spec(initial.hf_dir)
-        actor_config = actor_config_from(c)
-        self.actor = build_actor(self.spec, actor_config)
+        self.actor = build_actor(self.spec, model=c.model, parallel=c.parallel, optim=c.optim, algorithm=c.algorithm,
+                                 micro_batch_tokens=c.trainer.micro_batch_tokens, temperature=c.rollout.temperature)
         load_hf_weights(self.actor.model, self.spec, initial.hf_dir)
         self.actor.optimizer.reload_model_params()
 
