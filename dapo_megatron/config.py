@@ -236,6 +236,10 @@ def _require(ok: bool, key: str, message: str) -> None:
 # --------------------------------------------------------------------------------------------------- loading
 
 
+# Checked by hand, not with pydantic or OmegaConf: these ~65 lines keep the schema plain dataclasses, refuse "1" and
+# true as integers, and name the dotted key (and, for a typo, the known keys). pydantic reaches that strictness on
+# stdlib dataclasses only through a JSON round trip (its strict Python mode wants dataclass instances, not mappings)
+# and would become a core dependency; OmegaConf has no Literal and converts "1" to 1.
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Check/convert one value against a type hint; raise ConfigError naming the key."""
     origin = get_origin(hint)
