@@ -66,10 +66,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.platform import init_distributed, seed_everything
-    from dapo_megatron.policy.actor import ActorConfig, OptimizerSettings, build_actor
+    from dapo_megatron.policy.actor import build_actor
+    from dapo_megatron.policy.batch_plan import PackedBatching, PaddedBatching, plan_data_parallel
     from dapo_megatron.policy.model import ModelSpec
-    from dapo_megatron.policy.packing import BatchingConfig, plan_data_parallel
 
     init_distributed(1, 1)
     seed_everything(args.seed)
@@ -79,10 +80,13 @@ def main() -> None:
                      ffn_hidden_size=3 * args.hidden, rms_norm_eps=1e-6, rope_theta=10000.0, qkv_bias=True,
                      tie_embeddings=False, max_position_embeddings=4096)
     batchings = {
-        "packed": BatchingConfig(mode="packed", token_budget=args.token_budget),
-        "padded": BatchingConfig(mode="padded", samples_per_micro_batch=args.samples_per_micro_batch),
+        "packed": PackedBatching(token_budget=args.token_budget),
+        "padded": PaddedBatching(samples_per_micro_batch=args.samples_per_micro_batch),
     }
-    actor = build_actor(spec, ActorConfig(optimizer=OptimizerSettings(lr=1e-5, lr_warmup_steps=0)))
+    actor = build_actor(spec, model=ModelConfig(precision="fp32"),
+                        parallel=ParallelConfig(use_distributed_optimizer=False),
+                        optim=OptimConfig(lr=1e-5, warmup_steps=0), algorithm=AlgorithmConfig(clip_ratio_c=None),
+                        micro_batch_tokens=args.token_budget, temperature=1.0)
     samples = build_samples(args)
     lengths = [s.response_length for s in samples]
     real_tokens = sum(s.length for s in samples)

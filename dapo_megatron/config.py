@@ -90,7 +90,7 @@ class SGLangConfig:
     tp_per_server: int = 1
     python: str | None = None  # interpreter that has sglang; default: this one
     host: str = "127.0.0.1"
-    base_port: int = 30000
+    base_port: int = 30000  # launched server i listens on base_port + i; 0: a free port each
     api_key_file: str | None = None  # attached servers: the key they were started with
     transport: Literal["disk", "tensor", "distributed"] = "disk"
     weight_dir: str | None = None  # disk transport: a directory the servers can read (shared fs on SLURM)
@@ -207,8 +207,18 @@ class DAPOConfig:
         _require(a.gen_batch_size >= 1, "algorithm.gen_batch_size", "must be >= 1")
         _require(a.max_gen_rounds >= 1, "algorithm.max_gen_rounds", "must be >= 1")
         _require(r.temperature > 0, "rollout.temperature", "must be > 0 for RL sampling")
+        s = r.sglang
+        _require(s.num_servers >= 1 or bool(s.urls), "rollout.sglang.num_servers", "must be >= 1")
+        _require(s.tp_per_server >= 1, "rollout.sglang.tp_per_server", "must be >= 1")
+        _require(s.launch_timeout_s > 0, "rollout.sglang.launch_timeout_s", "must be > 0")
+        _require(s.request_timeout_s > 0, "rollout.sglang.request_timeout_s", "must be > 0")
+        _require(s.max_restarts >= 0, "rollout.sglang.max_restarts", "must be >= 0")
+        _require(s.max_concurrent_requests >= 1, "rollout.sglang.max_concurrent_requests", "must be >= 1")
         _require(self.optim.lr > 0, "optim.lr", "must be > 0")
+        _require(self.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _require(self.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
         _require(t.total_steps >= 0, "trainer.total_steps", "must be >= 0")
+        _require(t.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be >= 1")
         _require(self.model.source == "tiny" or self.model.hf_path, "model.hf_path",
                  "is required when model.source = hf")
         _require(self.data.source == "synthetic" or self.data.train_files, "data.train_files",
@@ -226,6 +236,10 @@ def _require(ok: bool, key: str, message: str) -> None:
 # --------------------------------------------------------------------------------------------------- loading
 
 
+# Checked by hand, not with pydantic or OmegaConf: these ~65 lines keep the schema plain dataclasses, refuse "1" and
+# true as integers, and name the dotted key (and, for a typo, the known keys). pydantic reaches that strictness on
+# stdlib dataclasses only through a JSON round trip (its strict Python mode wants dataclass instances, not mappings)
+# and would become a core dependency; OmegaConf has no Literal and converts "1" to 1.
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Check/convert one value against a type hint; raise ConfigError naming the key."""
     origin = get_origin(hint)

@@ -52,20 +52,32 @@ def random_samples(count: int, *, seed: int, prompt_lengths=(2, 8), response_len
     return samples
 
 
-def build_test_actor(hf_dir: str | Path, tensor_parallel: int, pipeline_parallel: int, config, seed: int = 0):
-    """Initialize this rank's TP/PP layout, build the model stage, load the HF weights, wrap it as an Actor."""
+def actor_settings(**overrides) -> dict:
+    """:func:`build_actor`'s keyword arguments for the tests: fp32, the plain optimizer, no dual clip (like
+    ``policy_loss``'s default, which the reference computations use), the schema's defaults otherwise."""
+    from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+
+    settings = dict(model=ModelConfig(precision="fp32"), parallel=ParallelConfig(use_distributed_optimizer=False),
+                    optim=OptimConfig(), algorithm=AlgorithmConfig(clip_ratio_c=None), micro_batch_tokens=4096,
+                    temperature=1.0)
+    return {**settings, **overrides}
+
+
+def build_test_actor(hf_dir: str | Path, tensor_parallel: int, pipeline_parallel: int, settings: dict,
+                     seed: int = 0):
+    """Initialize this rank's TP/PP layout and build the actor from ``settings`` (:func:`actor_settings`) with the
+    HF weights loaded, the way the trainer does."""
     from dapo_megatron.platform import init_distributed, seed_everything
-    from dapo_megatron.policy.actor import Actor
+    from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
-    from dapo_megatron.policy.model import build_model, transformer_config
 
     init_distributed(tensor_parallel, pipeline_parallel)
     seed_everything(seed)
     spec = load_model_spec(hf_dir)
-    tconfig = transformer_config(spec, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel)
-    model = build_model(spec, tconfig)
-    load_hf_weights(model, spec, hf_dir)
-    return Actor.wrap(model, real_vocab_size=spec.vocab_size, config=config), spec
+    actor = build_actor(spec, **settings)
+    load_hf_weights(actor.model, spec, hf_dir)
+    actor.optimizer.reload_model_params()
+    return actor, spec
 
 
 def gather_hf_weights(actor, spec) -> dict[str, torch.Tensor] | None:
@@ -78,15 +90,3 @@ def gather_hf_weights(actor, spec) -> dict[str, torch.Tensor] | None:
     for bucket in gather_hf_buckets_to_rank0(actor.model, spec):
         weights.update({name: tensor.detach().clone().cpu() for name, tensor in bucket})
     return weights if dist.get_rank() == 0 else None
-
-
-def plain(tree):
-    """Tensors → numpy arrays, recursively: a tensor sent through a multiprocessing queue travels as a shared-memory
-    handle that dies with the rank process, a numpy array travels by value."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu().numpy()
-    if isinstance(tree, dict):
-        return {key: plain(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(plain(value) for value in tree)
-    return tree

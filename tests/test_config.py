@@ -42,11 +42,28 @@ def test_overrides_are_typed_and_win_over_yaml(tmp_path):
     ("algorithm.overlong_buffer_len=999999", "algorithm.overlong_buffer_len"),
     ("rollout.temperature=0", "rollout.temperature"),
     ("rollout.sglang=3", "rollout.sglang: expected a mapping"),
+    ("rollout.n_samples='4'", "rollout.n_samples: expected an integer"),
+    ("rollout.temperature=true", "rollout.temperature: expected a number"),
+    ("rollout.sglang.transport=rdma", "rollout.sglang.transport: must be one of"),
+    ("rollout.sglang.num_servers=0", "rollout.sglang.num_servers: must be >= 1"),
+    ("rollout.sglang.tp_per_server=0", "rollout.sglang.tp_per_server: must be >= 1"),
+    ("rollout.sglang.launch_timeout_s=0", "rollout.sglang.launch_timeout_s: must be > 0"),
+    ("rollout.sglang.request_timeout_s=0", "rollout.sglang.request_timeout_s: must be > 0"),
+    ("rollout.sglang.max_restarts=-1", "rollout.sglang.max_restarts: must be >= 0"),
+    ("rollout.sglang.max_concurrent_requests=0", "rollout.sglang.max_concurrent_requests: must be >= 1"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps: must be >= 0"),
+    ("optim.grad_clip=-1", "optim.grad_clip: must be >= 0"),
+    ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens: must be >= 1"),
     ("noequals", "dotted.key=value"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, MINIMAL + [override])
+
+
+def test_attached_servers_need_no_server_count():
+    config = load_config(None, MINIMAL + ["rollout.sglang.num_servers=0", "rollout.sglang.urls=[http://h:1]"])
+    assert config.rollout.sglang.num_servers == 0
 
 
 def test_missing_required_inputs_are_named():

@@ -39,21 +39,19 @@ def tiny_spec():
 
 def train_job(tensor_parallel: int, pipeline_parallel: int, distributed_optimizer: bool):
     import torch
-    from actor_harness import random_samples
+    from actor_harness import actor_settings, random_samples
     from megatron.core import parallel_state
 
+    from dapo_megatron.config import OptimConfig, ParallelConfig
     from dapo_megatron.platform import init_distributed, seed_everything
-    from dapo_megatron.policy.actor import ActorConfig, OptimizerSettings, build_actor
-    from dapo_megatron.policy.packing import BatchingConfig, PolicySample
+    from dapo_megatron.policy.actor import build_actor
+    from dapo_megatron.policy.packing import PolicySample
 
     layout = init_distributed(tensor_parallel, pipeline_parallel)
     seed_everything(1234)  # replicas must start from the same weights: megatron draws them on the CPU generator
-    config = ActorConfig(
-        optimizer=OptimizerSettings(lr=1e-2, clip_grad=1.0, lr_warmup_steps=0,
-                                    use_distributed_optimizer=distributed_optimizer),
-        batching=BatchingConfig(token_budget=48),
-    )
-    actor = build_actor(tiny_spec(), config)
+    actor = build_actor(tiny_spec(), **actor_settings(
+        optim=OptimConfig(lr=1e-2, grad_clip=1.0, warmup_steps=0),
+        parallel=ParallelConfig(use_distributed_optimizer=distributed_optimizer), micro_batch_tokens=48))
     samples = random_samples(8, seed=5)
     old = actor.compute_logprobs(samples).logprobs  # ratio starts at 1; the loss can only fall by learning
     samples = [PolicySample(s.prompt_ids, s.response_ids, advantage=s.advantage, old_logprobs=o)

@@ -9,7 +9,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from actor_harness import TINY_VOCAB, build_test_actor, gather_hf_weights, plain, random_samples, write_tiny_qwen2
+from actor_harness import (
+    TINY_VOCAB,
+    actor_settings,
+    build_test_actor,
+    gather_hf_weights,
+    random_samples,
+    write_tiny_qwen2,
+)
 from spawn_ranks import run_distributed
 
 NUM_SAMPLES = 8
@@ -17,17 +24,16 @@ SAMPLE_SEED = 11
 
 
 def actor_config(token_budget: int = 4096, agg: str = "token-mean", lr_warmup_steps: int = 0,
-                 distributed_optimizer: bool = False):
-    from dapo_megatron.policy.actor import ActorConfig, LossSettings, OptimizerSettings
-    from dapo_megatron.policy.packing import BatchingConfig
+                 distributed_optimizer: bool = False) -> dict:
+    from dapo_megatron.config import AlgorithmConfig, OptimConfig, ParallelConfig
 
     # Adam eps ~ the gradient scale makes the first update depend on |g| (with a tiny eps it is lr·sign(g) and would
     # hide a wrong gradient scale); clip_grad far above the norm keeps main_grad unclipped for the comparison.
-    return ActorConfig(
-        optimizer=OptimizerSettings(lr=1e-2, weight_decay=0.1, eps=1e-3, clip_grad=1e6, lr_warmup_steps=lr_warmup_steps,
-                                    use_distributed_optimizer=distributed_optimizer),
-        loss=LossSettings(agg=agg),
-        batching=BatchingConfig(mode="packed", token_budget=token_budget),
+    return actor_settings(
+        optim=OptimConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-3, grad_clip=1e6, warmup_steps=lr_warmup_steps),
+        parallel=ParallelConfig(use_distributed_optimizer=distributed_optimizer),
+        algorithm=AlgorithmConfig(clip_ratio_c=None, loss_agg=agg),
+        micro_batch_tokens=token_budget,
         temperature=0.9,
     )
 
@@ -59,8 +65,8 @@ def one_step(hf_dir, tp, pp, config):
     logprobs = actor.compute_logprobs(samples)
     metrics = actor.train_minibatch(samples)
     weights = gather_hf_weights(actor, spec)
-    grads = None if config.optimizer.use_distributed_optimizer else hf_gradients(actor, spec)
-    return plain(dict(logprobs=logprobs.logprobs, metrics=metrics, weights=weights, grads=grads))
+    grads = None if config["parallel"].use_distributed_optimizer else hf_gradients(actor, spec)
+    return dict(logprobs=logprobs.logprobs, metrics=metrics, weights=weights, grads=grads)
 
 
 def reference_step(hf_dir):
@@ -78,14 +84,15 @@ def reference_step(hf_dir):
     for i, s in enumerate(samples):
         tokens = torch.cat([s.prompt_ids, s.response_ids])[None]
         logits = actor.model(tokens, torch.arange(tokens.shape[1])[None], None)[0, :, :TINY_VOCAB]
-        logp = torch.log_softmax(logits.float() / config.temperature, dim=-1)
+        logp = torch.log_softmax(logits.float() / config["temperature"], dim=-1)
         rows.append(logp[s.prompt_length - 1:-1].gather(-1, s.response_ids[:, None])[:, 0])
         r = s.response_length
         mask[i, :r], old[i, :r], advantages[i, :r] = s.response_tensors()
     logprobs = torch.stack([torch.nn.functional.pad(row, (0, width - row.numel())) for row in rows])
     loss, metrics = policy_loss(logprobs, old, advantages, mask)
     loss.backward()
-    return plain(dict(loss=float(loss), metrics=metrics, logprobs=rows, grads=hf_gradients(actor, spec)))
+    return dict(loss=float(loss), metrics=metrics, logprobs=[row.detach() for row in rows],
+                grads=hf_gradients(actor, spec))
 
 
 def world_one_job(hf_dir):
@@ -163,7 +170,7 @@ def test_loss_and_gradient_equal_the_direct_reference(world_one):
     assert world_one["one"]["metrics"]["num_micro_batches"] == 1
     assert world_one["four"]["metrics"]["num_micro_batches"] == 4
     assert world_one["one"]["metrics"]["clipfrac_high"] + world_one["one"]["metrics"]["clipfrac_low"] > 0
-    grad_norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in reference["grads"].values()))
+    grad_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in reference["grads"].values()))
     assert world_one["one"]["metrics"]["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
 
 

@@ -9,16 +9,14 @@ import torch
 from actor_harness import TINY_VOCAB, random_samples, write_tiny_qwen2
 from spawn_ranks import run_distributed
 
+from dapo_megatron.policy.batch_plan import PackedBatching, PaddedBatching, plan_data_parallel, split_for_data_parallel
 from dapo_megatron.policy.packing import (
-    BatchingConfig,
     PolicySample,
     empty_micro_batch,
     first_fit_decreasing,
     pack_micro_batches,
     packing_efficiency,
     padded_micro_batches,
-    plan_data_parallel,
-    split_for_data_parallel,
 )
 
 
@@ -55,7 +53,7 @@ def test_data_parallel_split_balances_tokens():
 def test_every_dp_rank_gets_the_same_number_of_micro_batches():
     # One long sample and many short ones: rank 0 packs the long one alone, rank 1 needs more micro-batches.
     samples = [sample(4, 26)] + [sample(2, 3, start=i) for i in range(6)]
-    config = BatchingConfig(mode="packed", token_budget=10)
+    config = PackedBatching(token_budget=10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the 30-token sample is over the budget
         plans = [plan_data_parallel(samples, config, data_parallel=2, data_parallel_rank=r, layout="mask")
@@ -136,22 +134,19 @@ def test_empty_micro_batch_has_no_samples():
 
 def packed_parity_job(hf_dir: str):
     """TP=2: log-probs of each sample alone, in a packed micro-batch and in a padded one."""
-    from actor_harness import build_test_actor, plain
-
-    from dapo_megatron.policy.actor import ActorConfig
-    from dapo_megatron.policy.packing import BatchingConfig
+    from actor_harness import actor_settings, build_test_actor
 
     samples = random_samples(7, seed=3, prompt_lengths=(1, 9), response_lengths=(1, 25))
 
     def logprobs(batching):
         return actor.compute_logprobs(samples, temperature=0.8, batching=batching)
 
-    actor, _ = build_test_actor(hf_dir, 2, 1, ActorConfig())
+    actor, _ = build_test_actor(hf_dir, 2, 1, actor_settings())
     assert actor.layout == "mask"
-    alone = logprobs(BatchingConfig(mode="padded", samples_per_micro_batch=1))
-    packed = logprobs(BatchingConfig(mode="packed", token_budget=64, pad_to_multiple=4))
-    padded = logprobs(BatchingConfig(mode="padded", samples_per_micro_batch=3))
-    return plain([alone.logprobs, alone.entropy, packed.logprobs, packed.entropy, padded.logprobs])
+    alone = logprobs(PaddedBatching(samples_per_micro_batch=1))
+    packed = logprobs(PackedBatching(token_budget=64, pad_to_multiple=4))
+    padded = logprobs(PaddedBatching(samples_per_micro_batch=3))
+    return [alone.logprobs, alone.entropy, packed.logprobs, packed.entropy, padded.logprobs]
 
 
 def test_packed_logprobs_equal_each_sample_run_alone_and_the_hf_model(tmp_path):
@@ -159,7 +154,7 @@ def test_packed_logprobs_equal_each_sample_run_alone_and_the_hf_model(tmp_path):
 
     hf_dir = write_tiny_qwen2(tmp_path / "hf")
     results = run_distributed(packed_parity_job, 2, str(hf_dir))
-    alone, alone_entropy, packed, packed_entropy, padded = [[torch.from_numpy(a) for a in x] for x in results[0]]
+    alone, alone_entropy, packed, packed_entropy, padded = results[0]
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     assert hf.config.vocab_size == TINY_VOCAB
     for i, s in enumerate(random_samples(7, seed=3, prompt_lengths=(1, 9), response_lengths=(1, 25))):

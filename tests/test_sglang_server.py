@@ -22,8 +22,9 @@ from tiny_models import build_tiny_qwen2, load_hf_model, perturbed_state_dict, s
 from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
 from dapo_megatron.rollout.sglang_client import SGLangClient
-from dapo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-from dapo_megatron.rollout.sglang_server import SGLangLaunchConfig, require_sglang
+from dapo_megatron.config import SGLangConfig
+from dapo_megatron.rollout.sglang_engine import SGLangEngine
+from dapo_megatron.rollout.sglang_server import require_sglang
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 torch.set_num_threads(1)
@@ -45,11 +46,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
-    launch = SGLangLaunchConfig(python=SERVER_PYTHON, dtype="float32", max_total_tokens=4096,
-                                startup_timeout_s=STARTUP_TIMEOUT_S)
-    engine = SGLangEngine(SGLangEngineConfig(
-        model_path=str(model_dir), launch=launch, transport="disk", run_dir=str(tmp_path_factory.mktemp("run")),
-        request_timeout_s=REQUEST_TIMEOUT_S, max_restarts=1, show_progress=False))
+    # float32 for parity with transformers (SGLang's "auto" may serve an fp32 model in 16 bits)
+    config = SGLangConfig(python=SERVER_PYTHON, base_port=0, launch_timeout_s=STARTUP_TIMEOUT_S,
+                          request_timeout_s=REQUEST_TIMEOUT_S, max_restarts=1,
+                          extra_server_args=["--dtype", "float32", "--max-total-tokens", "4096"])
+    engine = SGLangEngine(config, model_path=model_dir,
+                          run_dir=tmp_path_factory.mktemp("run"), show_progress=False)
     yield engine
     engine.shutdown()
 
@@ -59,12 +61,14 @@ def prompts(model_dir):
     return sample_prompts(model_dir, 4)
 
 
-def attached(engine: SGLangEngine, transport: str, **overrides) -> SGLangEngine:
+def attached(engine: SGLangEngine, transport: str, request_timeout_s: float = REQUEST_TIMEOUT_S) -> SGLangEngine:
     """A second engine on the first one's server (no launch), pushing weights over ``transport``."""
     (server,) = engine.server_processes()
-    return SGLangEngine(SGLangEngineConfig(
-        model_path=engine.config.model_path, urls=(server.url,), api_key=server.api_key, transport=transport,
-        request_timeout_s=overrides.pop("request_timeout_s", REQUEST_TIMEOUT_S), show_progress=False, **overrides))
+    key_file = engine.run_dir / "attached.key"
+    key_file.write_text(server.api_key)
+    config = SGLangConfig(urls=[server.url], api_key_file=str(key_file), transport=transport,
+                          request_timeout_s=request_timeout_s)
+    return SGLangEngine(config, model_path=engine.model_path, show_progress=False)
 
 
 def hf_greedy(model, prompts, max_new_tokens):

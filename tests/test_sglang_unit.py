@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 
+from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
 from dapo_megatron.rollout.sglang_requests import (
     build_generate_payload,
@@ -26,8 +27,8 @@ from dapo_megatron.rollout.sglang_requests import (
     per_sample_seed,
     samples_from_outputs,
 )
-from dapo_megatron.rollout.sglang_server import SGLangLaunchConfig, SGLangServerProcess, require_sglang
 from dapo_megatron.hf_format import bucketed
+from dapo_megatron.rollout.sglang_server import SGLangServerProcess, require_sglang
 from dapo_megatron.rollout.sglang_transports import DiskTransport, serialize_named_tensors
 
 torch.set_num_threads(1)
@@ -155,6 +156,11 @@ def _fake_python(tmp_path: Path, name: str, body: str) -> str:
     return str(wrapper)
 
 
+def _server(tmp_path, config: SGLangConfig, device: str = "cpu") -> SGLangServerProcess:
+    return SGLangServerProcess(config, model_path=tmp_path, index=0, run_dir=tmp_path / "run", weight_version="0",
+                               device=device)
+
+
 def test_missing_sglang_names_the_install_command(tmp_path):
     no_site = tmp_path / "python-without-site-packages"
     no_site.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
@@ -171,8 +177,7 @@ def test_server_that_exits_during_startup_reports_its_log_tail(tmp_path):
         print("RuntimeError: the model is broken", flush=True)
         raise SystemExit(3)
     """)
-    server = SGLangServerProcess(model_path=tmp_path, launch=SGLangLaunchConfig(python=python), index=0,
-                                 run_dir=tmp_path / "run", weight_version="0")
+    server = _server(tmp_path, SGLangConfig(python=python, base_port=0))
     server.start()
     with pytest.raises(RolloutError, match=r"(?s)exited with code 3.*the model is broken"):
         server.wait_until_ready(timeout_s=60)
@@ -187,8 +192,7 @@ def test_server_that_never_gets_healthy_is_stopped_at_the_deadline(tmp_path):
         print("still starting", flush=True)
         time.sleep(600)
     """)
-    server = SGLangServerProcess(model_path=tmp_path, launch=SGLangLaunchConfig(python=python), index=0,
-                                 run_dir=tmp_path / "run", weight_version="0")
+    server = _server(tmp_path, SGLangConfig(python=python, base_port=0))
     server.start()
     started = time.monotonic()
     with pytest.raises(RolloutError, match=r"(?s)not healthy after 3 s.*still starting"):
@@ -211,8 +215,7 @@ def test_stop_kills_the_whole_process_tree_even_when_it_ignores_sigterm(tmp_path
             print("children", *[c.pid for c in children], flush=True)
             time.sleep(600)
     """)
-    server = SGLangServerProcess(model_path=tmp_path, launch=SGLangLaunchConfig(python=python), index=0,
-                                 run_dir=tmp_path / "run", weight_version="0")
+    server = _server(tmp_path, SGLangConfig(python=python, base_port=0))
     server.start()
     deadline = time.monotonic() + 60
     while "children" not in server.log_tail() and time.monotonic() < deadline:
@@ -226,17 +229,9 @@ def test_stop_kills_the_whole_process_tree_even_when_it_ignores_sigterm(tmp_path
     server.stop()  # idempotent
 
 
-def test_launch_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="tp_size"):
-        SGLangLaunchConfig(tp_size=0)
-    with pytest.raises(ValueError, match="device"):
-        SGLangLaunchConfig(device="tpu")
-
-
 def test_cpu_servers_get_the_sgl_kernel_stand_in_and_no_logprob_override(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
-    server = SGLangServerProcess(model_path=tmp_path, launch=SGLangLaunchConfig(max_total_tokens=4096), index=0,
-                                 run_dir=tmp_path, weight_version="0")
+    server = _server(tmp_path, SGLangConfig(extra_server_args=["--max-total-tokens", "4096"]))
     env = server.environment()
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env
@@ -251,32 +246,35 @@ def test_cpu_servers_get_the_sgl_kernel_stand_in_and_no_logprob_override(tmp_pat
 
 
 # ---- engine configuration -------------------------------------------------------------------------------------------
-def test_engine_config_maps_the_run_config_section(tmp_path):
-    from dapo_megatron.config import SGLangConfig
-    from dapo_megatron.rollout.sglang_engine import SGLangEngineConfig
+def test_server_command_follows_the_run_config_section(tmp_path):
+    section = SGLangConfig(tp_per_server=2, python="/opt/sglang/bin/python", host="0.0.0.0", base_port=31000,
+                           extra_server_args=["--schedule-policy", "lpm"])
+    cpu = _server(tmp_path, section)
+    cpu.port = 31000
+    command = cpu.command(tmp_path / "c.yaml")
+    assert command[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+    assert command[command.index("--tp-size") + 1] == "2" and command[command.index("--host") + 1] == "0.0.0.0"
+    assert command[command.index("--max-total-tokens") + 1] == "16384"  # CPU: a bounded KV cache by default
+    assert command[-2:] == ["--schedule-policy", "lpm"] and "--dtype" not in command  # SGLang's own "auto"
+    gpu = _server(tmp_path, section, device="cuda")
+    gpu.index = 1
+    command = gpu.command(tmp_path / "c.yaml")
+    assert command[command.index("--base-gpu-id") + 1] == "2"  # server 1 of TP 2 starts at GPU 2
+    assert "--max-total-tokens" not in command and "--sleep-on-idle" not in command
+    assert _server(tmp_path, SGLangConfig()).command(tmp_path / "c.yaml")[0] == sys.executable
 
-    (tmp_path / "config.json").write_text("{}")
+
+def test_api_key_comes_from_the_key_file(tmp_path):
+    from dapo_megatron.rollout.sglang_pool import read_api_key
+
     key_file = tmp_path / "key"
     key_file.write_text("secret\n")
-    section = SGLangConfig(urls=["http://node7:30000"], tp_per_server=2, python="/opt/sglang/bin/python",
-                           api_key_file=str(key_file), transport="distributed", request_timeout_s=30.0,
-                           max_restarts=1, max_concurrent_requests=8, extra_server_args=["--schedule-policy", "lpm"])
-    config = SGLangEngineConfig.from_sglang_config(section, model_path=str(tmp_path), device="cpu")
-    assert config.urls == ("http://node7:30000",) and config.api_key == "secret"
-    assert config.transport == "distributed" and config.request_timeout_s == 30.0 and config.max_restarts == 1
-    assert config.max_concurrent_requests == 8
-    launch = config.launch
-    assert launch.python == "/opt/sglang/bin/python" and launch.tp_size == 2 and launch.device == "cpu"
-    assert launch.max_total_tokens == 16384 and launch.extra_args == ("--schedule-policy", "lpm")
+    assert read_api_key(SGLangConfig(api_key_file=str(key_file))) == "secret"
+    assert read_api_key(SGLangConfig()) is None
 
 
-def test_engine_config_rejects_bad_values(tmp_path):
-    from dapo_megatron.rollout.sglang_engine import SGLangEngineConfig
+def test_engine_rejects_a_folder_without_an_hf_config(tmp_path):
+    from dapo_megatron.rollout.sglang_engine import SGLangEngine
 
     with pytest.raises(ValueError, match="no config.json"):
-        SGLangEngineConfig(model_path=str(tmp_path))
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="transport"):
-        SGLangEngineConfig(model_path=str(tmp_path), transport="rdma")
-    with pytest.raises(ValueError, match="request_timeout_s"):
-        SGLangEngineConfig(model_path=str(tmp_path), request_timeout_s=0)
+        SGLangEngine(SGLangConfig(), model_path=tmp_path)

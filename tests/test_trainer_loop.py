@@ -151,15 +151,10 @@ def test_each_ablation_rung_changes_exactly_its_switch():
     assert rungs[-1].algorithm == load_config(TINY).algorithm
 
 
-def test_ablation_switches_reach_the_actor_and_the_buffer():
-    from dapo_megatron.trainer.loop import actor_config_from
+def test_ablation_switches_reach_the_buffer():
     from dapo_megatron.trainer.rollout_collector import RolloutCollector
 
     grpo, dapo = load_config(LADDER[0]), load_config(TINY)
-    assert (actor_config_from(grpo).loss.eps_high, actor_config_from(dapo).loss.eps_high) == (0.2, 0.28)
-    assert (actor_config_from(grpo).loss.agg, actor_config_from(dapo).loss.agg) == ("seq-mean-token-mean",
-                                                                                     "token-mean")
-    assert actor_config_from(dapo).loss.clip_ratio_c == dapo.algorithm.clip_ratio_c
 
     class Sampler:
         def __init__(self):

@@ -45,6 +45,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dapo_megatron.config import AlgorithmConfig
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOG_RATIO_LIMIT = 20.0
 TOKEN_MEAN_METRICS = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio_mean")
@@ -102,10 +104,10 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
+    eps_low: float = AlgorithmConfig.eps_low,
+    eps_high: float = AlgorithmConfig.eps_high,
     clip_ratio_c: float | None = None,
-    agg: str = "token-mean",
+    agg: str = AlgorithmConfig.loss_agg,
     num_tokens: int | Tensor | None = None,
     num_sequences: int | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:

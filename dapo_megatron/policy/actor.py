@@ -1,15 +1,14 @@
-"""The training side of the policy: Megatron DDP + optimizer + LR schedule, the DAPO step, forward-only log-probs.
+"""The DAPO step on the policy: megatron-core's pipeline schedule running the DAPO loss, and forward-only log-probs.
 
-:func:`build_actor` builds this rank's ``GPTModel`` stage (``policy/model.py``), wraps it in megatron's
-``DistributedDataParallel`` and builds the Megatron optimizer (Adam, decoupled weight decay, gradient clipping,
-optionally the distributed optimizer) and ``OptimizerParamScheduler`` (constant LR after a linear warmup).
-:class:`Actor` then runs, through megatron-core's pipeline schedule (``get_forward_backward_func``), either
+:func:`build_actor` builds this rank's ``GPTModel`` stage (``policy/model.py``) and its DDP wrapper, optimizer and LR
+schedule (``policy/optimizer.py``) from the run config's sections. :class:`Actor` then runs, through megatron-core's
+pipeline schedule (``get_forward_backward_func``), either
 
 * :meth:`Actor.train_minibatch` — one optimizer update on a mini-batch with the DAPO loss
-  (:func:`dapo_megatron.algorithm.policy_loss`), or
+  (:func:`dapo_megatron.algorithm.policy_loss`, configured by the ``algorithm`` section), or
 * :meth:`Actor.compute_logprobs` — the forward-only per-token log-probs (and entropy) of the responses.
 
-Both take the WHOLE mini-batch, the same list on every rank; :func:`dapo_megatron.policy.packing.plan_data_parallel`
+Both take the WHOLE mini-batch, the same list on every rank; :func:`dapo_megatron.policy.batch_plan.plan_data_parallel`
 gives each DP rank its share as packed micro-batches, with the same micro-batch count on every DP rank.
 
 Making the objective exactly ``L = Σ_{mini-batch} m·ℓ / N`` (token-mean; N = loss tokens of the whole mini-batch,
@@ -25,78 +24,30 @@ over micro-batches and DP ranks), with megatron-core 0.16.1's conventions, check
   of sequences the same way.) N needs no communication: every rank holds the whole mini-batch.
 
 A step whose loss or gradient norm is not finite is skipped: no optimizer update, no scheduler advance, gradients
-zeroed, and ``skipped=1`` in the metrics. Update ``k`` (counting applied updates from 1) uses
-``lr · min(k, warmup) / warmup``, then ``lr``.
+zeroed, and ``skipped=1`` in the metrics.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dapo_megatron.algorithm import LOSS_AGG_MODES, policy_loss
+from dapo_megatron.algorithm import policy_loss
+from dapo_megatron.policy.batch_plan import Batching, PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
-from dapo_megatron.policy.packing import (
-    BatchingConfig,
-    MicroBatch,
-    PackedLayout,
-    PolicySample,
-    plan_data_parallel,
-)
+from dapo_megatron.policy.packing import MicroBatch, PackedLayout, PolicySample
+
+if TYPE_CHECKING:
+    from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+    from dapo_megatron.policy.model import ModelSpec
 
 METRIC_NAMES = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio_mean")
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """Adam with decoupled weight decay; DAPO's reference recipe: lr 1e-6, 10 warmup steps, wd 0.1, clip 1.0."""
-
-    lr: float = 1e-6
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 10
-    use_distributed_optimizer: bool = False
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"OptimizerSettings.lr must be > 0, got {self.lr}")
-        if self.lr_warmup_steps < 0:
-            raise ValueError(f"OptimizerSettings.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        if self.clip_grad < 0:
-            raise ValueError(f"OptimizerSettings.clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """Arguments of :func:`dapo_megatron.algorithm.policy_loss`."""
-
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    clip_ratio_c: float | None = None
-    agg: str = "token-mean"
-
-    def __post_init__(self) -> None:
-        if self.agg not in LOSS_AGG_MODES:
-            raise ValueError(f"LossSettings.agg must be one of {LOSS_AGG_MODES}, got {self.agg!r}")
-
-
-@dataclass(frozen=True)
-class ActorConfig:
-    """Everything the actor needs besides the model: optimizer, loss, batching, precision, rollout temperature."""
-
-    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    loss: LossSettings = field(default_factory=LossSettings)
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    temperature: float = 1.0  # the rollout temperature; log-probs are of log_softmax(logits / T)
-    precision: str = "fp32"  # "fp32" | "bf16" | "fp8" (see policy.model.transformer_config)
 
 
 @dataclass
@@ -114,55 +65,42 @@ def uses_local_attention(model: torch.nn.Module) -> bool:
     return any(isinstance(module, DotProductAttention) for module in model.modules())
 
 
-def build_actor(spec, config: ActorConfig, *, use_transformer_engine: bool | None = None) -> "Actor":
-    """Build this rank's model stage for ``spec`` (a ``policy.model.ModelSpec``) at the initialized TP/PP layout."""
+def build_actor(spec: "ModelSpec", *, model: "ModelConfig", parallel: "ParallelConfig", optim: "OptimConfig",
+                algorithm: "AlgorithmConfig", micro_batch_tokens: int, temperature: float) -> "Actor":
+    """This rank's model stage for ``spec`` at the initialized TP/PP layout, ready to train.
+
+    ``model.precision`` picks the parameter dtype, ``parallel.use_distributed_optimizer`` the optimizer, ``optim``
+    its settings, ``algorithm`` the loss; micro-batches are packed to ``micro_batch_tokens`` tokens and log-probs
+    taken at the rollout ``temperature``.
+    """
     from megatron.core import parallel_state
 
     from dapo_megatron.policy.model import build_model, transformer_config
+    from dapo_megatron.policy.optimizer import wrap_for_training
 
     tconfig = transformer_config(
         spec,
         tensor_parallel=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
-        precision=config.precision,
-        use_transformer_engine=use_transformer_engine,
+        precision=model.precision,
     )
-    model = build_model(spec, tconfig, use_transformer_engine=use_transformer_engine)
-    return Actor.wrap(model, real_vocab_size=spec.vocab_size, config=config)
+    ddp_model, optimizer, scheduler = wrap_for_training(
+        build_model(spec, tconfig), optim, use_distributed_optimizer=parallel.use_distributed_optimizer)
+    return Actor(ddp_model, optimizer, scheduler, real_vocab_size=spec.vocab_size, algorithm=algorithm,
+                 batching=PackedBatching(token_budget=micro_batch_tokens), temperature=temperature)
 
 
 class Actor:
-    """One DDP-wrapped model stage with its optimizer and LR schedule (all reachable as attributes)."""
+    """One DDP-wrapped model stage with its optimizer and LR schedule (all reachable as attributes).
 
-    def __init__(self, model, optimizer, scheduler, *, real_vocab_size: int, config: ActorConfig) -> None:
+    ``algorithm``: the loss settings; ``batching``: how mini-batches become micro-batches unless a call says
+    otherwise; ``temperature``: log-probs are of ``log_softmax(logits / T)``.
+    """
+
+    def __init__(self, model, optimizer, scheduler, *, real_vocab_size: int, algorithm: "AlgorithmConfig",
+                 batching: Batching, temperature: float) -> None:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        self.model = model  # megatron DistributedDataParallel around this stage's GPTModel
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.real_vocab_size = real_vocab_size
-        self.config = config
-        self.layout: PackedLayout = "mask" if uses_local_attention(model) else "thd"
-        self.forward_backward = get_forward_backward_func()
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
-        self.is_last_stage = parallel_state.is_pipeline_last_stage()
-
-    @classmethod
-    def wrap(cls, model: torch.nn.Module, *, real_vocab_size: int, config: ActorConfig) -> "Actor":
-        """Megatron DDP + optimizer + scheduler around an unwrapped ``GPTModel`` stage."""
-        from megatron.core import parallel_state
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         tconfig = model.config
         if tconfig.fp16:
@@ -172,46 +110,21 @@ class Actor:
                              "micro-batch loss itself (see the module docstring)")
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             tconfig.variable_seq_lengths = True  # packed micro-batches differ in length: p2p sends shapes first
-        settings = config.optimizer
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=settings.use_distributed_optimizer,
-        )
-        ddp_model = DistributedDataParallel(tconfig, ddp_config, model)
-        # Without this the schedule never all-reduces DP gradients (replicas drift apart).
-        tconfig.finalize_model_grads_func = finalize_model_grads
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=settings.lr,
-                min_lr=settings.lr,
-                weight_decay=settings.weight_decay,
-                adam_beta1=settings.betas[0],
-                adam_beta2=settings.betas[1],
-                adam_eps=settings.eps,
-                clip_grad=settings.clip_grad,
-                use_distributed_optimizer=settings.use_distributed_optimizer,
-                bf16=tconfig.bf16,
-                fp16=False,
-                params_dtype=tconfig.params_dtype,
-            ),
-            [ddp_model],
-        )
-        scheduler = OptimizerParamScheduler(
-            optimizer,
-            init_lr=0.0 if settings.lr_warmup_steps else settings.lr,
-            max_lr=settings.lr,
-            min_lr=settings.lr,
-            lr_warmup_steps=settings.lr_warmup_steps,
-            lr_decay_steps=settings.lr_warmup_steps + 1,  # unused by the constant style; must exceed warmup
-            lr_decay_style="constant",
-            start_wd=settings.weight_decay,
-            end_wd=settings.weight_decay,
-            wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
-        return cls(ddp_model, optimizer, scheduler, real_vocab_size=real_vocab_size, config=config)
+        self.model = model  # megatron DistributedDataParallel around this stage's GPTModel
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.real_vocab_size = real_vocab_size
+        self.algorithm = algorithm
+        self.batching = batching
+        self.temperature = temperature
+        self.layout: PackedLayout = "mask" if uses_local_attention(model) else "thd"
+        self.forward_backward = get_forward_backward_func()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
 
     # ----------------------------------------------------------------------------------------------- helpers
 
@@ -219,15 +132,15 @@ class Actor:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _batching(self, batching: BatchingConfig | None) -> BatchingConfig:
+    def _batching(self, batching: Batching | None) -> Batching:
         """The batching to use; under sequence parallelism rows are split over TP ranks, so lengths pad to TP."""
-        batching = batching or self.config.batching
+        batching = batching or self.batching
         if self.model.config.sequence_parallel:
             tp = self.model.config.tensor_model_parallel_size
             batching = replace(batching, pad_to_multiple=math.lcm(batching.pad_to_multiple, tp))
         return batching
 
-    def _plan(self, samples: Sequence[PolicySample], batching: BatchingConfig | None):
+    def _plan(self, samples: Sequence[PolicySample], batching: Batching | None):
         self._check_same_minibatch_on_dp_ranks(samples)
         plan = plan_data_parallel(
             samples, self._batching(batching), data_parallel=self.dp_size, data_parallel_rank=self.dp_rank,
@@ -284,22 +197,22 @@ class Actor:
 
     def _training_loss(self, mb: MicroBatch, logits: Tensor, *, scale: float, num_tokens: int,
                        num_sequences: int):
-        loss_settings = self.config.loss
-        logprobs, entropy = self._response_logprobs(mb, logits, self.config.temperature)
+        algorithm = self.algorithm
+        logprobs, entropy = self._response_logprobs(mb, logits, self.temperature)
         loss, metrics = policy_loss(
             logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
-            eps_low=loss_settings.eps_low, eps_high=loss_settings.eps_high,
-            clip_ratio_c=loss_settings.clip_ratio_c, agg=loss_settings.agg,
+            eps_low=algorithm.eps_low, eps_high=algorithm.eps_high,
+            clip_ratio_c=algorithm.clip_ratio_c, agg=algorithm.loss_agg,
             num_tokens=num_tokens, num_sequences=num_sequences,
         )
         metrics["entropy_sum"] = float((entropy * mb.loss_mask).sum())
         return loss * scale, metrics
 
-    def train_minibatch(self, samples: Sequence[PolicySample], batching: BatchingConfig | None = None
+    def train_minibatch(self, samples: Sequence[PolicySample], batching: Batching | None = None
                         ) -> dict[str, float]:
         """One optimizer update on the mini-batch ``samples`` (the whole mini-batch, the same on every rank).
 
-        ``batching`` overrides ``config.batching`` for this call.
+        ``batching`` overrides the actor's batching for this call.
 
         Returns the same metrics on every rank: ``pg_loss`` (the mini-batch loss L), the token-weighted means
         ``clipfrac_high``, ``clipfrac_low``, ``clipfrac_dual``, ``approx_kl``, ``ratio_mean``, ``entropy``,
@@ -369,13 +282,13 @@ class Actor:
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[PolicySample], temperature: float | None = None,
-                         batching: BatchingConfig | None = None) -> PolicyLogProbs:
+                         batching: Batching | None = None) -> PolicyLogProbs:
         """Per-token log-probs (and entropy) of every sample's response, on every rank, in input order.
 
-        ``temperature`` defaults to the actor's rollout temperature, ``batching`` to ``config.batching`` (a forward
-        pass keeps no activations for backward, so it can afford a larger token budget).
+        ``temperature`` defaults to the actor's rollout temperature, ``batching`` to the actor's (a forward pass
+        keeps no activations for backward, so it can afford a larger token budget).
         """
-        temperature = self.config.temperature if temperature is None else temperature
+        temperature = self.temperature if temperature is None else temperature
         plan = self._plan(samples, batching)
         lengths = [sample.response_length for sample in samples]
         offsets = [0]

@@ -197,7 +197,7 @@ def transformer_config(
     transformer layer run in FP8 through Transformer Engine with ``fp8_recipe``, format "hybrid": e4m3 forward,
     e5m2 gradients — megatron wraps the layers in TE's ``fp8_autocast`` itself when ``config.fp8`` is set). FP8 needs
     Transformer Engine on CUDA; asking for it elsewhere is an error. ``params_dtype`` defaults from ``precision``.
-    Fusions megatron would need apex or TE kernels for are turned off without TE (see notes/megatron-on-cpu).
+    Fusions that need apex or TE kernels are turned off without TE (bias+activation, bias+dropout, RoPE).
     """
     from megatron.core.transformer import TransformerConfig
 

@@ -25,16 +25,14 @@ segment of its own that nothing attends to. Packing efficiency = real tokens / p
 Padded layout (:func:`padded_micro_batches`, the baseline): a fixed number of samples per micro-batch, one per row,
 right-padded to the longest; plain causal attention (right padding is never seen by real tokens).
 
-Data parallelism (:func:`plan_data_parallel`): megatron's DDP needs every DP rank to run the same number of
-micro-batches. Samples are split over DP ranks by tokens (longest first, each to the least-loaded rank), each rank
-packs its share, and ranks with fewer micro-batches get empty ones (one padding segment, no response tokens).
-Everything here is deterministic: the same samples in the same order give the same micro-batches on every rank.
+Which samples a DP rank packs, and how many micro-batches every rank runs, is :mod:`dapo_megatron.policy.batch_plan`'s
+job. Everything here is deterministic: the same samples in the same order give the same micro-batches on every rank.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal, Sequence
 
 import torch
@@ -200,22 +198,6 @@ def first_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[list
     return bins
 
 
-def split_for_data_parallel(lengths: Sequence[int], data_parallel: int) -> list[list[int]]:
-    """Indices split over DP ranks with balanced token counts: longest first, each to the least-loaded rank.
-
-    Ties go to the lowest rank; each rank's indices are returned in input order. Deterministic.
-    """
-    if data_parallel < 1:
-        raise ValueError(f"data_parallel must be >= 1, got {data_parallel}")
-    loads = [0] * data_parallel
-    shares: list[list[int]] = [[] for _ in range(data_parallel)]
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        rank = min(range(data_parallel), key=lambda r: (loads[r], r))
-        shares[rank].append(index)
-        loads[rank] += lengths[index]
-    return [sorted(share) for share in shares]
-
-
 def _check_vocab(samples: Sequence[PolicySample], indices: Sequence[int], vocab_size: int | None) -> None:
     if vocab_size is None:
         return
@@ -353,94 +335,3 @@ def padded_micro_batches(
             sample_indices=tuple(members), num_real_tokens=sum(samples[i].length for i in members),
         ))
     return micro_batches
-
-
-@dataclass(frozen=True)
-class BatchingConfig:
-    """How a mini-batch becomes micro-batches.
-
-    ``mode="packed"``: rows of at most ``token_budget`` tokens (first-fit decreasing). ``mode="padded"``:
-    ``samples_per_micro_batch`` right-padded rows per micro-batch. ``pad_to_multiple``: row-length multiple (TP size
-    under sequence parallelism).
-    """
-
-    mode: Literal["packed", "padded"] = "packed"
-    token_budget: int = 4096
-    samples_per_micro_batch: int = 4
-    pad_to_multiple: int = 1
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("packed", "padded"):
-            raise ValueError(f"BatchingConfig.mode must be 'packed' or 'padded', got {self.mode!r}")
-        if self.token_budget < 1 or self.samples_per_micro_batch < 1 or self.pad_to_multiple < 1:
-            raise ValueError(f"BatchingConfig: token_budget, samples_per_micro_batch and pad_to_multiple must be "
-                             f">= 1, got {self.token_budget}, {self.samples_per_micro_batch}, {self.pad_to_multiple}")
-
-
-@dataclass
-class DataParallelPlan:
-    """This DP rank's micro-batches (padded with empty ones to the count every rank runs) and batch-wide counts."""
-
-    micro_batches: list[MicroBatch]
-    num_loss_tokens: int  # Σ loss-mask tokens over the whole mini-batch (all DP ranks)
-    num_loss_sequences: int  # samples with at least one loss token, whole mini-batch
-    num_empty: int  # empty micro-batches added on this rank
-    rank_indices: list[int] = field(default_factory=list)  # this rank's sample indices
-
-    @property
-    def efficiency(self) -> float:
-        return packing_efficiency(self.micro_batches)
-
-
-def plan_data_parallel(
-    samples: Sequence[PolicySample],
-    config: BatchingConfig,
-    *,
-    data_parallel: int,
-    data_parallel_rank: int,
-    layout: PackedLayout,
-    vocab_size: int | None = None,
-) -> DataParallelPlan:
-    """Split the mini-batch (the same list on every rank) over DP ranks and build this rank's micro-batches.
-
-    Every rank computes every rank's micro-batch count from the sample lengths alone, so the counts agree without
-    communication; ranks below the maximum get empty micro-batches.
-    """
-    if not 0 <= data_parallel_rank < data_parallel:
-        raise ValueError(f"data_parallel_rank {data_parallel_rank} is outside [0, {data_parallel})")
-    if not samples:
-        raise ValueError("plan_data_parallel: the mini-batch has no samples")
-    lengths = [sample.length for sample in samples]
-    shares = split_for_data_parallel(lengths, data_parallel)
-
-    def count(share: list[int]) -> int:
-        if not share:
-            return 0
-        if config.mode == "padded":
-            return -(-len(share) // config.samples_per_micro_batch)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the rank that owns an oversize sample warns when it packs it
-            return len(first_fit_decreasing([lengths[i] for i in share], config.token_budget))
-
-    target = max(count(share) for share in shares)
-    mine = shares[data_parallel_rank]
-    if config.mode == "padded":
-        micro_batches = padded_micro_batches(samples, samples_per_micro_batch=config.samples_per_micro_batch,
-                                             pad_to_multiple=config.pad_to_multiple, indices=mine,
-                                             vocab_size=vocab_size)
-        empty_layout = "padded"
-    else:
-        micro_batches = pack_micro_batches(samples, token_budget=config.token_budget, layout=layout,
-                                           pad_to_multiple=config.pad_to_multiple, indices=mine,
-                                           vocab_size=vocab_size) if mine else []
-        empty_layout = layout
-    num_empty = target - len(micro_batches)
-    micro_batches += [empty_micro_batch(empty_layout, config.pad_to_multiple) for _ in range(num_empty)]
-    loss_tokens = [sample.num_loss_tokens for sample in samples]
-    return DataParallelPlan(
-        micro_batches=micro_batches,
-        num_loss_tokens=sum(loss_tokens),
-        num_loss_sequences=sum(1 for n in loss_tokens if n > 0),
-        num_empty=num_empty,
-        rank_indices=mine,
-    )

@@ -17,9 +17,6 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
         from dapo_megatron.rollout.embedded import EmbeddedEngine
 
         return EmbeddedEngine(AutoConfig.from_pretrained(str(hf_dir)))
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from dapo_megatron.rollout.sglang_engine import SGLangEngine
 
-    engine_config = SGLangEngineConfig.from_sglang_config(
-        r.sglang, model_path=str(hf_dir), run_dir=str(Path(run_dir) / "sglang"),
-    )
-    return SGLangEngine(engine_config)
+    return SGLangEngine(r.sglang, model_path=hf_dir, run_dir=Path(run_dir) / "sglang")

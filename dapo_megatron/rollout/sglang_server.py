@@ -1,5 +1,9 @@
 """Launching, watching and stopping one local SGLang server process (``python -m sglang.launch_server``).
 
+How to launch it (interpreter, TP degree, host and port, startup timeout, extra server arguments) is the run
+config's ``rollout.sglang`` section (:class:`dapo_megatron.config.SGLangConfig`); ``python`` may be another
+environment's interpreter (SGLang and the trainer need not share an env).
+
 Each server runs in its own session (``start_new_session=True``), so it and the scheduler/detokenizer
 processes it forks form one process group that :meth:`SGLangServerProcess.stop` kills as a whole (SIGTERM, a
 short grace period, then SIGKILL to the group and to every descendant recorded before the kill).
@@ -12,7 +16,9 @@ per launch (``secrets.token_urlsafe``). SGLang then refuses every endpoint excep
 
 CPU servers get ``SGLANG_USE_CPU_ENGINE=1`` and the ``sgl_kernel`` stand-in of
 :mod:`dapo_megatron.rollout.sglang_cpu` on ``PYTHONPATH``, plus ``--sleep-on-idle`` (otherwise the idle scheduler
-spins a core). Every server runs offline (``HF_HUB_OFFLINE=1``): the model directory must hold the tokenizer.
+spins a core) and a bounded KV cache (:data:`CPU_KV_CACHE_TOKENS`). Every server runs offline
+(``HF_HUB_OFFLINE=1``): the model directory must hold the tokenizer. Per-request ``sampling_seed`` needs
+``--enable-deterministic-inference`` in ``extra_server_args`` (SGLang 0.5.23: GPU attention backends only).
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang_cpu import server_pythonpath
+
+if TYPE_CHECKING:
+    from dapo_megatron.config import SGLangConfig
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (
@@ -44,38 +52,14 @@ INSTALL_HINT = (
 # SGLANG_RETURN_ORIGINAL_LOGPROB=1 would make returned log-probs ignore the temperature.
 _ENV_REMOVED_FROM_SERVER = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
 
+# KV-cache tokens of a CPU server unless ``--max-total-tokens`` is in ``extra_server_args``: left to itself SGLang
+# sizes the cache from free RAM (a 15 GB cache and a 99 s start were measured for a tiny model).
+CPU_KV_CACHE_TOKENS = 16384
 
-@dataclass(frozen=True)
-class SGLangLaunchConfig:
-    """How to start each local server.
 
-    ``python`` may be another environment's interpreter (SGLang and the trainer need not share an env).
-    ``max_total_tokens`` caps the KV cache (tokens); on CPU, leaving it unset makes SGLang size the cache from
-    free RAM (a 15 GB cache and a 99 s start were measured for a tiny model), so set it there.
-    ``deterministic_inference`` adds ``--enable-deterministic-inference``: required for per-request
-    ``sampling_seed`` to take effect; SGLang 0.5.23 supports it only with GPU attention backends.
-    """
-
-    python: str = sys.executable
-    tp_size: int = 1
-    device: Literal["cpu", "cuda"] = "cpu"
-    dtype: str = "auto"
-    host: str = "127.0.0.1"
-    base_port: int = 0  # 0: a free port per server; otherwise server i listens on base_port + i
-    max_total_tokens: int | None = None
-    mem_fraction_static: float | None = None
-    deterministic_inference: bool = False
-    base_gpu_id: int = 0  # server i uses GPUs base_gpu_id + i * tp_size ...
-    startup_timeout_s: float = 600.0
-    extra_args: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"SGLangLaunchConfig.tp_size must be >= 1, got {self.tp_size}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"SGLangLaunchConfig.device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.startup_timeout_s <= 0:
-            raise ValueError(f"SGLangLaunchConfig.startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+def server_python(config: "SGLangConfig") -> str:
+    """The interpreter launched servers run: ``rollout.sglang.python``, else this one."""
+    return config.python or sys.executable
 
 
 def require_sglang(python: str) -> None:
@@ -106,13 +90,14 @@ def find_free_port(host: str) -> int:
 class SGLangServerProcess:
     """One ``sglang.launch_server`` process group serving ``model_path`` at ``url``, protected by ``api_key``."""
 
-    def __init__(self, *, model_path: str | Path, launch: SGLangLaunchConfig, index: int, run_dir: str | Path,
-                 weight_version: str) -> None:
+    def __init__(self, config: "SGLangConfig", *, model_path: str | Path, index: int, run_dir: str | Path,
+                 weight_version: str, device: Literal["cpu", "cuda"]) -> None:
+        self.config = config
         self.model_path = str(model_path)
-        self.launch = launch
         self.index = index
         self.run_dir = Path(run_dir)
         self.weight_version = weight_version
+        self.device = device
         self.api_key = ""
         self.port = 0
         self._process: subprocess.Popen | None = None
@@ -124,7 +109,7 @@ class SGLangServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.launch.host}:{self.port}"
+        return f"http://{self.config.host}:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -138,36 +123,31 @@ class SGLangServerProcess:
         return self._process is not None and self._process.poll() is None
 
     def command(self, config_file: Path) -> list[str]:
-        launch = self.launch
+        config = self.config
         command = [
-            launch.python, "-m", "sglang.launch_server",
+            server_python(config), "-m", "sglang.launch_server",
             "--config", str(config_file),
             "--model-path", self.model_path,
-            "--host", launch.host,
+            "--host", config.host,
             "--port", str(self.port),
-            "--tp-size", str(launch.tp_size),
-            "--device", launch.device,
-            "--dtype", launch.dtype,
+            "--tp-size", str(config.tp_per_server),
+            "--device", self.device,
             "--weight-version", self.weight_version,
         ]
-        if launch.device == "cpu":
+        if self.device == "cpu":
             command.append("--sleep-on-idle")
+            if "--max-total-tokens" not in config.extra_server_args:
+                command += ["--max-total-tokens", str(CPU_KV_CACHE_TOKENS)]
         else:
-            command += ["--base-gpu-id", str(launch.base_gpu_id + self.index * launch.tp_size)]
-        if launch.max_total_tokens is not None:
-            command += ["--max-total-tokens", str(launch.max_total_tokens)]
-        if launch.mem_fraction_static is not None:
-            command += ["--mem-fraction-static", str(launch.mem_fraction_static)]
-        if launch.deterministic_inference:
-            command.append("--enable-deterministic-inference")
-        return command + list(launch.extra_args)
+            command += ["--base-gpu-id", str(self.index * config.tp_per_server)]
+        return command + list(config.extra_server_args)
 
     def environment(self) -> dict[str, str]:
         env = {key: value for key, value in os.environ.items() if key not in _ENV_REMOVED_FROM_SERVER}
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
-        if self.launch.device == "cpu":
+        if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (server_pythonpath(), env.get("PYTHONPATH")) if p)
         return env
@@ -177,8 +157,8 @@ class SGLangServerProcess:
         self.stop()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.api_key = secrets.token_urlsafe(32)
-        base_port = self.launch.base_port
-        self.port = base_port + self.index if base_port else find_free_port(self.launch.host)
+        base_port = self.config.base_port
+        self.port = base_port + self.index if base_port else find_free_port(self.config.host)
         config_file = self.run_dir / f"server{self.index}.yaml"
         config_file.unlink(missing_ok=True)
         descriptor = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -195,7 +175,7 @@ class SGLangServerProcess:
 
     def wait_until_ready(self, timeout_s: float | None = None) -> None:
         """Block until ``/health`` answers 200; raise :class:`RolloutError` with the log tail on exit or deadline."""
-        timeout_s = self.launch.startup_timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.config.launch_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.is_running():

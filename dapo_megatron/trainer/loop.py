@@ -42,24 +42,6 @@ from dapo_megatron.trainer.weight_sync import sync_engine_weights
 logger = logging.getLogger(__name__)
 
 
-def actor_config_from(config: DAPOConfig):
-    """The run config's optimizer, loss (clip-higher, dual clip, token-level aggregation) and batching settings, as
-    the actor takes them."""
-    from dapo_megatron.policy.actor import ActorConfig, LossSettings, OptimizerSettings
-    from dapo_megatron.policy.packing import BatchingConfig
-
-    c = config
-    return ActorConfig(
-        optimizer=OptimizerSettings(
-            lr=c.optim.lr, weight_decay=c.optim.weight_decay, betas=(c.optim.adam_beta1, c.optim.adam_beta2),
-            eps=c.optim.adam_eps, clip_grad=c.optim.grad_clip, lr_warmup_steps=c.optim.warmup_steps,
-            use_distributed_optimizer=c.parallel.use_distributed_optimizer),
-        loss=LossSettings(eps_low=c.algorithm.eps_low, eps_high=c.algorithm.eps_high,
-                          clip_ratio_c=c.algorithm.clip_ratio_c, agg=c.algorithm.loss_agg),
-        batching=BatchingConfig(token_budget=c.trainer.micro_batch_tokens),
-        temperature=c.rollout.temperature,
-        precision=c.model.precision,
-    )
 
 
 class DAPOTrainer:
@@ -86,7 +68,9 @@ class DAPOTrainer:
         # The policy, on every rank: this rank's Megatron stage, loaded from the HF folder.
         self.tokenizer = load_tokenizer(config, self.model_dir)
         self.spec = load_model_spec(self.model_dir)
-        self.actor = build_actor(self.spec, actor_config_from(config))
+        c = config
+        self.actor = build_actor(self.spec, model=c.model, parallel=c.parallel, optim=c.optim, algorithm=c.algorithm,
+                                 micro_batch_tokens=c.trainer.micro_batch_tokens, temperature=c.rollout.temperature)
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
         self.actor.optimizer.reload_model_params()
         self.writer = MetricsWriter(self.run_dir, tensorboard=config.trainer.tensorboard, enabled=self.rank == 0)
