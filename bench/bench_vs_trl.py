@@ -73,11 +73,19 @@ def trl_python() -> Path:
     return python
 
 
+def bench_config(seed: int):
+    """examples/tiny_cpu.yaml with the benchmark's model shape (4 layers, 2 KV heads) and no warm start."""
+    from dapo_megatron.config import load_config
+
+    return load_config(REPO_ROOT / "examples" / "tiny_cpu.yaml", [
+        "model.tiny.num_layers=4", "model.tiny.num_key_value_heads=2", "warm_start.enabled=false",
+        f"trainer.seed={seed}"])
+
+
 def prepare_workload(args: argparse.Namespace, work_dir: Path) -> dict:
     """Build the model folder and the prompt list both systems use; returns the workload (also written as JSON)."""
     from safetensors import safe_open
 
-    from dapo_megatron.config import load_config
     from dapo_megatron.data.prompts import build_prompt_records
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.data.schema import validate_row
@@ -85,9 +93,7 @@ def prepare_workload(args: argparse.Namespace, work_dir: Path) -> dict:
     from dapo_megatron.trainer.task import synthetic_split
 
     prompts_per_step = 8 * args.batch_scale
-    config = load_config(REPO_ROOT / "examples" / "tiny_cpu.yaml", [
-        "model.tiny.num_layers=4", "model.tiny.num_key_value_heads=2", "warm_start.enabled=false",
-        f"trainer.seed={args.seed}"])
+    config = bench_config(args.seed)
     tiny = config.model.tiny
     model_dir = prepare_initial_model(config, work_dir).hf_dir
     tokenizer = load_tokenizer(model_dir)
