@@ -11,11 +11,12 @@ by a subclass of the loop's ``Timer`` that the runner puts in its place (it time
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from result import run_from_argv, write_result
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
@@ -86,18 +87,9 @@ def main(workload_path: str, result_path: str) -> None:
     import megatron.core
     import transformers
 
-    result = {
-        "system": "dapo-megatron",
-        "versions": {"megatron-core": megatron.core.__version__, "transformers": transformers.__version__,
-                     "torch": torch.__version__},
-        "threads": torch.get_num_threads(),
-        "steps": steps,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
-    Path(result_path).write_text(json.dumps(result, indent=1))
+    write_result(result_path, "dapo-megatron",
+                 {"megatron-core": megatron.core.__version__, "transformers": transformers.__version__}, steps)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit(f"usage: {sys.argv[0]} WORKLOAD.json RESULT.json")
-    main(sys.argv[1], sys.argv[2])
+    run_from_argv(main)

@@ -17,10 +17,11 @@ policy generates itself). A step is ``on_step_begin`` → ``on_step_end`` (loggi
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from pathlib import Path
+
+from result import run_from_argv, write_result
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
@@ -131,18 +132,9 @@ def main(workload_path: str, result_path: str) -> None:
     trainer = TimedGRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
                                processing_class=tokenizer, callbacks=[StepClock()])
     trainer.train()
-    result = {
-        "system": "trl",
-        "versions": {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__,
-                     "torch": torch.__version__},
-        "threads": torch.get_num_threads(),
-        "steps": steps,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
-    Path(result_path).write_text(json.dumps(result, indent=1))
+    write_result(result_path, "trl", {"trl": __import__("trl").__version__,
+                                      "transformers": __import__("transformers").__version__}, steps)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit(f"usage: {sys.argv[0]} WORKLOAD.json RESULT.json")
-    main(sys.argv[1], sys.argv[2])
+    run_from_argv(main)
