@@ -7,7 +7,8 @@ once per process, and only when CUDA is absent; with CUDA it is never installed 
 
 Exactly what it changes, and why:
 
-1. A process-wide :class:`torch.overrides.TorchFunctionMode` (:class:`CudaToCpuMode`) that
+1. A :class:`torch.overrides.TorchFunctionMode` (:class:`CudaToCpuMode`), entered for the life of the process on
+   the thread that installs the layer (torch keeps function modes per thread), that
    - rewrites every ``device=`` keyword argument naming CUDA (``"cuda"``, ``"cuda:0"``, an int index,
      ``torch.device("cuda")``) to ``"cpu"`` — megatron allocates buffers with ``device=torch.cuda.current_device()``
      or ``device="cuda"`` (DDP grad buffers, optimizer state, grad-norm accumulators);
@@ -15,6 +16,12 @@ Exactly what it changes, and why:
    - makes a bare ``Tensor.type()`` report the CUDA type name (``torch.FloatTensor`` → ``torch.cuda.FloatTensor``)
      because ``clip_grads`` and the distributed optimizer filter parameters with
      ``param.type() == "torch.cuda.FloatTensor"`` and would otherwise silently skip every parameter.
+
+   A mode sees every torch call on its thread (tens of thousands per training step), so its handler starts with a
+   fast path: a call with no ``device`` keyword to anything but ``Tensor.cuda`` / ``Tensor.type`` / ``Tensor.to``
+   has nothing to rewrite and is passed straight through. Code that never names CUDA (the embedded engine's HF
+   generation) can also run without the mode at all, inside :func:`suspended`: what remains of the cost is torch
+   dispatching each call to a Python handler, which only taking the mode off the stack removes.
 2. ``torch.cuda.current_device()`` returns ``"cpu"`` (so ``device=torch.cuda.current_device()`` lands on the CPU),
    ``torch.cuda.synchronize()`` does nothing, ``torch.cuda.device_count()`` returns 1.
    ``torch.cuda.is_available()`` is left untouched (False), so code that asks honestly gets the truth.
@@ -30,10 +37,11 @@ when Transformer Engine and apex are absent are its own torch implementations).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
 
 _install_lock = threading.Lock()
 _installed_mode: "CudaToCpuMode | None" = None
@@ -60,19 +68,31 @@ _CUDA_TYPE_NAMES = {
 }
 
 
+_TENSOR_CUDA = torch.Tensor.cuda
+_TENSOR_TYPE = torch.Tensor.type
+_TENSOR_TO = torch.Tensor.to
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Redirects CUDA placements to the CPU (see the module docstring, point 1)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        # Fast path (nearly every call): no device keyword and none of the three methods _redirect handles.
+        if (not kwargs or "device" not in kwargs) and not (
+                func is _TENSOR_CUDA or func is _TENSOR_TYPE or func is _TENSOR_TO):
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return self._redirect(func, args, kwargs or {})
+
+    @staticmethod
+    def _redirect(func, args, kwargs):
+        if func is _TENSOR_CUDA:
             return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
             name = func(*args)
             return _CUDA_TYPE_NAMES.get(name, name)
         if "device" in kwargs and _names_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
+        if func is _TENSOR_TO and len(args) > 1 and _names_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
 
@@ -118,3 +138,20 @@ def install() -> bool:
 
 def is_installed() -> bool:
     return _installed_mode is not None
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Run the block without the device redirect (point 1), for code that never names CUDA.
+
+    A no-op when the layer is not installed, on another thread than the one that installed it, or when another
+    torch function mode was entered on top of it (taking it off from under that mode would reorder the stack):
+    there the redirect simply stays on, which is always correct. Points 2 and 3 are plain attribute patches with
+    no per-call cost and stay as they are.
+    """
+    mode = _installed_mode
+    if mode is None or _get_current_function_mode() is not mode:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
