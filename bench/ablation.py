@@ -273,7 +273,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-problems", type=int, default=None, help="evaluate on the first N held-out problems")
     parser.add_argument("--table-steps", default=None,
                         help="accuracy columns, e.g. 0,20,40,60 (default: 0, ⅓, ⅔ and the end)")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "ablation_ladder")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "ablation_ladder",
+                        help="output folder: the runs, ablation.md, ablation.png (default: runs/ablation_ladder)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run and the initial model (repeatable)")
     args = parser.parse_args(argv)
