@@ -5,8 +5,8 @@ ONE warm-started tiny model, then a markdown table and a PNG of held-out accurac
                              [--out runs/ablation_ladder] [--eval-problems N] [--table-steps 0,20,40,60]
                              [--set dotted.key=value ...]
 
-1. The initial model is made once (:func:`make_initial_model`): the first rung's config run for zero steps
-   warm-starts the tiny model into ``OUT/initial/initial_model``, an ordinary HF folder with its tokenizer.
+1. The initial model is made once (:func:`make_initial_model`): ``dapo-megatron prepare-tiny`` with the first rung's
+   config warm-starts the tiny model into ``OUT/initial/initial_model``, an ordinary HF folder with its tokenizer.
 2. Every rung and seed is a ``dapo-megatron train`` subprocess (the public CLI, so this keeps working while the
    trainer's insides change) into ``OUT/runs/<rung>/seed<k>``, loading that folder (``model.source=hf``, warm-start
    off) — the same weights and tokenizer the tiny path trains on (checked: identical metrics for 3 steps).
@@ -121,9 +121,14 @@ def _last_logged_step(run_dir: Path) -> int:
 def train(config: Path, overrides: list[str], run_dir: Path, *, resume: bool, on_step=None) -> float:
     """One ``dapo-megatron train`` subprocess; its output goes to ``run_dir/train.log``. ``on_step(step)`` is
     called as metrics.jsonl grows. Returns the wall seconds; raises AblationError with the log's tail on failure."""
+    return run_cli(["train", str(config), *overrides, f"trainer.run_dir={run_dir}", *(["--resume"] if resume else [])],
+                   run_dir, on_step=on_step)
+
+
+def run_cli(arguments: list[str], run_dir: Path, *, on_step=None) -> float:
+    """``dapo-megatron <arguments>`` in a subprocess logging to ``run_dir/train.log`` (see :func:`train`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "dapo_megatron.cli", "train", str(config), *overrides,
-               f"trainer.run_dir={run_dir}", *(["--resume"] if resume else [])]
+    command = [sys.executable, "-m", "dapo_megatron.cli", *arguments]
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     log_path = run_dir / "train.log"
@@ -156,17 +161,15 @@ def train(config: Path, overrides: list[str], run_dir: Path, *, resume: bool, on
 
 
 def make_initial_model(base_config: Path, out: Path, overrides: list[str]) -> Path:
-    """The warm-started tiny model every rung and seed starts from, made once into ``OUT/initial/initial_model``:
-    the trainer run for zero steps writes it (an HF folder with its tokenizer, renamed into place when complete)
-    and evaluates it. The one place to switch to a dedicated "prepare the tiny model" command."""
+    """The warm-started tiny model every rung and seed starts from, made once into ``OUT/initial/initial_model``
+    by ``dapo-megatron prepare-tiny`` (an HF folder with its tokenizer, renamed into place when complete)."""
     run_dir = out / "initial"
     model_dir = run_dir / "initial_model"
     if not (model_dir / "config.json").is_file():
         print(f"[ablation] warm-starting the tiny model once ({base_config.name}) into {model_dir} ...", flush=True)
-        seconds = train(base_config, [*overrides, "trainer.total_steps=0"], run_dir, resume=False)
+        seconds = run_cli(["prepare-tiny", str(base_config), *overrides, "--out", str(model_dir)], run_dir)
         if not (model_dir / "config.json").is_file():
-            raise AblationError(f"the zero-step run into {run_dir} wrote no {model_dir}/config.json "
-                                f"(see {run_dir / 'train.log'})")
+            raise AblationError(f"prepare-tiny into {model_dir} wrote no config.json (see {run_dir / 'train.log'})")
         _write_atomically(run_dir / DONE_MARKER, json.dumps({"wall_s": seconds}) + "\n")
     return model_dir
 

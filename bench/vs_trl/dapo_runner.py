@@ -4,16 +4,14 @@
 
 Runs the real CLI (``dapo-megatron train examples/tiny_cpu.yaml`` + the overrides below) in this process and writes
 per-step times (wall and CPU), generated tokens and the peak RSS as JSON. The phases are the trainer's own
-(``timing_s/{gen,old_logprob,update,handoff,step}``); the only addition is CPU time next to the wall time, recorded
-by a subclass of the loop's ``Timer`` that the runner puts in its place (it times the same ``with`` blocks).
+(``timing_s/{gen,old_logprob,update,handoff,step}`` and their CPU-time twins ``timing_cpu_s/*``), read back from the
+run's ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from result import run_from_argv, write_result
@@ -47,42 +45,21 @@ def main(workload_path: str, result_path: str) -> None:
 
     torch.set_num_threads(workload["threads"])
     from dapo_megatron import cli
-    from dapo_megatron.trainer import loop
     from dapo_megatron.trainer.metrics import read_metrics
 
-    timers: list = []
-
-    class DualClockTimer(loop.Timer):
-        def __init__(self) -> None:
-            super().__init__()
-            self.cpu_seconds: dict[str, float] = {}
-            timers.append(self)
-
-        @contextmanager
-        def phase(self, name: str):
-            start = time.process_time()
-            try:
-                with super().phase(name):
-                    yield
-            finally:
-                self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - start
-
-    loop.Timer = DualClockTimer
     run_dir = Path(result_path).parent / "dapo_run"
     code = cli.main(["train", str(REPO_ROOT / "examples" / "tiny_cpu.yaml"), *overrides(workload, run_dir)])
     if code:
         raise SystemExit(f"dapo-megatron train exited with {code}")
     logged = [m for m in read_metrics(run_dir) if m["step"] >= 1]
-    if len(logged) != len(timers):
-        raise RuntimeError(f"{len(logged)} logged steps but {len(timers)} step timers")
     steps = []
-    for metrics, timer in zip(logged, timers):
+    for metrics in logged:
         num_samples = int(metrics["rollout/num_samples"])
         step = {"generated_tokens": round(metrics["response_length/mean"] * num_samples),
                 "num_samples": num_samples, "prompt_tokens_mean": metrics["prompt_length/mean"]}
         for phase in ("step", "gen", "old_logprob", "update", "handoff"):
-            step[f"{phase}_wall"] = timer.seconds.get(phase, 0.0)
-            step[f"{phase}_cpu"] = timer.cpu_seconds.get(phase, 0.0)
+            step[f"{phase}_wall"] = metrics.get(f"timing_s/{phase}", 0.0)
+            step[f"{phase}_cpu"] = metrics.get(f"timing_cpu_s/{phase}", 0.0)
         steps.append(step)
     import megatron.core
     import transformers

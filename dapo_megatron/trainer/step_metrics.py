@@ -22,18 +22,21 @@ if TYPE_CHECKING:
 
 
 class StepTimer:
-    """Wall-clock seconds per phase of a step (``timing_s/<phase>``); a phase entered twice adds up."""
+    """Seconds per phase of a step: wall clock (``timing_s/<phase>``) and this process's CPU time
+    (``timing_cpu_s/<phase>``, which a loaded machine distorts far less); a phase entered twice adds up."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
 
     @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + time.process_time() - cpu_start
 
 
 def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], stats: FilterStats, rounds: int,
@@ -117,7 +120,8 @@ def step_metrics(rollout: dict[str, float], policy: dict[str, float], timer: Ste
                  weight_version: int) -> dict[str, float]:
     """One row of ``metrics.jsonl`` (before validation): rollout + policy numbers, timings, throughput."""
     metrics = {**rollout, **policy, "rollout/weight_version": float(weight_version),
-               **{f"timing_s/{k}": v for k, v in timer.seconds.items()}}
+               **{f"timing_s/{k}": v for k, v in timer.seconds.items()},
+               **{f"timing_cpu_s/{k}": v for k, v in timer.cpu_seconds.items()}}
     metrics["perf/throughput"] = metrics.get("perf/num_tokens", 0.0) / max(timer.seconds["step"], 1e-9)
     return metrics
 
