@@ -4,11 +4,13 @@
     dapo-megatron train        CONFIG.yaml [dotted.key=value ...] [--resume]
     dapo-megatron eval         CONFIG.yaml --ckpt RUN/checkpoints/step_000012 [dotted.key=value ...] [--out FILE]
     dapo-megatron plot         RUN_DIR [--out FILE.png]
+    dapo-megatron plan         CONFIG.yaml [dotted.key=value ...] [--data-parallel N] [--gpu-memory-gb 80]
 
 ``prepare-tiny`` builds the CPU demo's model (``model.source = tiny``) as an HF folder, by default where ``train``
 looks for it (``<run_dir>/initial_model``); ``train`` prepares it itself when it is missing, so one command does it
 all. ``train`` and ``eval`` run as one process, or under torchrun / srun for many (the layout comes from the
-environment; see dapo_megatron.platform).
+environment; see dapo_megatron.platform). ``plan`` prints the training ranks' GPU memory per pipeline stage for a
+config (dapo_megatron.policy.memory) and exits 1 when a stage does not fit.
 """
 
 from __future__ import annotations
@@ -130,6 +132,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dapo_megatron.plan import plan_report
+
+    config = load_config(args.config, args.overrides)
+    report, fits = plan_report(config, data_parallel=args.data_parallel, gpu_memory_gb=args.gpu_memory_gb,
+                               local_spec=args.local_spec)
+    print(report)
+    return 0 if fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo-megatron", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
     plot.set_defaults(func=cmd_plot)
+    plan = sub.add_parser("plan", help="GPU memory per pipeline stage of the training ranks, before a launch")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*", help="dotted.key=value")
+    plan.add_argument("--data-parallel", type=int, default=None, help="DP size (default: parallel.data, else 1)")
+    plan.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, in 10^9 bytes")
+    plan.add_argument("--local-spec", action="store_true",
+                      help="plan megatron's local spec (no Transformer Engine: unfused attention, no sequence "
+                           "parallelism) instead of the TE path")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -51,6 +51,11 @@ class ModelConfig:
     tokenizer_path: str | None = None  # defaults to hf_path (tiny: a tokenizer trained locally)
     precision: Literal["fp32", "bf16", "fp8"] = "bf16"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    # Activation recomputation on GPU (policy/model.py): "selective" recomputes the core attention in backward
+    # (megatron's default selective set: the attention scores/softmax are what it would otherwise keep); "full" keeps
+    # only each layer's input and recomputes the whole layer; "none" keeps everything. Without CUDA it is off (memory
+    # is not the limit there, it would only cost time). `dapo-megatron plan CONFIG` shows the memory per GPU.
+    recompute: Literal["selective", "full", "none"] = "selective"
 
 
 @dataclass
@@ -61,6 +66,13 @@ class ParallelConfig:
     use_distributed_optimizer: bool = True
     # Ranks other than the rollout driver wait in collectives while it generates: long timeouts on purpose.
     collective_timeout_s: float = 7200.0
+    # Split the activations between the tensor-parallel collectives over the TP ranks (megatron's sequence
+    # parallelism). Takes effect where megatron supports it: the Transformer Engine layer spec with TP > 1.
+    sequence_parallel: bool = True
+    # Overlap the DP gradient reduce-scatter/all-reduce with the backward pass, and (distributed optimizer only) the
+    # parameter all-gather with the next forward pass. Off by default: on CPU/gloo there is nothing to overlap with.
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
 
 
 @dataclass
@@ -217,6 +229,10 @@ class DAPOConfig:
         _require(self.optim.lr > 0, "optim.lr", "must be > 0")
         _require(self.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(self.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
+        p = self.parallel
+        _require(not p.overlap_param_gather or p.use_distributed_optimizer, "parallel.overlap_param_gather",
+                 "needs parallel.use_distributed_optimizer: true (only the distributed optimizer all-gathers "
+                 "parameters)")
         _require(t.total_steps >= 0, "trainer.total_steps", "must be >= 0")
         _require(t.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be >= 1")
         _require(self.model.source == "tiny" or self.model.hf_path, "model.hf_path",

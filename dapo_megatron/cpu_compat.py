@@ -30,6 +30,11 @@ Exactly what it changes, and why:
    ``manual_seed_all``) is mapped onto the CPU default generator, so the tracker's fork/restore semantics hold
    (tensor-parallel regions draw from their own stream) and checkpoints can save and restore it.
 
+4. megatron's activation-recomputation checkpoint (``tensor_parallel.random.CheckpointFunction``, used by both
+   selective and full recomputation) re-runs the forward inside its ``backward``, which autograd's engine calls
+   without this thread's function-mode stack: its ``backward`` is wrapped to run under a :class:`CudaToCpuMode`
+   when none is active (the recomputed attention would otherwise allocate its causal mask with ``device="cuda"``).
+
 Nothing else is touched: no megatron source is edited, no numerics change (the CPU kernels megatron falls back to
 when Transformer Engine and apex are absent are its own torch implementations).
 """
@@ -109,6 +114,25 @@ def _cpu_rng_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+def _mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(mode, CudaToCpuMode) for mode in _get_current_function_mode_stack())
+
+
+def _with_redirect(backward):
+    """``backward`` run under the device redirect (point 4), entered only when it is not already on the stack."""
+
+    def redirected_backward(ctx, *grads):
+        if _mode_active():
+            return backward(ctx, *grads)
+        with CudaToCpuMode():
+            return backward(ctx, *grads)
+
+    redirected_backward.__wrapped__ = backward
+    return redirected_backward
+
+
 def install() -> bool:
     """Install the layer in this process. Returns True the first time, False when already installed."""
     global _installed_mode
@@ -127,6 +151,8 @@ def install() -> bool:
         torch.cuda.manual_seed_all = _cpu_rng_manual_seed
         megatron_random._get_cuda_rng_state = _cpu_rng_get_state
         megatron_random._set_cuda_rng_state = _cpu_rng_set_state
+        checkpoint_function = megatron_random.CheckpointFunction
+        checkpoint_function.backward = staticmethod(_with_redirect(checkpoint_function.backward))
 
         mode = CudaToCpuMode()
         # Entered for the life of the process on purpose: megatron reaches for CUDA from many call sites,

@@ -2,7 +2,13 @@
 
 * :func:`prepare_device` — CUDA or not. Without CUDA it installs the megatron-core CPU layer
   (:mod:`dapo_megatron.cpu_compat`, whose docstring lists exactly what it changes) once per process and picks the
-  gloo backend; with CUDA it picks NCCL and binds this process to its local GPU.
+  gloo backend; with CUDA it picks NCCL and binds this process to GPU ``local_rank % visible GPUs``
+  (:func:`cuda_device_index`: a cluster that binds one GPU per task shows each process a single device 0).
+* :func:`cuda_connections_setting` — ``CUDA_DEVICE_MAX_CONNECTIONS=1`` on GPU with TP > 1, set by
+  :func:`init_distributed` before CUDA creates its context (the variable is read then). megatron's tensor-parallel
+  linear layers (``tensor_parallel/layers.py``) launch the all-gather / reduce-scatter of the input gradient
+  asynchronously and then the weight-gradient GEMM, relying on the GPU to start kernels in the order they were
+  issued so that the communication overlaps the GEMM; one hardware work queue is what guarantees that order.
 * :func:`launch_env` — rank, world size, local rank and rendezvous address from torchrun's variables
   (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
   first host of SLURM_JOB_NODELIST); a plain ``python`` launch is a world of one.
@@ -21,6 +27,7 @@ import re
 import shutil
 import socket
 import subprocess
+import warnings
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -40,20 +47,60 @@ class DeviceInfo:
     cpu_layer_installed: bool
 
 
-def prepare_device(local_rank: int = 0, *, cuda_available: bool | None = None) -> DeviceInfo:
+def cuda_device_index(local_rank: int, device_count: int) -> int:
+    """This process's GPU: its local rank modulo the GPUs it sees (all of the node's, or the one SLURM bound to it)."""
+    if device_count < 1:
+        raise LaunchError("CUDA is available but reports no visible GPU (check CUDA_VISIBLE_DEVICES)")
+    return local_rank % device_count
+
+
+def prepare_device(local_rank: int = 0, *, cuda_available: bool | None = None,
+                   device_count: int | None = None) -> DeviceInfo:
     """Choose the device and collective backend for this process; install the CPU layer when there is no CUDA.
 
-    ``cuda_available`` is only for tests of the decision; by default it is ``torch.cuda.is_available()``.
+    ``cuda_available`` and ``device_count`` are only for tests of the decision; by default they are
+    ``torch.cuda.is_available()`` and ``torch.cuda.device_count()``.
     """
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
     if cuda_available:
-        torch.cuda.set_device(local_rank)
-        return DeviceInfo(torch.device("cuda", local_rank), "nccl", cpu_layer_installed=False)
+        index = cuda_device_index(local_rank, torch.cuda.device_count() if device_count is None else device_count)
+        torch.cuda.set_device(index)
+        return DeviceInfo(torch.device("cuda", index), "nccl", cpu_layer_installed=False)
     from dapo_megatron import cpu_compat
 
     cpu_compat.install()
     return DeviceInfo(torch.device("cpu"), "gloo", cpu_layer_installed=True)
+
+
+CUDA_CONNECTIONS_VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def cuda_connections_setting(tensor_parallel: int, *, cuda_available: bool) -> str | None:
+    """The value ``CUDA_DEVICE_MAX_CONNECTIONS`` needs before CUDA starts (None: leave it alone): "1" on GPU with
+    TP > 1, where megatron's tensor-parallel layers overlap their collectives with GEMMs (see the module docstring)."""
+    return "1" if cuda_available and tensor_parallel > 1 else None
+
+
+def apply_cuda_connections(tensor_parallel: int, *, environ: dict | None = None,
+                           cuda_available: bool | None = None) -> str | None:
+    """Set ``CUDA_DEVICE_MAX_CONNECTIONS`` as :func:`cuda_connections_setting` says, unless the user chose a value
+    (kept, with a warning) or CUDA is already initialized (too late: a warning). Returns the value now in force."""
+    env = os.environ if environ is None else environ
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    wanted = cuda_connections_setting(tensor_parallel, cuda_available=cuda_available)
+    current = env.get(CUDA_CONNECTIONS_VARIABLE)
+    if wanted is None or current == wanted:
+        return current
+    if current is not None:
+        warnings.warn(f"{CUDA_CONNECTIONS_VARIABLE}={current} is kept as set; megatron's tensor-parallel layers "
+                      f"overlap communication with computation only with {wanted}", stacklevel=2)
+        return current
+    if cuda_available and torch.cuda.is_initialized():
+        warnings.warn(f"CUDA was initialized before {CUDA_CONNECTIONS_VARIABLE} could be set to {wanted}: set it in "
+                      f"the launch environment", stacklevel=2)
+    env[CUDA_CONNECTIONS_VARIABLE] = wanted
+    return wanted
 
 
 @dataclass(frozen=True)
@@ -225,6 +272,7 @@ def init_distributed(
 
     env = launch_env(environ)
     dp = resolve_data_parallel(env.world_size, tensor_parallel, pipeline_parallel, data_parallel)
+    apply_cuda_connections(tensor_parallel)  # before prepare_device: binding the GPU may create the CUDA context
     device = prepare_device(env.local_rank)
 
     if not torch.distributed.is_initialized():

@@ -1,5 +1,6 @@
 """The device-redirect mode of the CPU layer (dapo_megatron.cpu_compat, point 1): what it rewrites, that ordinary
-calls take its fast path, and that :func:`cpu_compat.suspended` takes it off the stack and puts it back.
+calls take its fast path, and that :func:`cpu_compat.suspended` takes it off the stack and puts it back; and that
+megatron's recompute checkpoint runs under it in backward (point 4).
 
 Whether megatron-core as a whole runs under the layer is tests/test_megatron_cpu.py's job.
 """
@@ -125,3 +126,35 @@ def test_suspended_takes_the_mode_off_and_puts_it_back():
         print("ok")
     """)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_recomputation_in_backward_runs_under_the_redirect():
+    """Point 4: megatron's recompute checkpoint re-runs the forward inside autograd's backward, where this thread's
+    mode stack is not in force; the wrapped backward puts the redirect back (control: the unwrapped one fails)."""
+    result = run_python("""
+        import torch
+        from dapo_megatron import cpu_compat
+        from megatron.core.tensor_parallel import random as megatron_random
+
+        cpu_compat.install()
+        function = megatron_random.CheckpointFunction
+
+        def allocating(x):  # what megatron's recomputed attention does: allocate its causal mask on "cuda"
+            return x * torch.ones(x.shape, device="cuda")
+
+        def recompute_backward():
+            x = torch.ones(3, requires_grad=True)
+            megatron_random.checkpoint(allocating, False, x).sum().backward()
+            return x.grad.tolist()
+
+        assert recompute_backward() == [1.0, 1.0, 1.0]
+        wrapped = function.backward
+        function.backward = staticmethod(wrapped.__wrapped__)
+        try:
+            recompute_backward()
+            print("control did not fail")
+        except (AssertionError, RuntimeError) as error:
+            assert "CUDA" in str(error), error
+            print("ok")
+    """)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (result.stdout, result.stderr[-3000:])

@@ -111,10 +111,12 @@ def test_cpu_layer_is_installed_only_without_cuda():
         bound = []
         torch.cuda.set_device = bound.append  # this machine has no GPU to bind
         current_device = torch.cuda.current_device
-        info = prepare_device(3, cuda_available=True)
+        info = prepare_device(3, cuda_available=True, device_count=8)
         assert info.backend == "nccl" and info.device == torch.device("cuda", 3), info
         assert not info.cpu_layer_installed and not cpu_compat.is_installed()
         assert bound == [3] and torch.cuda.current_device is current_device
+        info = prepare_device(3, cuda_available=True, device_count=1)  # SLURM bound one GPU to this task
+        assert info.device == torch.device("cuda", 0) and bound == [3, 0], (info, bound)
 
         info = prepare_device(0)  # the real answer here: no CUDA
         assert info.backend == "gloo" and info.device == torch.device("cpu") and info.cpu_layer_installed

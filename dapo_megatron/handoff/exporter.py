@@ -10,12 +10,17 @@ Who does what (every rank calls the same function; it returns/yields nothing on 
   :func:`dapo_megatron.hf_format.bucketed`) and yields them: :func:`export_hf_buckets`. Each HF name appears exactly
   once over all stages. These are the buckets a rollout engine's ``update_weights`` receives, as they are.
 * :func:`gather_hf_buckets_to_rank0` additionally moves every stage's buckets to global rank 0 (stage 0's source),
-  point-to-point, stage by stage, so one process can feed the inference engine.
+  each later stage broadcasting in its own group {rank 0, its source}, stage by stage, so one process can feed the
+  inference engine; :func:`stream_stage_buckets` instead hands each stage's buckets to the engine's per-stage
+  receiver on the stage's own source (the two routes: :mod:`dapo_megatron.handoff.stage_routes`).
+* With ``overlap_param_gather`` the distributed optimizer leaves the updated parameters sharded over DP until the
+  next training forward gathers them: every export first finishes that gather
+  (:func:`dapo_megatron.policy.optimizer.sync_params`), or it would export stale weights.
 
 Memory bound: a source holds one bucket plus the TP shards of one parameter (``bucket_bytes + T ×`` the largest
 shard); with :func:`gather_hf_buckets_to_rank0` global rank 0 holds one received bucket at a time, and a stage's
-source blocks in ``send`` until rank 0 has taken its previous bucket. Consumers must be done with a bucket before
-asking for the next (its tensors may be views of one receive buffer).
+source blocks in its broadcast until rank 0 has taken its previous bucket. Consumers must be done with a bucket
+before asking for the next (its tensors may be views of one receive buffer).
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.handoff.stage_routes import StageStreamReceiver, stage_broadcast_groups
 from dapo_megatron.hf_format.buckets import Bucket, bucketed, nbytes
 from dapo_megatron.policy.hf_loader import model_stage_mappings, unwrap_model
 from dapo_megatron.policy.model import ModelSpec
+from dapo_megatron.policy.optimizer import sync_params
 from dapo_megatron.policy.weight_mapping import ShardGeometry, Split, hf_from_shards
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
@@ -84,6 +91,7 @@ def export_hf_buckets(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: 
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    sync_params(model)  # every DP rank takes part; a no-op unless overlap_param_gather deferred the gather
     if not _is_export_source_group_member():
         return
     yield from bucketed(_stage_hf_tensors(model, spec, dtype), bucket_bytes)
@@ -93,28 +101,31 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _send_bucket(bucket: Bucket, dst: int) -> None:
-    """Metadata as an object, then all tensors packed into one byte buffer (any dtype, one transfer)."""
-    meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
-    total = sum(_aligned(nbytes(t)) for _, t in bucket)
-    dist.send_object_list([(meta, total)], dst=dst)
-    buffer = torch.empty(total, dtype=torch.uint8, device=bucket[0][1].device)
+def _broadcast_bucket(bucket: Bucket | None, src: int, group) -> None:
+    """From ``src`` (a stage source): metadata as an object (None ends the stage), then every tensor packed into one
+    byte buffer (any dtype, one transfer)."""
+    meta = None if bucket is None else ([(name, tuple(t.shape), t.dtype) for name, t in bucket],
+                                        sum(_aligned(nbytes(t)) for _, t in bucket))
+    dist.broadcast_object_list([meta], src=src, group=group)
+    if bucket is None:
+        return
+    buffer = torch.empty(meta[1], dtype=torch.uint8, device=bucket[0][1].device)
     offset = 0
     for _, tensor in bucket:
         n = nbytes(tensor)
         buffer[offset:offset + n].copy_(tensor.reshape(-1).view(torch.uint8))
         offset += _aligned(n)
-    dist.send(buffer, dst=dst)
+    dist.broadcast(buffer, src=src, group=group)
 
 
-def _recv_bucket(src: int, device: torch.device) -> Bucket | None:
+def _receive_bucket(src: int, group, device: torch.device) -> Bucket | None:
     header: list[Any] = [None]
-    dist.recv_object_list(header, src=src)
+    dist.broadcast_object_list(header, src=src, group=group)
     if header[0] is None:
         return None
     meta, total = header[0]
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    dist.recv(buffer, src=src)
+    dist.broadcast(buffer, src=src, group=group)
     bucket, offset = [], 0
     for name, shape, dtype in meta:
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -123,34 +134,59 @@ def _recv_bucket(src: int, device: torch.device) -> Bucket | None:
     return bucket
 
 
+def _this_stage_source() -> tuple[bool, int, int]:
+    """(is this rank its stage's source, its stage, the number of stages)."""
+    from megatron.core import parallel_state
+
+    is_source = _is_export_source_group_member() and parallel_state.get_tensor_model_parallel_rank() == 0
+    return (is_source, parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+
+
 def gather_hf_buckets_to_rank0(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                                dtype: torch.dtype | None = None) -> Iterator[Bucket]:
     """Every stage's buckets, yielded on global rank 0 in stage order; every rank must drain it.
 
-    Stage 0's buckets come straight from :func:`export_hf_buckets`; then each later stage's source sends its
-    buckets to rank 0 one at a time (``send_object_list`` header, one packed byte buffer, a ``None`` header at the
-    end of the stage). Rank 0 is stage 0's source under megatron's rank order (TP fastest, PP slowest).
+    Stage 0's buckets come straight from :func:`export_hf_buckets`; then each later stage's source broadcasts its
+    buckets in the stage's group {rank 0, source} (:func:`~dapo_megatron.handoff.stage_routes.stage_broadcast_groups`)
+    one at a time — a header object, one packed byte buffer — and a ``None`` header ends the stage.
     """
-    from megatron.core import parallel_state
-
+    is_source, stage, num_stages = _this_stage_source()
     rank = dist.get_rank()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    is_source = (_is_export_source_group_member() and parallel_state.get_tensor_model_parallel_rank() == 0)
-    if rank == 0 and not (is_source and pp_rank == 0):
+    if rank == 0 and not (is_source and stage == 0):
         raise RuntimeError("global rank 0 is not TP 0 / DP 0 / PP 0: unexpected megatron rank order")
+    stages = stage_broadcast_groups() if num_stages > 1 else None
     buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype)
     if rank == 0:
         yield from buckets
         device = next(unwrap_model(model).parameters()).device
-        # Rank 0's pipeline group holds, stage by stage, the ranks at the same TP/DP position: the stage sources.
-        sources = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
-        for stage in range(1, pp_size):
-            while (bucket := _recv_bucket(sources[stage], device)) is not None:
+        for later in range(1, num_stages):
+            while (bucket := _receive_bucket(stages.sources[later], stages.group(later), device)) is not None:
                 yield bucket
         return
-    for bucket in buckets:  # non-sources: drain (collectives); sources of later stages: send to rank 0
-        if is_source and pp_rank > 0:
-            _send_bucket(bucket, dst=0)
-    if is_source and pp_rank > 0:
-        dist.send_object_list([None], dst=0)
+    sending = is_source and stage > 0
+    for bucket in buckets:  # non-sources: drain (collectives); sources of later stages: broadcast to rank 0
+        if sending:
+            _broadcast_bucket(bucket, stages.sources[stage], stages.group(stage))
+    if sending:
+        _broadcast_bucket(None, stages.sources[stage], stages.group(stage))
+
+
+def stream_stage_buckets(model: torch.nn.Module, spec: ModelSpec, receiver: StageStreamReceiver, *,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None) -> str | None:
+    """The per-stage route: each stage's source feeds its own buckets to ``receiver.open_stage(stage, stages)``.
+
+    Every rank calls it (the TP gathers); a source whose consumer fails still drains its stage, so its TP partners
+    are not left waiting. Returns this rank's error message, None when it had none (the caller shares them).
+    """
+    is_source, stage, num_stages = _this_stage_source()
+    buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype)
+    error = None
+    if is_source:
+        try:
+            receiver.open_stage(stage, num_stages)(buckets)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+            error = f"stage {stage} (rank {dist.get_rank()}): {type(exc).__name__}: {exc}"
+    for _ in buckets:
+        pass
+    return error

@@ -23,8 +23,9 @@ over micro-batches and DP ranks), with megatron-core 0.16.1's conventions, check
   over DP is then ``∇ Σ_{micro-batches, ranks} Σ m·ℓ / N = ∇L``. (The seq-mean aggregations use the global count
   of sequences the same way.) N needs no communication: every rank holds the whole mini-batch.
 
-A step whose loss or gradient norm is not finite is skipped: no optimizer update, no scheduler advance, gradients
-zeroed, and ``skipped=1`` in the metrics.
+The gradient norm is computed once per update (``prepare_grads`` + ``get_grad_norm``): it decides the skip below and
+is the norm :func:`dapo_megatron.policy.optimizer.clip_and_step` clips by. A step whose loss or gradient norm is not
+finite is skipped: no optimizer update, no scheduler advance, gradients zeroed, and ``skipped=1`` in the metrics.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from torch import Tensor
 from dapo_megatron.algorithm import policy_loss
 from dapo_megatron.policy.batch_plan import Batching, PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
+from dapo_megatron.policy.model import config_row_multiple
+from dapo_megatron.policy.optimizer import clip_and_step, sync_params
 from dapo_megatron.policy.packing import MicroBatch, PackedLayout, PolicySample
 
 if TYPE_CHECKING:
@@ -58,6 +61,14 @@ class PolicyLogProbs:
     entropy: list[Tensor]
 
 
+def aligned_batching(batching: Batching, multiple: int) -> Batching:
+    """``batching`` with every row — filler micro-batches too — padded to a multiple of ``multiple`` as well
+    (:func:`dapo_megatron.policy.model.row_multiple`: TP under sequence parallelism, 16 or 32 for FP8 GEMMs)."""
+    if batching.pad_to_multiple % multiple == 0:
+        return batching
+    return replace(batching, pad_to_multiple=math.lcm(batching.pad_to_multiple, multiple))
+
+
 def uses_local_attention(model: torch.nn.Module) -> bool:
     """True when the model's attention is megatron's local ``DotProductAttention`` (needs a mask for packing)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -69,23 +80,35 @@ def build_actor(spec: "ModelSpec", *, model: "ModelConfig", parallel: "ParallelC
                 algorithm: "AlgorithmConfig", micro_batch_tokens: int, temperature: float) -> "Actor":
     """This rank's model stage for ``spec`` at the initialized TP/PP layout, ready to train.
 
-    ``model.precision`` picks the parameter dtype, ``parallel.use_distributed_optimizer`` the optimizer, ``optim``
-    its settings, ``algorithm`` the loss; micro-batches are packed to ``micro_batch_tokens`` tokens and log-probs
-    taken at the rollout ``temperature``.
+    ``model.precision`` picks the parameter dtype and ``model.recompute`` the activation recomputation;
+    ``parallel`` the sequence parallelism (where megatron supports it), the optimizer and the communication overlap;
+    ``optim`` its settings, ``algorithm`` the loss; micro-batches are packed to ``micro_batch_tokens`` tokens and
+    log-probs taken at the rollout ``temperature``.
     """
     from megatron.core import parallel_state
 
-    from dapo_megatron.policy.model import build_model, transformer_config
+    from dapo_megatron.policy.model import (
+        build_model,
+        effective_recompute,
+        sequence_parallel_enabled,
+        transformer_config,
+        transformer_engine_usable,
+    )
     from dapo_megatron.policy.optimizer import wrap_for_training
 
+    tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
     tconfig = transformer_config(
         spec,
-        tensor_parallel=parallel_state.get_tensor_model_parallel_world_size(),
+        tensor_parallel=tensor_parallel,
         pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
         precision=model.precision,
+        sequence_parallel=sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,
+                                                    use_transformer_engine=transformer_engine_usable()),
+        recompute=effective_recompute(model.recompute, cuda_available=torch.cuda.is_available()),
     )
     ddp_model, optimizer, scheduler = wrap_for_training(
-        build_model(spec, tconfig), optim, use_distributed_optimizer=parallel.use_distributed_optimizer)
+        build_model(spec, tconfig), optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
+        overlap_grad_reduce=parallel.overlap_grad_reduce, overlap_param_gather=parallel.overlap_param_gather)
     return Actor(ddp_model, optimizer, scheduler, real_vocab_size=spec.vocab_size, algorithm=algorithm,
                  batching=PackedBatching(token_budget=micro_batch_tokens), temperature=temperature)
 
@@ -133,12 +156,8 @@ class Actor:
         return next(self.model.parameters()).device
 
     def _batching(self, batching: Batching | None) -> Batching:
-        """The batching to use; under sequence parallelism rows are split over TP ranks, so lengths pad to TP."""
-        batching = batching or self.batching
-        if self.model.config.sequence_parallel:
-            tp = self.model.config.tensor_model_parallel_size
-            batching = replace(batching, pad_to_multiple=math.lcm(batching.pad_to_multiple, tp))
-        return batching
+        """The batching to use, with rows aligned for this model (:func:`aligned_batching`)."""
+        return aligned_batching(batching or self.batching, config_row_multiple(self.model.config))
 
     def _plan(self, samples: Sequence[PolicySample], batching: Batching | None):
         self._check_same_minibatch_on_dp_ranks(samples)
@@ -247,14 +266,14 @@ class Actor:
 
         loss_value = float(summary[0])
         self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
+        grad_norm = float(self.optimizer.get_grad_norm())  # the one norm of this update (clip_and_step reuses it)
         skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
         if skipped:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         else:
             self.scheduler.step(increment=1)
-            applied, _, _ = self.optimizer.step()
+            applied = clip_and_step(self.optimizer, grad_norm)
             if not applied:
                 raise RuntimeError("the Megatron optimizer reported an unsuccessful step without a loss scaler")
 
@@ -289,6 +308,7 @@ class Actor:
         keeps no activations for backward, so it can afford a larger token budget).
         """
         temperature = self.temperature if temperature is None else temperature
+        sync_params(self.model)  # with overlap_param_gather the last update's all-gather waits for a training forward
         plan = self._plan(samples, batching)
         lengths = [sample.response_length for sample in samples]
         offsets = [0]

@@ -9,7 +9,10 @@ Three steps, each with one job:
 * :func:`transformer_config` turns a spec plus the parallel layout and precision into megatron's
   ``TransformerConfig``. The layout is checked up front: megatron splits attention by query group, so the number of
   KV heads must be divisible by the tensor-parallel size (megatron would otherwise build a different, replicated-KV
-  layout this project's weight mapping does not describe).
+  layout this project's weight mapping does not describe). The decisions it takes are small functions of their own,
+  each tested: :func:`sequence_parallel_enabled`, :func:`effective_recompute` and :func:`recompute_settings`,
+  :func:`gradient_accumulation_fusion_available` and, for the batches, :func:`row_multiple`; the arguments it
+  passes are :func:`transformer_config_arguments`.
 * :func:`build_model` builds this pipeline stage's ``GPTModel`` with the Transformer Engine layer spec when TE and
   CUDA are present (BF16, and FP8 through TE's recipe when ``precision="fp8"``), else megatron's local spec.
 
@@ -20,6 +23,7 @@ logit rows are not tokens (``ModelSpec.vocab_size`` is the real size; log-prob c
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -181,26 +185,119 @@ def transformer_engine_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def transformer_config(
+Recompute = Literal["selective", "full", "none"]
+
+
+def sequence_parallel_enabled(requested: bool, *, tensor_parallel: int, use_transformer_engine: bool) -> bool:
+    """Whether megatron's sequence parallelism is on: requested, TP > 1 and the Transformer Engine layer spec.
+
+    It splits the activations outside the TP-sharded GEMMs (norms, residuals, dropout) over the TP ranks, so it is
+    meaningless at TP 1 (megatron refuses it there). megatron's local spec refuses it too: its torch norms
+    (``WrappedTorchNorm``) assert ``not sequence_parallel`` because their weights would not carry the
+    ``sequence_parallel`` mark that makes ``finalize_model_grads`` all-reduce their gradients over TP. Tests force it
+    on the local spec (``transformer_config(..., sequence_parallel=True)``) with :class:`SequenceParallelRMSNorm`.
+    """
+    return requested and tensor_parallel > 1 and use_transformer_engine
+
+
+def recompute_settings(recompute: Recompute) -> dict[str, Any]:
+    """``TransformerConfig`` fields for activation recomputation (megatron-core 0.16.1's names).
+
+    * "selective": ``recompute_granularity="selective"`` with megatron's default module set ``["core_attn"]`` — the
+      attention scores and softmax (quadratic in the row length) are recomputed in backward instead of kept. With
+      fused (TE flash) attention they are never materialized, so this costs a little recompute and saves little.
+    * "full": ``recompute_granularity="full"``, ``recompute_method="uniform"``, ``recompute_num_layers=1`` — each
+      layer keeps only its input and is recomputed whole in backward.
+    * "none": keep every activation.
+    """
+    if recompute == "none":
+        return dict(recompute_granularity=None)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    raise ValueError(f"recompute must be 'selective', 'full' or 'none', got {recompute!r}")
+
+
+def effective_recompute(requested: Recompute, *, cuda_available: bool) -> Recompute:
+    """The recomputation a training run uses: as configured on GPU; "none" without CUDA, where memory is not what
+    limits a run (the CPU demo) and recomputing would only cost time."""
+    return requested if cuda_available else "none"
+
+
+def gradient_accumulation_fusion_available(*, cuda_available: bool | None = None) -> bool:
+    """Whether weight gradients can be accumulated straight into the fp32 ``main_grad`` inside the GEMM.
+
+    megatron's own linear layers (the output layer on every spec, all layers on the local spec) need apex's
+    ``fused_weight_gradient_mlp_cuda`` extension for it and raise at construction without it; Transformer Engine's
+    layers fuse it themselves. So: CUDA and that extension importable.
+    """
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return cuda_available and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+FP8_ROW_ALIGNMENT = {"mxfp8": 32}  # megatron.core.fp8_utils.get_fp8_align_size: 32 for MXFP8, else 16
+DEFAULT_FP8_ROW_ALIGNMENT = 16
+
+
+def row_multiple(*, fp8_recipe: str | None, sequence_parallel: bool, tensor_parallel: int) -> int:
+    """Every packed row (filler micro-batches included) must have a length that is a multiple of this.
+
+    ``fp8_recipe`` is None without FP8. Under sequence parallelism megatron splits each row's tokens evenly over the
+    TP ranks (a multiple of TP). FP8 GEMMs in Transformer Engine need the token dimension divisible by 16 (32 for
+    MXFP8: ``megatron.core.fp8_utils.get_fp8_align_size``); the TP GEMMs see the whole row (sequence parallelism
+    all-gathers before them and reduce-scatters after), so it is the row length that must align. Both: their least
+    common multiple (the same rule verl applies to packed rows).
+    """
+    multiple = 1
+    if fp8_recipe is not None:
+        multiple = FP8_ROW_ALIGNMENT.get(str(getattr(fp8_recipe, "value", fp8_recipe)), DEFAULT_FP8_ROW_ALIGNMENT)
+    if sequence_parallel:
+        multiple = math.lcm(multiple, tensor_parallel)
+    return multiple
+
+
+def config_row_multiple(tconfig) -> int:
+    """:func:`row_multiple` of a megatron ``TransformerConfig``."""
+    return row_multiple(fp8_recipe=tconfig.fp8_recipe if tconfig.fp8 else None,
+                        sequence_parallel=tconfig.sequence_parallel,
+                        tensor_parallel=tconfig.tensor_model_parallel_size)
+
+
+def transformer_config(spec: ModelSpec, **arguments):
+    """megatron ``TransformerConfig`` for ``spec``: :func:`transformer_config_arguments` takes the same arguments."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(**transformer_config_arguments(spec, **arguments))
+
+
+def transformer_config_arguments(
     spec: ModelSpec,
     *,
     tensor_parallel: int,
     pipeline_parallel: int,
     params_dtype: torch.dtype | None = None,
     precision: Precision = "fp32",
-    fp8_recipe: Literal["delayed", "tensorwise"] = "delayed",
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8"] = "delayed",
     use_transformer_engine: bool | None = None,
-):
-    """megatron ``TransformerConfig`` for ``spec`` at this layout and precision.
+    sequence_parallel: bool | None = None,
+    recompute: Recompute = "none",
+    cuda_available: bool | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of megatron's ``TransformerConfig`` for ``spec`` at this layout and precision.
 
     ``precision``: "fp32" (params fp32, no autocast), "bf16" (params bf16), "fp8" (params bf16; the GEMMs of every
     transformer layer run in FP8 through Transformer Engine with ``fp8_recipe``, format "hybrid": e4m3 forward,
     e5m2 gradients — megatron wraps the layers in TE's ``fp8_autocast`` itself when ``config.fp8`` is set). FP8 needs
     Transformer Engine on CUDA; asking for it elsewhere is an error. ``params_dtype`` defaults from ``precision``.
-    Fusions that need apex or TE kernels are turned off without TE (bias+activation, bias+dropout, RoPE).
-    """
-    from megatron.core.transformer import TransformerConfig
+    Fusions that need apex or TE kernels are turned off without TE (bias+activation, bias+dropout, RoPE);
+    gradient-accumulation fusion is on where :func:`gradient_accumulation_fusion_available`.
 
+    ``sequence_parallel``: None takes :func:`sequence_parallel_enabled` (requested, TP > 1, TE); True forces it
+    (TP > 1 needed; on the local spec :func:`build_model` then uses :class:`SequenceParallelRMSNorm`).
+    ``recompute``: see :func:`recompute_settings`. ``cuda_available`` (default: ``torch.cuda.is_available()``) is for
+    tests of the decisions.
+    """
     check_parallel_layout(spec, tensor_parallel, pipeline_parallel)
     if precision not in ("fp32", "bf16", "fp8"):
         raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp8', got {precision!r}")
@@ -214,8 +311,12 @@ def transformer_config(
         fp8_settings = dict(fp8="hybrid", fp8_recipe=fp8_recipe, fp8_margin=0, fp8_interval=1,
                             fp8_amax_history_len=1024 if fp8_recipe == "delayed" else 1,
                             fp8_amax_compute_algo="max" if fp8_recipe == "delayed" else "most_recent")
-    on_cuda = torch.cuda.is_available()
-    return TransformerConfig(
+    on_cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if sequence_parallel is None:
+        sequence_parallel = sequence_parallel_enabled(True, tensor_parallel=tensor_parallel, use_transformer_engine=use_te)
+    elif sequence_parallel and tensor_parallel < 2:
+        raise ParallelLayoutError(f"sequence_parallel needs tensor_parallel > 1, got {tensor_parallel}")
+    return dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -232,7 +333,7 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -242,14 +343,29 @@ def transformer_config(
         bias_activation_fusion=use_te,
         bias_dropout_fusion=use_te,
         apply_rope_fusion=use_te,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=gradient_accumulation_fusion_available(cuda_available=on_cuda),
         persist_layer_norm=False,
+        **recompute_settings(recompute),
         **fp8_settings,
     )
 
 
-def layer_spec(use_transformer_engine: bool):
-    """megatron layer spec: TE modules (fused norm+linear, FP8-capable) or megatron's local torch modules."""
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm whose weight carries megatron's ``sequence_parallel`` mark when the config has it on, so that
+    ``finalize_model_grads`` all-reduces its gradient over TP (each TP rank saw only its share of the tokens).
+    Built with megatron's norm signature; the local spec uses it in place of ``WrappedTorchNorm`` under SP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def layer_spec(use_transformer_engine: bool, tconfig=None):
+    """megatron spec: TE modules (fused norm+linear, FP8-capable) or megatron's local torch modules.
+
+    With the local spec under sequence parallelism (``tconfig.sequence_parallel``), a block spec for this pipeline
+    stage whose three norms are :class:`SequenceParallelRMSNorm` (the only change; see :func:`sequence_parallel_enabled`).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -257,7 +373,15 @@ def layer_spec(use_transformer_engine: bool):
 
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if tconfig is None or not tconfig.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig),
+                                      layer_norm=SequenceParallelRMSNorm)
 
 
 def build_model(spec: ModelSpec, tconfig, *, use_transformer_engine: bool | None = None):
@@ -277,7 +401,7 @@ def build_model(spec: ModelSpec, tconfig, *, use_transformer_engine: bool | None
         )
     return GPTModel(
         config=tconfig,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=layer_spec(use_te, tconfig),
         vocab_size=padded_vocab_size(spec.vocab_size, tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

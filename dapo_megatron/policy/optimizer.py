@@ -1,9 +1,25 @@
-"""megatron's training wrappers around one model stage, from the run config's ``optim`` section.
+"""megatron's training wrappers around one model stage, from the run config's ``optim`` and ``parallel`` sections.
 
-:func:`wrap_for_training` wraps the stage in megatron's ``DistributedDataParallel`` and builds the Megatron optimizer
-(Adam with decoupled weight decay and gradient clipping, optionally the distributed optimizer) and its
-``OptimizerParamScheduler``: update ``k`` (counting applied updates from 1) uses ``lr · min(k, warmup) / warmup``,
+:func:`wrap_for_training` wraps the stage in megatron's ``DistributedDataParallel`` (:func:`ddp_config`) and builds the
+Megatron optimizer (Adam with decoupled weight decay and gradient clipping, optionally the distributed optimizer) and
+its ``OptimizerParamScheduler``: update ``k`` (counting applied updates from 1) uses ``lr · min(k, warmup) / warmup``,
 then ``lr``. The actor (:mod:`dapo_megatron.policy.actor`) runs the schedule on what this returns.
+
+Communication overlap (``parallel.overlap_grad_reduce`` / ``overlap_param_gather``), as megatron's own training
+loop wires it (megatron-core 0.16.1, ``distributed_data_parallel.py``, ``pipeline_parallel/schedules.py``):
+
+* grad reduce: the DDP backward hooks start each bucket's reduce-scatter/all-reduce as soon as its gradients are
+  complete — in the LAST micro-batch only, which the schedule marks by running the others inside
+  ``config.no_sync_func`` (set here to ``ddp_model.no_sync``); ``finalize_model_grads`` waits for them.
+* param gather (distributed optimizer): after ``step_with_ready_grads`` each rank holds only its own shard of the
+  updated parameters; the all-gather runs bucket by bucket from forward pre-hooks of the NEXT training forward
+  (re-armed by ``zero_grad_buffer``). Anything else that reads the weights first — a forward-only pass, the weight
+  handoff — must call :func:`sync_params` before.
+
+One update (:func:`clip_and_step`): the actor computes the gradient norm itself (``prepare_grads`` +
+``get_grad_norm``, one model-parallel all-reduce) to decide whether to skip the step; megatron's ``optimizer.step()``
+would run ``prepare_grads`` and compute the norm again inside ``clip_grad_norm``. :func:`clip_and_step` is the rest
+of ``step()`` given that norm.
 """
 
 from __future__ import annotations
@@ -16,25 +32,37 @@ if TYPE_CHECKING:
     from dapo_megatron.config import OptimConfig
 
 
-def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distributed_optimizer: bool):
-    """``(DistributedDataParallel(stage), optimizer, scheduler)``; the stage is an unwrapped ``GPTModel``."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
+def ddp_config(*, use_distributed_optimizer: bool, overlap_grad_reduce: bool = False,
+               overlap_param_gather: bool = False):
+    """megatron ``DistributedDataParallelConfig``: fp32 gradient reduction, the overlap switches as given."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    if overlap_param_gather and not use_distributed_optimizer:
+        raise ValueError("overlap_param_gather needs the distributed optimizer (it overlaps ITS parameter all-gather)")
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        use_distributed_optimizer=use_distributed_optimizer,
     )
+
+
+def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distributed_optimizer: bool,
+                      overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
+    """``(DistributedDataParallel(stage), optimizer, scheduler)``; the stage is an unwrapped ``GPTModel``."""
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     tconfig = stage.config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-    )
-    ddp_model = DistributedDataParallel(tconfig, ddp_config, stage)
+    ddp_model = DistributedDataParallel(
+        tconfig, ddp_config(use_distributed_optimizer=use_distributed_optimizer,
+                            overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather),
+        stage)
     # Without this the schedule never all-reduces DP gradients (replicas drift apart).
     tconfig.finalize_model_grads_func = finalize_model_grads
+    if overlap_grad_reduce:
+        tconfig.no_sync_func = ddp_model.no_sync  # the schedule marks the last micro-batch; the hooks then reduce
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -66,3 +94,37 @@ def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distr
         wd_incr_style="constant",
     )
     return ddp_model, optimizer, scheduler
+
+
+def sync_params(ddp_model) -> bool:
+    """Finish the parameter all-gather now when it is deferred to the next forward (``overlap_param_gather``).
+
+    Returns whether it ran. A synchronous gather (``start_param_sync(force_sync=True)``) is cheap next to a
+    weight handoff and always correct: it waits for an all-gather in flight, or gathers every bucket.
+    """
+    config = getattr(ddp_model, "ddp_config", None)
+    if config is None or not (config.use_distributed_optimizer and config.overlap_param_gather):
+        return False
+    ddp_model.start_param_sync(force_sync=True)
+    return True
+
+
+def clip_and_step(optimizer, grad_norm: float) -> bool:
+    """Clip by the already computed total ``grad_norm``, then step; returns whether the update was applied.
+
+    megatron-core 0.16.1's ``step()`` (``MixedPrecisionOptimizer``, ``FP32Optimizer``, ``ChainedOptimizer``) is
+    ``prepare_grads`` → norm and ``clip_grad_by_total_norm_fp32`` over each optimizer's parameters (when
+    ``clip_grad > 0``) → ``step_with_ready_grads``; the caller has done the first two (once), this does the rest.
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0.0:
+            continue
+        params = part.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=part.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    return optimizer.step_with_ready_grads()

@@ -91,6 +91,16 @@ class RolloutEngine(abc.ABC):
         loudly if afterwards the engine does not serve ``version``.
         """
 
+    def stage_stream_receiver(self):
+        """How each pipeline stage's source can stream its weights into this engine directly, one stream per stage:
+        a picklable :class:`dapo_megatron.handoff.StageStreamReceiver`, followed by :meth:`commit_stage_streams`.
+        None (the default): the stages are gathered on global rank 0 and arrive through :meth:`update_weights`."""
+        return None
+
+    def commit_stage_streams(self, version: int) -> None:
+        """After every stage has streamed through :meth:`stage_stream_receiver`: check and serve ``version``."""
+        raise NotImplementedError(f"{type(self).__name__} does not receive per-stage weight streams")
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:

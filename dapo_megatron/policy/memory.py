@@ -1,0 +1,186 @@
+"""GPU memory of one training rank, stage by stage: :func:`estimate_memory` (and ``dapo-megatron plan CONFIG``).
+
+The model, per GPU of pipeline stage ``p`` (``T`` = tensor-, ``P`` = pipeline-, ``D`` = data-parallel size; ``h``
+hidden size, ``F`` FFN size, ``q``/``k`` = query/key-value width (heads × head_dim), ``a`` attention heads, ``V``
+the vocabulary padded to a multiple of 128·T, ``t`` = ``trainer.micro_batch_tokens``, one packed row per
+micro-batch, ``L`` layers of this stage):
+
+**Parameters** — per layer ``(q + 2k)·h + q·h + 3·F·h`` (QKV, output projection, SwiGLU fc1 and fc2, all split
+over T) plus the QKV bias ``(q + 2k)/T`` and the two norms ``2h`` (replicated); the embedding ``V·h/T`` on the first
+stage, the output layer ``V·h/T`` and the final norm on the last (a tied output layer is a second copy there when
+``P > 1``: megatron keeps the last stage's copy in sync by an all-reduce of its gradient).
+
+**Bytes per parameter** — weights 2 (bf16 / fp8: Transformer Engine keeps bf16 parameters and casts per GEMM) or
+4 (fp32); gradients 4 (``DistributedDataParallelConfig(grad_reduce_in_fp32=True)``, :mod:`.optimizer`); Adam's two
+moments 8 plus an fp32 master copy 4 when the weights are not fp32, divided by D with the distributed optimizer
+(megatron-core ``optimizer/distrib_optimizer.py``: each DP rank owns 1/D of the main parameters and state).
+
+**Activations** kept for backward, per token per layer, in the activation dtype (2 bytes, 4 for fp32), derived as in
+Korthikanti et al., *Reducing Activation Recomputation in Large Transformer Models* (2022, the paper megatron's
+recomputation follows; ``TransformerConfig.recompute_granularity``) for this architecture — RMSNorm, SwiGLU, GQA, no
+dropout (the project's configs set ``hidden_dropout = attention_dropout = 0``, so no dropout masks):
+
+* the inputs and outputs of the two norms, ``4h`` — the sequence-parallel region: divided by T under sequence
+  parallelism (megatron's linear layers then save their input un-gathered and all-gather it again in backward,
+  ``tensor_parallel/layers.py``), not divided otherwise;
+* the core attention's inputs ``(q + 2k)/T`` and its output (the output projection's input) ``q/T``;
+* SwiGLU's input ``2F/T`` and output (fc2's input) ``F/T``;
+* unfused attention only (megatron's local ``DotProductAttention``): the softmax probabilities of the whole packed
+  row, ``a/T · t²`` per layer and micro-batch. Fused attention (Transformer Engine's flash / cuDNN kernels) keeps
+  only per-row statistics, counted as nothing.
+
+Recomputation: ``"selective"`` (megatron's ``core_attn``) drops the softmax term — the saved inputs of the
+checkpointed attention are the q, k, v already counted; ``"full"`` keeps only each layer's input (``h``, divided by T
+under sequence parallelism) and adds one layer's full set for the layer being recomputed.
+
+Micro-batches in flight under 1F1B (megatron-core ``pipeline_parallel/schedules.py``,
+``forward_backward_pipelining_without_interleaving``: stage ``p`` runs ``P − p − 1`` warm-up forwards before its
+first backward): ``P − p``, so the first stage is the tightest. The last stage also keeps the final norm's and the
+output layer's inputs (``2h``, SP-divided).
+
+**Logits** (last stage): the output layer's vocab-parallel logits of the micro-batch, ``t·V/T`` values kept for
+backward plus their gradient of the same size (:mod:`.logprobs` saves the logits and recomputes the softmax in
+chunks), plus its float32 chunk temporaries (~4 chunks of ``min(DEFAULT_CHUNK_ELEMENTS, t·V/T)`` values).
+
+**Margin**: 3 GB for the CUDA context, NCCL's communicator buffers and library workspaces, plus 10 % of the
+activations and logits for the caching allocator's fragmentation.
+
+Not modelled: the forward-only log-prob passes (they keep nothing and run at other times), FP8 weight caches and
+amax histories (Transformer Engine; small next to the above), CPU memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from dapo_megatron.policy.logprobs import DEFAULT_CHUNK_ELEMENTS
+from dapo_megatron.policy.model import ModelSpec, Recompute, check_parallel_layout, padded_vocab_size
+
+Precision = Literal["fp32", "bf16", "fp8"]
+GB = 10**9
+FIXED_MARGIN_BYTES = 3 * GB
+FRAGMENTATION = 0.10
+LOGPROB_CHUNK_TEMPORARIES = 4  # float32 chunk buffers live at once in the vocab-parallel log-prob
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one GPU of pipeline stage ``stage`` (every GPU of a stage holds the same)."""
+
+    stage: int
+    layers: int
+    parameters: int  # parameters held by this GPU
+    micro_batches_in_flight: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    logits_bytes: int
+    margin_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.logits_bytes + self.margin_bytes)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "total_bytes": self.total_bytes}
+
+
+def layer_parameters(spec: ModelSpec, tensor_parallel: int) -> int:
+    """Parameters of one transformer layer held by one TP rank."""
+    q, k, h, f = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, \
+        spec.ffn_hidden_size
+    sharded = (q + 2 * k) * h + q * h + 3 * f * h + ((q + 2 * k) if spec.qkv_bias else 0)
+    return sharded // tensor_parallel + 2 * h
+
+
+def activation_values_per_token(spec: ModelSpec, tensor_parallel: int, *, sequence_parallel: bool) -> float:
+    """Values one layer keeps per token for backward without recomputation, excluding the attention softmax."""
+    q, k, h, f = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, \
+        spec.ffn_hidden_size
+    sp = tensor_parallel if sequence_parallel else 1
+    return 4 * h / sp + (q + 2 * k + q + 3 * f) / tensor_parallel
+
+
+def estimate_memory(
+    spec: ModelSpec,
+    *,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    data_parallel: int,
+    micro_batch_tokens: int,
+    distributed_optimizer: bool = True,
+    precision: Precision = "bf16",
+    recompute: Recompute = "selective",
+    sequence_parallel: bool = True,
+    fused_attention: bool = True,
+) -> list[StageMemory]:
+    """Per-stage memory of one GPU (see the module docstring for the model and its sources), stage 0 first.
+
+    ``sequence_parallel`` is whether it is in effect (it needs TP > 1); ``fused_attention`` whether the attention
+    kernel keeps no score matrix (Transformer Engine) or megatron's local attention is used.
+    """
+    check_parallel_layout(spec, tensor_parallel, pipeline_parallel)
+    if data_parallel < 1 or micro_batch_tokens < 1:
+        raise ValueError(f"data_parallel ({data_parallel}) and micro_batch_tokens ({micro_batch_tokens}) must be >= 1")
+    if precision not in ("fp32", "bf16", "fp8"):
+        raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp8', got {precision!r}")
+    if recompute not in ("selective", "full", "none"):
+        raise ValueError(f"recompute must be 'selective', 'full' or 'none', got {recompute!r}")
+    sequence_parallel = sequence_parallel and tensor_parallel > 1
+    tp, pp, t, h = tensor_parallel, pipeline_parallel, micro_batch_tokens, spec.hidden_size
+    sp = tp if sequence_parallel else 1
+    weight_bytes = 4 if precision == "fp32" else 2
+    act_bytes = 4 if precision == "fp32" else 2
+    optimizer_per_param = (8 + (0 if precision == "fp32" else 4)) / (data_parallel if distributed_optimizer else 1)
+    vocab_rows = padded_vocab_size(spec.vocab_size, tp) * h // tp
+    layers = spec.num_layers // pp
+
+    per_layer_values = activation_values_per_token(spec, tp, sequence_parallel=sequence_parallel) * t
+    softmax_values = 0.0 if fused_attention or recompute != "none" else spec.num_attention_heads / tp * t * t
+    if recompute == "full":
+        kept_per_layer = h / sp * t
+        working_set = per_layer_values + (0.0 if fused_attention else spec.num_attention_heads / tp * t * t)
+    else:
+        kept_per_layer = per_layer_values + softmax_values
+        working_set = 0.0
+
+    stages = []
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        parameters = layers * layer_parameters(spec, tp)
+        if first:
+            parameters += vocab_rows
+        if last:
+            parameters += h + (vocab_rows if not (spec.tie_embeddings and pp == 1) else 0)
+        in_flight = pp - stage
+        activation_values = in_flight * (layers * kept_per_layer + (2 * h / sp * t if last else 0)) + working_set
+        activations = int(activation_values * act_bytes)
+        logits = 0
+        if last:
+            logit_values = t * (padded_vocab_size(spec.vocab_size, tp) // tp)
+            logits = 2 * logit_values * act_bytes
+            logits += LOGPROB_CHUNK_TEMPORARIES * min(DEFAULT_CHUNK_ELEMENTS, logit_values) * 4
+        stages.append(StageMemory(
+            stage=stage, layers=layers, parameters=parameters, micro_batches_in_flight=in_flight,
+            params_bytes=parameters * weight_bytes, grads_bytes=parameters * 4,
+            optimizer_bytes=int(parameters * optimizer_per_param), activations_bytes=activations,
+            logits_bytes=logits, margin_bytes=int(FIXED_MARGIN_BYTES + FRAGMENTATION * (activations + logits)),
+        ))
+    return stages
+
+
+def memory_table(stages: list[StageMemory], *, gpu_memory_gb: float) -> str:
+    """A fixed-width table, one row per stage, in GB (10⁹ bytes), with whether each fits ``gpu_memory_gb``."""
+    columns = ("params", "grads", "optimizer", "activations", "logits", "margin", "total")
+    header = f"{'stage':>5} {'layers':>6} {'params/GPU':>11} {'in flight':>9} " + " ".join(f"{c:>11}" for c in columns)
+    lines = [header + "  fits", "-" * (len(header) + 6)]
+    for s in stages:
+        values = (s.params_bytes, s.grads_bytes, s.optimizer_bytes, s.activations_bytes, s.logits_bytes,
+                  s.margin_bytes, s.total_bytes)
+        lines.append(f"{s.stage:>5} {s.layers:>6} {s.parameters / 1e9:>10.3f}B {s.micro_batches_in_flight:>9} "
+                     + " ".join(f"{v / GB:>9.1f}GB" for v in values)
+                     + f"  {'yes' if s.total_bytes <= gpu_memory_gb * GB else 'NO'}")
+    return "\n".join(lines)
