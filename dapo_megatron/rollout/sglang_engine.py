@@ -31,10 +31,12 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Literal, Sequence
+from urllib.parse import urlsplit
 
 import torch
 from tqdm import tqdm
 
+from dapo_megatron.host_address import address_towards, pin_gloo_interface
 from dapo_megatron.rollout.engine import EngineHealth, RolloutEngine, RolloutError, Sample, SamplingParams
 from dapo_megatron.rollout.sglang_client import ServerFailure, SGLangClient
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
@@ -76,7 +78,7 @@ class SGLangEngineConfig:
     weight_dir: str | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     distributed_backend: Literal["nccl", "gloo"] | None = None  # None: nccl for cuda servers, gloo for cpu
-    distributed_master_address: str = "127.0.0.1"
+    distributed_master_address: str | None = None  # None: this host's address on the route to the first server
     request_timeout_s: float = 600.0
     max_restarts: int = 2
     max_concurrent_requests: int = 64
@@ -124,7 +126,8 @@ class SGLangEngineConfig:
         )
         return cls(model_path=model_path, urls=tuple(config.urls), api_key=api_key, num_servers=config.num_servers,
                    launch=launch, transport=config.transport, run_dir=run_dir, weight_dir=config.weight_dir,
-                   bucket_bytes=bucket_bytes, request_timeout_s=config.request_timeout_s,
+                   bucket_bytes=bucket_bytes, distributed_master_address=config.weight_update_address,
+                   request_timeout_s=config.request_timeout_s,
                    max_restarts=config.max_restarts, max_concurrent_requests=config.max_concurrent_requests,
                    show_progress=show_progress)
 
@@ -225,7 +228,11 @@ class SGLangEngine(RolloutEngine):
         if config.transport == "tensor":
             return TensorTransport(bucket_bytes=min(config.bucket_bytes, 256 * 1024 * 1024))
         backend = config.distributed_backend or ("nccl" if config.launch.device == "cuda" else "gloo")
-        return DistributedTransport(master_address=config.distributed_master_address, backend=backend,
+        # Servers on other nodes dial this address: never a loopback one unless the servers are local.
+        address = config.distributed_master_address or address_towards(urlsplit(self.server_urls[0]).hostname)
+        if backend == "gloo":
+            pin_gloo_interface(address)
+        return DistributedTransport(master_address=address, backend=backend,
                                     bucket_bytes=config.bucket_bytes, timeout_s=config.request_timeout_s)
 
     # ---- public state --------------------------------------------------------------------------------------------
