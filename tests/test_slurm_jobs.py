@@ -61,9 +61,6 @@ def test_srun_two_tasks_see_their_ranks(tmp_path):
 # ------------------------------------------------------------------------------------------------------- (b)
 
 
-# ------------------------------------------------------------------------------------------------------- (b)
-
-
 def _write_sglang_config(tmp_path: Path, model_dir: Path, **extra: object) -> Path:
     config = {"model": {"source": "hf", "hf_path": str(model_dir)}, "data": {"source": "synthetic"},
               "rollout": {"engine": "sglang"}, **extra}
