@@ -21,6 +21,7 @@ import os
 import socket
 import struct
 from typing import MutableMapping
+from urllib.parse import urlsplit
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
 _DISCARD_PORT = 9  # any port: connecting a UDP socket sends nothing, it only picks the route
@@ -43,6 +44,13 @@ def address_towards(peer: str) -> str:
         except OSError as error:
             raise OSError(f"no route from this host to {peer!r}: {error.strerror or error}") from None
         return probe.getsockname()[0]
+
+
+def weight_update_address(server_url: str, override: str | None = None) -> str:
+    """Where SGLang servers dial trainer rank 0 for the weight-update group: ``override`` (the config's
+    ``rollout.sglang.weight_update_address``) when set, else this host's address on the route to the server (for
+    servers on this host that is their loopback address)."""
+    return override or address_towards(urlsplit(server_url).hostname or server_url)
 
 
 def is_loopback(address: str) -> bool:

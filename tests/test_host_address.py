@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from dapo_megatron.host_address import address_towards, interface_with_address, is_loopback, pin_gloo_interface
+from dapo_megatron.host_address import (address_towards, interface_with_address, is_loopback, pin_gloo_interface,
+                                        weight_update_address)
 
 
 def _interfaces() -> dict[str, str]:
@@ -60,13 +61,11 @@ def test_gloo_interface_is_pinned_towards_a_routable_peer_only():
     assert pin_gloo_interface(address, chosen) is None and chosen == {"GLOO_SOCKET_IFNAME": "ib0"}  # user's choice
 
 
-def test_the_config_key_reaches_the_engine(tmp_path):
-    from dapo_megatron.config import SGLangConfig
-    from dapo_megatron.rollout.sglang_engine import SGLangEngineConfig
+def test_weight_update_address_routes_to_the_servers_unless_overridden():
+    """The distributed transport's rendezvous (used by SGLangEngine; the cross-node case and its control — the old
+    127.0.0.1 — are the namespace-cluster tests in test_slurm_multinode.py)."""
+    assert weight_update_address("http://127.0.0.1:30000") == "127.0.0.1"  # servers launched on this host
+    address, _ = _routable()
+    assert weight_update_address(f"http://{address}:30000") == address
+    assert weight_update_address(f"http://{address}:30000", override="10.1.2.3") == "10.1.2.3"
 
-    (tmp_path / "config.json").write_text("{}")
-    derived = SGLangEngineConfig.from_sglang_config(SGLangConfig(), model_path=str(tmp_path), device="cpu")
-    assert derived.distributed_master_address is None  # derived from the route to the servers when connecting
-    given = SGLangEngineConfig.from_sglang_config(SGLangConfig(weight_update_address="10.1.2.3"),
-                                                  model_path=str(tmp_path), device="cpu")
-    assert given.distributed_master_address == "10.1.2.3"

@@ -43,7 +43,7 @@ RUN = [f"trainer.total_steps={STEPS}", "trainer.save_every=1", f"trainer.keep_ch
        "warm_start.enabled=false", "trainer.train_batch_size=4", "trainer.mini_batch_size=2", "rollout.n_samples=4",
        "algorithm.dynamic_sampling=false", "data.synthetic.num_train=200", "data.synthetic.num_heldout=8",
        "rollout.max_response_length=24", "algorithm.overlong_buffer_len=4"]
-NOT_COMPARED = ("timing_s/", "perf/throughput")  # wall-clock numbers differ between any two runs
+NOT_COMPARED = ("timing_s/", "timing_cpu_s/", "perf/throughput")  # clock readings differ between runs
 
 REQUEST_TIMEOUT_S = 90  # rollout.sglang.request_timeout_s of the SGLang jobs: the bound a failure must meet
 HEALTH_DEADLINE_S = 600  # a CPU SGLang server starts in 30-80 s here, more when the machine is busy

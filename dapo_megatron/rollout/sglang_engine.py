@@ -31,12 +31,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Literal, Sequence
-from urllib.parse import urlsplit
 
 import torch
 from tqdm import tqdm
 
-from dapo_megatron.host_address import address_towards, pin_gloo_interface
+from dapo_megatron.host_address import pin_gloo_interface, weight_update_address
 from dapo_megatron.rollout.engine import EngineHealth, RolloutEngine, RolloutError, Sample, SamplingParams
 from dapo_megatron.rollout.sglang_client import ServerFailure, SGLangClient
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
@@ -228,8 +227,7 @@ class SGLangEngine(RolloutEngine):
         if config.transport == "tensor":
             return TensorTransport(bucket_bytes=min(config.bucket_bytes, 256 * 1024 * 1024))
         backend = config.distributed_backend or ("nccl" if config.launch.device == "cuda" else "gloo")
-        # Servers on other nodes dial this address: never a loopback one unless the servers are local.
-        address = config.distributed_master_address or address_towards(urlsplit(self.server_urls[0]).hostname)
+        address = weight_update_address(self.server_urls[0], config.distributed_master_address)
         if backend == "gloo":
             pin_gloo_interface(address)
         return DistributedTransport(master_address=address, backend=backend,
