@@ -1,5 +1,6 @@
 """The sbatch scripts on a multi-node cluster: 3 nodes in network namespaces with their own addresses and
-hostnames and a shared filesystem, one task per node (``scripts/slurm_cluster.sh start --nodes 3``; CI's full test command starts it).
+hostnames and a shared filesystem, one task per node (``scripts/slurm_cluster.sh start --nodes 3``, which CI's full
+test command runs).
 
 (a) ``slurm/dapo_train.sbatch``, DP = 2 with one trainer rank on each of 2 nodes: gloo rendezvous across nodes at
     the first node's address, checkpoints in the shared run directory, and ``scancel`` + resubmit with ``--resume``
@@ -13,6 +14,7 @@ hostnames and a shared filesystem, one task per node (``scripts/slurm_cluster.sh
     ``127.0.0.1`` (what the trainer used before it derived a routable one) fails, naming the weight-update group.
 (d) A server killed mid-run (all its processes, SIGKILL): the job fails with a message naming the cause within the
     configured request timeout (plus a margin for SLURM's teardown); nothing is left on any node.
+(e) The control of "nothing is left": the check sees a running job's processes on every node.
 
 Deadlines come from the configured timeouts with generous margins: the machine's 2 cores are shared.
 """
@@ -49,7 +51,7 @@ REQUEST_TIMEOUT_S = 90  # rollout.sglang.request_timeout_s of the SGLang jobs: t
 HEALTH_DEADLINE_S = 600  # a CPU SGLang server starts in 30-80 s here, more when the machine is busy
 SGLANG_JOB_DEADLINE_S = HEALTH_DEADLINE_S + 6 * REQUEST_TIMEOUT_S + 300
 GREEDY_TOKENS = 12
-LOOPBACK_TIMEOUT_S = 30
+LOOPBACK_TIMEOUT_S = 30  # the request timeout of (c): how long the trainer waits for servers that never join
 
 
 def _metrics(run_dir: Path) -> list[dict]:
