@@ -111,6 +111,9 @@ class SGLangConfig:
     max_restarts: int = 2
     max_concurrent_requests: int = 64
     extra_server_args: list[str] = field(default_factory=list)
+    # distributed transport: the address of trainer rank 0 the servers dial; default: this host's address on the
+    # route to the first server (dapo_megatron/host_address.py)
+    weight_update_address: str | None = None
 
 
 @dataclass

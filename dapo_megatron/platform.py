@@ -33,6 +33,8 @@ from typing import Mapping
 
 import torch
 
+from dapo_megatron.host_address import pin_gloo_interface
+
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -276,6 +278,9 @@ def init_distributed(
     device = prepare_device(env.local_rank)
 
     if not torch.distributed.is_initialized():
+        # Ranks on other nodes must reach this one's gloo address (gloo carries the CPU collectives, and megatron
+        # makes gloo groups next to NCCL ones on GPUs too); the host name may resolve to loopback, or to nothing.
+        pin_gloo_interface(env.master_addr)
         if env.rank == 0 and env.launcher != "torchrun":
             # torchrun's agent already owns the store port; anywhere else rank 0 binds it, so check it first:
             # a taken port otherwise surfaces as a hang on the other ranks.

@@ -5,8 +5,8 @@ The two sbatch scripts in this folder keep their shell small and ask this module
 
 * ``plan``          — split the job's nodes into SGLang server nodes and trainer nodes and print shell assignments
                       (``eval "$(python3 launch_plan.py plan ...)"``).
-* ``serve``         — run inside each task of the server step: pick this task's port and GPUs, read the API key
-                      file and ``exec`` the SGLang server.
+* ``serve``         — run inside each task of the server step: pick this task's port, GPUs and gloo interface
+                      (the one that reaches ``MASTER_ADDR``), read the API key file and ``exec`` the SGLang server.
 * ``wait-healthy``  — poll every server's ``/health`` until all answer 200, the server step exits, or a deadline.
 * ``model-path``    — the model the servers must load: ``model.hf_path`` of the trainer's resolved config (which is
                       loaded, so a bad config fails here, before any server is started).
@@ -22,6 +22,10 @@ The layout (N nodes in the job, M = ``sglang_nodes``, G GPUs per node, T = SGLan
   ``tasks_per_node`` tasks and the servers share the CPUs).
 * M = 0: no servers; all N nodes train (the plain ``dapo_train.sbatch``).
 
+Nodes are addressed by their SLURM ``NodeAddr`` (``plan --resolve-addrs`` asks ``scontrol``): the trainer's
+``MASTER_ADDR`` and the server URLs must reach the node even where its name does not resolve (or resolves to a
+loopback address). ``NodeAddr`` defaults to the node name, so on clusters with DNS nothing changes.
+
 Ports are derived from the job id so that two jobs sharing a node do not collide, and stay below Linux's ephemeral
 range (32768-60999) so a client socket cannot hold them: ``MASTER_PORT = 20000 + job_id mod 10000``,
 server base port ``= 10000 + (job_id mod ⌊10000 / S⌋) · S`` (consecutive jobs get disjoint port blocks).
@@ -30,17 +34,20 @@ server base port ``= 10000 + (job_id mod ⌊10000 / S⌋) · S`` (consecutive jo
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
 import secrets
 import shlex
+import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 10000
@@ -64,10 +71,14 @@ class LaunchPlan:
     trainer_cuda_visible_devices: str  # "" = leave as SLURM set it
     master_addr: str
     master_port: int
+    node_addrs: Mapping[str, str] = field(default_factory=dict)  # host -> NodeAddr; a missing host is its name
+
+    def address(self, host: str) -> str:
+        return self.node_addrs.get(host, host)
 
     @property
     def server_urls(self) -> list[str]:
-        return [f"http://{host}:{self.server_base_port + i}"
+        return [f"http://{self.address(host)}:{self.server_base_port + i}"
                 for host in self.server_hosts for i in range(self.servers_per_node)]
 
     @property
@@ -124,9 +135,34 @@ def parse_tasks_per_node(text: str | None) -> int:
     return int(match.group(1))
 
 
+def node_addresses(hosts: list[str], timeout_s: float = 30.0) -> dict[str, str]:
+    """Each host's ``NodeAddr`` from ``scontrol show node`` (run inside the job, where the controller answers)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", "-o", ",".join(hosts)], capture_output=True, text=True,
+                             timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise PlanError(f"cannot ask scontrol for the nodes' addresses: {error}") from None
+    found = {}
+    for line in out.stdout.splitlines():
+        fields = dict(word.split("=", 1) for word in line.split() if "=" in word)
+        if "NodeName" in fields and fields.get("NodeAddr"):
+            found[fields["NodeName"]] = fields["NodeAddr"]
+    missing = [host for host in hosts if host not in found]
+    if missing:
+        raise PlanError(f"scontrol reports no NodeAddr for {', '.join(missing)}: {out.stderr.strip()}")
+    return found
+
+
 def make_plan(hosts: list[str], *, sglang_nodes: int, gpus_per_node: int, tasks_per_node: int, job_id: int,
-              server_tp: int = 1, servers_per_node: int | None = None) -> LaunchPlan:
-    """Split ``hosts`` (the job's nodes, in SLURM order) into server and trainer nodes; see the module docstring."""
+              server_tp: int = 1, servers_per_node: int | None = None,
+              node_addrs: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Split ``hosts`` (the job's nodes, in SLURM order) into server and trainer nodes; see the module docstring.
+    ``node_addrs``: how to reach each host (its NodeAddr) where that is not its name."""
+    node_addrs = dict(node_addrs or {})
+
+    def address(host: str) -> str:
+        return node_addrs.get(host, host)
+
     n = len(hosts)
     if n == 0:
         raise PlanError("the job has no nodes")
@@ -142,7 +178,7 @@ def make_plan(hosts: list[str], *, sglang_nodes: int, gpus_per_node: int, tasks_
 
     if sglang_nodes == 0:
         return LaunchPlan([], 0, server_base_port(job_id, 1), server_tp, gpus_per_node, list(hosts), trainer_tasks,
-                          "", hosts[0], master_port(job_id))
+                          "", address(hosts[0]), master_port(job_id), node_addrs)
 
     single_node = n == 1 and sglang_nodes == 1
     if not single_node and sglang_nodes >= n:
@@ -172,7 +208,8 @@ def make_plan(hosts: list[str], *, sglang_nodes: int, gpus_per_node: int, tasks_
     else:
         server_hosts, trainer_hosts = list(hosts[:sglang_nodes]), list(hosts[sglang_nodes:])
     return LaunchPlan(server_hosts, servers_per_node, server_base_port(job_id, servers_per_node), server_tp,
-                      gpus_per_node, trainer_hosts, trainer_tasks, cuda_devices, trainer_hosts[0], master_port(job_id))
+                      gpus_per_node, trainer_hosts, trainer_tasks, cuda_devices, address(trainer_hosts[0]),
+                      master_port(job_id), node_addrs)
 
 
 # --------------------------------------------------------------------------------------------------- serve
@@ -215,17 +252,32 @@ def server_argv(server_cmd: str, *, model_path: str, host: str, port: int, api_k
             f"--api-key={api_key}", "--tp", str(tp), *shlex.split(extra_args)]
 
 
+def _project_module(name: str):
+    """A module of the project this script belongs to (the repository root is this folder's parent), the same
+    code the trainer step runs with ``python -m`` from the repository root."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(name)
+
+
 def _serve(args: argparse.Namespace) -> None:
     local_id = int(os.environ.get("SLURM_LOCALID", "0"))
     env = dict(os.environ)
     devices = server_gpu_slice(local_id, args.tp, env.get("CUDA_VISIBLE_DEVICES"), args.gpus_per_node)
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = devices
+    # The distributed weight transport joins the server to a gloo group hosted by the trainer (MASTER_ADDR's node):
+    # gloo must listen on the interface that reaches it, not on whatever this node's name resolves to.
+    gloo_interface = None
+    if env.get("MASTER_ADDR"):
+        gloo_interface = _project_module("dapo_megatron.host_address").pin_gloo_interface(env["MASTER_ADDR"], env)
     port = args.base_port + local_id
     argv = server_argv(args.server_cmd, model_path=args.model_path, host=args.bind_host, port=port,
                        api_key=read_api_key(args.api_key_file), tp=args.tp, extra_args=args.extra_args)
     print(f"[launch_plan] server task {local_id} on {os.uname().nodename}: port {port}"
-          + (f", CUDA_VISIBLE_DEVICES={devices}" if devices else ""), flush=True)
+          + (f", CUDA_VISIBLE_DEVICES={devices}" if devices else "")
+          + (f", GLOO_SOCKET_IFNAME={gloo_interface}" if gloo_interface else ""), flush=True)
     os.execvpe(argv[0], argv, env)
 
 
@@ -305,6 +357,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tasks-per-node", default="", help="trainer tasks per node on CPU nodes (SLURM forms)")
     plan.add_argument("--server-tp", type=int, default=1)
     plan.add_argument("--servers-per-node", type=int, default=None)
+    plan.add_argument("--resolve-addrs", action="store_true",
+                      help="address nodes by their NodeAddr from scontrol (inside a job)")
 
     serve = sub.add_parser("serve", help="exec this task's SGLang server (inside the server srun step)")
     serve.add_argument("--server-cmd", required=True, help="e.g. 'python -m sglang.launch_server'")
@@ -338,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             hosts = [h for h in args.hosts.split(",") if h]
             plan = make_plan(hosts, sglang_nodes=args.sglang_nodes, job_id=args.job_id,
+                             node_addrs=node_addresses(hosts) if args.resolve_addrs else None,
                              gpus_per_node=parse_gpu_count(args.gpus_per_node),
                              tasks_per_node=parse_tasks_per_node(args.tasks_per_node),
                              server_tp=args.server_tp, servers_per_node=args.servers_per_node)

@@ -7,6 +7,8 @@ import importlib.util
 import json
 import os
 import shlex
+import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -81,6 +83,26 @@ def test_single_cpu_node_shares_it():
     assert plan.trainer_tasks_per_node == 2 and plan.trainer_cuda_visible_devices == ""
 
 
+def test_nodes_are_reached_at_their_node_addr_and_placed_by_name():
+    """URLs and MASTER_ADDR must reach the node where its name does not resolve; srun places tasks by name."""
+    addrs = {"n1": "10.77.0.1", "n2": "10.77.0.2", "n3": "10.77.0.3"}
+    plan = lp.make_plan(["n1", "n2", "n3"], sglang_nodes=1, gpus_per_node=0, tasks_per_node=1, job_id=7,
+                        node_addrs=addrs)
+    assert plan.server_urls == [f"http://10.77.0.1:{plan.server_base_port}"]
+    assert plan.master_addr == "10.77.0.2"
+    values = _shell_values(plan)
+    assert values["TRAINER_NODES"] == "n2,n3" and values["MASTER_ADDR"] == "10.77.0.2"
+    trainer_only = lp.make_plan(["n1", "n2"], sglang_nodes=0, gpus_per_node=0, tasks_per_node=1, job_id=7,
+                                node_addrs=addrs)
+    assert trainer_only.master_addr == "10.77.0.1"
+
+
+def test_node_addresses_need_scontrol(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(lp.PlanError, match="cannot ask scontrol for the nodes' addresses"):
+        lp.node_addresses(["n1"])
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(hosts=["a", "b"], sglang_nodes=2), "leaves no node for the trainer"),
     (dict(hosts=["a", "b"], sglang_nodes=-1), "must be >= 0"),
@@ -141,18 +163,25 @@ def test_api_key_file_is_private_and_fresh(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["key"]
 
 
-def test_serve_execs_the_server_with_this_tasks_port_gpus_and_key(tmp_path):
+def _serve(tmp_path, **env_vars) -> dict:
+    """Run ``launch_plan.py serve`` with a probe as the server command; what the 'server' saw."""
     key_file = tmp_path / "key"
     lp.write_api_key(str(key_file))
     probe = ("import json, os, sys; print(json.dumps({'argv': sys.argv[1:], "
-             "'cuda': os.environ.get('CUDA_VISIBLE_DEVICES')}))")
-    env = dict(os.environ, SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+             "'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), 'gloo': os.environ.get('GLOO_SOCKET_IFNAME')}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME")}
+    env.update(SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7", **env_vars)
     out = subprocess.run(
         [sys.executable, str(LAUNCH_PLAN), "serve", "--server-cmd", f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}",
          "--model-path", "/models/q", "--api-key-file", str(key_file), "--base-port", "15000", "--tp", "4",
          "--gpus-per-node", "8", "--extra-args", "--mem-fraction-static 0.8"],
         capture_output=True, text=True, env=env, timeout=60, check=True).stdout
-    seen = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_serve_execs_the_server_with_this_tasks_port_gpus_and_key(tmp_path):
+    seen = _serve(tmp_path)
+    key_file = tmp_path / "key"
     argv = seen["argv"]
     assert argv[argv.index("--port") + 1] == "15001"
     assert argv[argv.index("--tp") + 1] == "4"
@@ -160,6 +189,27 @@ def test_serve_execs_the_server_with_this_tasks_port_gpus_and_key(tmp_path):
     assert argv[argv.index("--model-path") + 1] == "/models/q"
     assert argv[-2:] == ["--mem-fraction-static", "0.8"]
     assert seen["cuda"] == "4,5,6,7"
+    assert seen["gloo"] is None  # no MASTER_ADDR: nothing to reach
+
+
+def test_serve_pins_gloo_to_the_interface_that_reaches_the_trainer(tmp_path):
+    """The distributed weight transport's gloo group is hosted by the trainer at MASTER_ADDR."""
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 is not installed: no independent list of this machine's addresses")
+    local = [(name, address) for _, name in socket.if_nameindex()
+             if (address := _ipv4_of(name)) and not address.startswith("127.")]
+    if not local:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    name, address = local[0]
+    assert _serve(tmp_path, MASTER_ADDR=address)["gloo"] == name
+    assert _serve(tmp_path, MASTER_ADDR="127.0.0.1")["gloo"] is None  # a one-host job keeps gloo's default
+    assert _serve(tmp_path, MASTER_ADDR=address, GLOO_SOCKET_IFNAME="ib7")["gloo"] == "ib7"  # the user's choice
+
+
+def _ipv4_of(interface: str) -> str | None:
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", interface], capture_output=True, text=True)
+    words = out.stdout.split()
+    return words[words.index("inet") + 1].split("/")[0] if "inet" in words else None
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from dapo_megatron.hf_format import CONFIG_FILE, Bucket
+from dapo_megatron.host_address import pin_gloo_interface, weight_update_address
 from dapo_megatron.rollout.engine import EngineHealth, RolloutEngine, RolloutError, Sample, SamplingParams
 from dapo_megatron.rollout.sglang_client import ServerFailure
 from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot
@@ -94,8 +95,11 @@ class SGLangEngine(RolloutEngine):
             return DiskTransport(weight_dir, self.model_path)
         if config.transport == "tensor":
             return TensorTransport()
-        return DistributedTransport(backend="nccl" if self.device == "cuda" else "gloo",
-                                    timeout_s=config.request_timeout_s)
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        address = weight_update_address(self.server_urls[0], config.weight_update_address)
+        if backend == "gloo":
+            pin_gloo_interface(address)
+        return DistributedTransport(master_address=address, backend=backend, timeout_s=config.request_timeout_s)
 
     # ---- public state --------------------------------------------------------------------------------------------
     @property
