@@ -100,6 +100,14 @@ def load_model(model_chunks: list, directory: str | Path) -> None:
         raise CheckpointError(mismatch.report(f"{directory} does not fit the model"))
 
 
+# How the distributed optimizer lays out its state in a checkpoint. megatron-core 0.16.1's default,
+# "fully_sharded_model_space", builds ShardedTensors with ``flattened_range``, which its own save rejects
+# ("ShardedTensor.flattened_range is not supported") as soon as DP > 1. "dp_reshardable" saves each rank's buffers
+# as they are, with no communication; it reshards only over DP, and a resume already needs the world size the
+# checkpoint was written with (every rank's RNG state is in it). Save and load must name the same layout.
+OPTIMIZER_STATE_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimizer, trainer_state: dict,
                     side_files_from: str | Path | None, keep: int) -> Path:
     """Write checkpoint ``step`` atomically (all ranks call this); ``hf/`` gets the side files (config, tokenizer)
@@ -117,7 +125,8 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
     _barrier()
     model_state = model_sharded_state_dict(model_chunks)
     dist_checkpointing.save(model_state, str(tmp / layout.MODEL_DIR))
-    dist_checkpointing.save(optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks)),
+    dist_checkpointing.save(optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks),
+                                                         metadata=OPTIMIZER_STATE_METADATA),
                             str(tmp / layout.OPTIMIZER_DIR))
     torch.save(rng_state(), layout.rng_file(tmp, _rank()))
     if _rank() == 0:
@@ -136,6 +145,24 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
     return final
 
 
+def _reapply_adam_steps(optimizer) -> None:
+    """Set torch Adam's per-parameter ``step`` from the param groups the checkpoint restored.
+
+    With torch's Adam (no TE/apex: the CPU path) megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict``
+    first sets every ``state[p]["step"]`` from the checkpoint's param groups, then
+    ``load_parameter_state_from_dp_reshardable`` copies the step tensors of the pre-load sharded state dict back
+    over them (``step`` is not stored per parameter), so a resumed run would continue with the wrong bias
+    correction. TE/apex FusedAdam keeps the step only in the param groups, where this finds no per-parameter step.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        for group in inner.param_groups if inner is not None else []:
+            for param in group["params"] if "step" in group else []:
+                step = inner.state.get(param, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    step.fill_(group["step"])
+
+
 def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG; return the trainer state (all ranks call this)."""
     from megatron.core import dist_checkpointing
@@ -145,10 +172,13 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
         raise CheckpointError(f"{path} is not a complete checkpoint (no {layout.COMPLETE_MARKER} marker)")
     load_model(model_chunks, path / layout.MODEL_DIR)
     opt_state = dist_checkpointing.load(
-        optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True),
+        optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True,
+                                     metadata=OPTIMIZER_STATE_METADATA),
         str(path / layout.OPTIMIZER_DIR),
     )
-    optimizer.load_state_dict(opt_state)
+    with torch.no_grad():  # fp32 training: the distributed optimizer's main params are views of the model's leaves
+        optimizer.load_state_dict(opt_state)
+        _reapply_adam_steps(optimizer)
     rng = layout.rng_file(path, _rank())
     if not rng.exists():
         raise CheckpointError(f"{rng} is missing: resume with the world size the checkpoint was written with")
