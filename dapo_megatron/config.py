@@ -59,7 +59,8 @@ class ParallelConfig:
     pipeline: int = 1
     data: int | None = None  # derived from the world size; when given, it must agree
     use_distributed_optimizer: bool = True
-    # Ranks other than the rollout driver wait in collectives while it generates: long timeouts on purpose.
+    # Timeout of the training collectives. Ranks waiting for rank 0's rollouts or validation wait in a gloo group
+    # of their own without this limit (dapo_megatron.rank_zero).
     collective_timeout_s: float = 7200.0
 
 
@@ -99,6 +100,10 @@ class SGLangConfig:
     max_restarts: int = 2
     max_concurrent_requests: int = 64
     extra_server_args: list[str] = field(default_factory=list)
+    # Launched servers on GPUs: server i with tp_per_server T gets GPUs [base + i*T, base + (i+1)*T) of this node;
+    # null: base = the number of trainer ranks on the node (the GPUs right after the trainer's).
+    base_gpu_id: int | None = None
+    mem_fraction_static: float | None = None  # SGLang's share of its GPUs for weights + KV cache; null: SGLang's
 
 
 @dataclass
@@ -214,6 +219,10 @@ class DAPOConfig:
         _require(s.request_timeout_s > 0, "rollout.sglang.request_timeout_s", "must be > 0")
         _require(s.max_restarts >= 0, "rollout.sglang.max_restarts", "must be >= 0")
         _require(s.max_concurrent_requests >= 1, "rollout.sglang.max_concurrent_requests", "must be >= 1")
+        _require(s.base_gpu_id is None or s.base_gpu_id >= 0, "rollout.sglang.base_gpu_id",
+                 f"must be >= 0 (or null), got {s.base_gpu_id}")
+        _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",
+                 f"must be in (0, 1) (or null), got {s.mem_fraction_static}")
         _require(self.optim.lr > 0, "optim.lr", "must be > 0")
         _require(self.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(self.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")

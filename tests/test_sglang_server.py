@@ -161,7 +161,7 @@ def test_weight_update_over_same_host_transports_serves_the_new_weights(engine, 
         version = other.weight_version + 1
         state = perturbed_state_dict(model_dir, scale=0.1, seed=100 + version)
         buckets = list(bucketed(state.items(), BUCKET_BYTES))
-        (client,) = [slot.client for slot in other._slots]
+        (client,) = [slot.client for slot in other.pool.slots]
         sent = []  # the buckets reach the server as given: one update call per bucket, none re-bucketed
         update_call = getattr(client, f"update_weights_from_{transport}")
         setattr(client, f"update_weights_from_{transport}", lambda *a, **k: (sent.append(1), update_call(*a, **k)))

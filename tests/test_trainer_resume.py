@@ -21,7 +21,7 @@ OVERRIDES = ["warm_start.enabled=false", "trainer.total_steps=4", "trainer.save_
              "data.synthetic.num_train=200", "data.synthetic.num_heldout=8", "eval.every=0",
              "rollout.max_response_length=24", "algorithm.overlong_buffer_len=4", "algorithm.dynamic_sampling=false",
              "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64"]
-WALL_CLOCK = ("timing_s/", "perf/throughput")
+WALL_CLOCK = ("timing_s/", "timing_cpu_s/", "perf/throughput")
 
 
 def _command(run_dir: Path, *extra: str) -> list[str]:
