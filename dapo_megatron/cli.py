@@ -46,8 +46,14 @@ def _accuracy_line(first: dict, last: dict) -> str | None:
 
 
 def _init_distributed(config) -> None:
-    from dapo_megatron.platform import init_distributed
+    import os
 
+    import torch
+
+    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.rollout.sglang_gpus import trainer_nccl_env
+
+    os.environ.update(trainer_nccl_env(config, cuda_available=torch.cuda.is_available()))  # before any NCCL group
     p = config.parallel
     init_distributed(p.tensor, p.pipeline, p.data, timeout_s=p.collective_timeout_s)
 

@@ -64,7 +64,8 @@ class ParallelConfig:
     pipeline: int = 1
     data: int | None = None  # derived from the world size; when given, it must agree
     use_distributed_optimizer: bool = True
-    # Ranks other than the rollout driver wait in collectives while it generates: long timeouts on purpose.
+    # Timeout of the training collectives. Ranks waiting for rank 0's rollouts or validation wait in a gloo group
+    # of their own without this limit (dapo_megatron.rank_zero).
     collective_timeout_s: float = 7200.0
     # Split the activations between the tensor-parallel collectives over the TP ranks (megatron's sequence
     # parallelism). Takes effect where megatron supports it: the Transformer Engine layer spec with TP > 1.
@@ -114,6 +115,10 @@ class SGLangConfig:
     # distributed transport: the address of trainer rank 0 the servers dial; default: this host's address on the
     # route to the first server (dapo_megatron/host_address.py)
     weight_update_address: str | None = None
+    # Launched servers on GPUs: server i with tp_per_server T gets GPUs [base + i*T, base + (i+1)*T) of this node;
+    # null: base = the number of trainer ranks on the node (the GPUs right after the trainer's).
+    base_gpu_id: int | None = None
+    mem_fraction_static: float | None = None  # SGLang's share of its GPUs for weights + KV cache; null: SGLang's
 
 
 @dataclass
@@ -229,6 +234,10 @@ class DAPOConfig:
         _require(s.request_timeout_s > 0, "rollout.sglang.request_timeout_s", "must be > 0")
         _require(s.max_restarts >= 0, "rollout.sglang.max_restarts", "must be >= 0")
         _require(s.max_concurrent_requests >= 1, "rollout.sglang.max_concurrent_requests", "must be >= 1")
+        _require(s.base_gpu_id is None or s.base_gpu_id >= 0, "rollout.sglang.base_gpu_id",
+                 f"must be >= 0 (or null), got {s.base_gpu_id}")
+        _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",
+                 f"must be in (0, 1) (or null), got {s.mem_fraction_static}")
         _require(self.optim.lr > 0, "optim.lr", "must be > 0")
         _require(self.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(self.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")

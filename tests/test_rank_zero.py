@@ -151,3 +151,59 @@ def test_run_on_rank0_result_and_error_reach_every_rank():
     assert ok["result"] == ok_1["result"] == {"path": "/x", "rank": 0}  # rank 0's result, on both ranks
     assert failed["error"] == failed_1["error"] == "preparing failed on rank 0: FileNotFoundError: no such folder"
     assert failed["seconds"] < TIMEOUT_S and failed_1["seconds"] < TIMEOUT_S
+
+
+# ------------------------------------------------------------------------------------------- the waiting group
+
+def _init_stand_in_nccl() -> None:
+    """A default process group whose backend is not gloo (a registered stand-in for NCCL, which this CPU machine
+    lacks), to see which backend the waiting group gets."""
+    if "stand_in_nccl" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("stand_in_nccl", lambda store, rank, size, timeout:
+                                      dist.ProcessGroupGloo(store, rank, size, timeout), devices=["cpu"])
+    dist.init_process_group("stand_in_nccl", init_method=f"tcp://{os.environ['MASTER_ADDR']}:"
+                            f"{os.environ['MASTER_PORT']}", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+def _waiting_group_backends() -> dict:
+    from dapo_megatron.rank_zero import waiting_group
+
+    _init_stand_in_nccl()
+    group = waiting_group()
+    assert waiting_group() is group  # made once
+    return {"default": dist.get_backend(), "waiting": dist.get_backend(group),
+            "a group left to the default": dist.get_backend(dist.new_group())}
+
+
+def test_ranks_wait_for_rank0_in_a_gloo_group_whatever_the_default_backend():
+    from spawn_ranks import run_distributed
+
+    for backends in run_distributed(_waiting_group_backends, 2, timeout_s=120):
+        assert backends == {"default": "stand_in_nccl", "waiting": "gloo",
+                            "a group left to the default": "stand_in_nccl"}  # the control: not gloo by default
+
+
+def _slow_rank0() -> list[dict]:
+    """Rank 0 works for longer than the default group's timeout while rank 1 waits for it: through run_on_rank0, then
+    (the control) the way the waiting was done before, broadcast_object_list on the default group."""
+    _init_gloo()
+
+    def work():
+        time.sleep(TIMEOUT_S + 4)
+        return {"groups": 3}
+
+    start = time.monotonic()
+    outcomes = [{"result": run_on_rank0(work, what="rollouts"), "seconds": time.monotonic() - start}]
+    outcomes.append(_outcome(lambda: dist.broadcast_object_list([work() if dist.get_rank() == 0 else None], src=0)))
+    return outcomes
+
+
+@pytest.mark.slow
+def test_a_rollout_longer_than_the_collective_timeout_is_waited_for():
+    from spawn_ranks import run_distributed
+
+    (waited_0, _), (waited_1, in_default_group) = run_distributed(_slow_rank0, 2, timeout_s=180)
+    for outcome in (waited_0, waited_1):
+        assert outcome["result"] == {"groups": 3} and outcome["seconds"] > TIMEOUT_S
+    assert in_default_group["error"] is not None and "imed out" in in_default_group["error"], in_default_group

@@ -29,7 +29,8 @@ from dapo_megatron.rollout.sglang_requests import (
 )
 from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, require_sglang
-from dapo_megatron.rollout.sglang_transports import DiskTransport, serialize_named_tensors
+from dapo_megatron.rollout.sglang_transports import DiskTransport
+from dapo_megatron.rollout.tensor_payloads import serialize_by_value
 
 torch.set_num_threads(1)
 
@@ -105,7 +106,7 @@ def test_reply_with_wrong_sample_count_or_inconsistent_logprobs_is_an_error():
 # ---- serialization -----------------------------------------------------------------------------------------------
 def test_cpu_tensors_are_serialized_by_value_not_as_shared_memory_handles():
     original = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(2, dtype=torch.bfloat16))]
-    raw = base64.b64decode(serialize_named_tensors(original))
+    raw = base64.b64decode(serialize_by_value(original))
     assert b"rebuild_storage_fd" not in raw and b"rebuild_storage_filename" not in raw
     restored = pickle.loads(raw)
     assert [name for name, _ in restored] == ["a", "b"]
@@ -156,9 +157,9 @@ def _fake_python(tmp_path: Path, name: str, body: str) -> str:
     return str(wrapper)
 
 
-def _server(tmp_path, config: SGLangConfig, device: str = "cpu") -> SGLangServerProcess:
+def _server(tmp_path, config: SGLangConfig, device: str = "cpu", gpus: range | None = None) -> SGLangServerProcess:
     return SGLangServerProcess(config, model_path=tmp_path, index=0, run_dir=tmp_path / "run", weight_version="0",
-                               device=device)
+                               device=device, gpus=gpus)
 
 
 def test_missing_sglang_names_the_install_command(tmp_path):
@@ -255,11 +256,10 @@ def test_server_command_follows_the_run_config_section(tmp_path):
     assert command[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
     assert command[command.index("--tp-size") + 1] == "2" and command[command.index("--host") + 1] == "0.0.0.0"
     assert command[command.index("--max-total-tokens") + 1] == "16384"  # CPU: a bounded KV cache by default
-    assert command[-2:] == ["--schedule-policy", "lpm"] and "--dtype" not in command  # SGLang's own "auto"
-    gpu = _server(tmp_path, section, device="cuda")
-    gpu.index = 1
+    assert command[-2:] == ["--schedule-policy", "lpm"] and command[command.index("--dtype") + 1] == "auto"
+    gpu = _server(tmp_path, section, device="cuda", gpus=range(6, 8))
     command = gpu.command(tmp_path / "c.yaml")
-    assert command[command.index("--base-gpu-id") + 1] == "2"  # server 1 of TP 2 starts at GPU 2
+    assert command[command.index("--base-gpu-id") + 1] == "6"  # the first of the GPUs the pool gave it
     assert "--max-total-tokens" not in command and "--sleep-on-idle" not in command
     assert _server(tmp_path, SGLangConfig()).command(tmp_path / "c.yaml")[0] == sys.executable
 

@@ -18,5 +18,7 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
 
         return EmbeddedEngine(AutoConfig.from_pretrained(str(hf_dir)))
     from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.sglang_server import served_dtype
 
-    return SGLangEngine(r.sglang, model_path=hf_dir, run_dir=Path(run_dir) / "sglang")
+    return SGLangEngine(r.sglang, model_path=hf_dir, run_dir=Path(run_dir) / "sglang",
+                        dtype=served_dtype(config.model.precision))

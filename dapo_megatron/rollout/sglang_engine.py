@@ -62,10 +62,13 @@ class SGLangEngine(RolloutEngine):
     tokenizer files into every snapshot.
     ``run_dir``: server logs and config files, and by default the disk snapshots (``rollout.sglang.weight_dir``;
     must be readable by the servers, i.e. on a shared filesystem for remote ones); None: a temporary directory.
+    ``dtype``: what launched servers compute in (SGLang's ``--dtype``; the trainer passes
+    :func:`dapo_megatron.rollout.sglang_server.served_dtype` of its ``model.precision``).
     Servers run on CUDA when torch sees a GPU, else on CPU.
     """
 
-    def __init__(self, config: "SGLangConfig", *, model_path: str | Path, run_dir: str | Path | None = None, show_progress: bool = True) -> None:
+    def __init__(self, config: "SGLangConfig", *, model_path: str | Path, run_dir: str | Path | None = None,
+                 show_progress: bool = True, dtype: str = "auto") -> None:
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
         self.config = config
@@ -78,7 +81,8 @@ class SGLangEngine(RolloutEngine):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._update_lock = threading.Lock()
         self._warned_unseeded = False
-        self.pool = ServerPool(config, model_path=self.model_path, run_dir=self.run_dir, device=self.device)
+        self.pool = ServerPool(config, model_path=self.model_path, run_dir=self.run_dir, device=self.device,
+                               dtype=dtype)
         self.transport: WeightTransport | None = None
         atexit.register(self.shutdown)
         try:
@@ -244,4 +248,4 @@ class SGLangEngine(RolloutEngine):
 
 
 def _targets(slots: Sequence[ServerSlot]) -> list[ServerTarget]:
-    return [ServerTarget(client=slot.client, tp_size=slot.tp_size) for slot in slots]
+    return [ServerTarget(client=slot.client, tp_size=slot.tp_size, same_host=slot.same_host) for slot in slots]

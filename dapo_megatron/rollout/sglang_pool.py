@@ -8,19 +8,25 @@ Failover (:meth:`ServerPool.recover`): a server that refuses connections, drops 
 over the pool's life) from the model directory the engine says holds the weights it served; an attached server,
 one out of restarts, or one with no such directory is taken out of rotation and its requests go to the others.
 With no server left, :class:`RolloutError` is raised.
+
+Launched CUDA servers take the GPUs :func:`dapo_megatron.rollout.sglang_gpus.server_gpu_ranges` gives them (after the
+trainer's, by default). Launched servers run on this host; an attached one does when its URL names this host.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang_client import SGLangClient
+from dapo_megatron.rollout.sglang_gpus import server_gpu_ranges, trainer_local_world_size
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, require_sglang, server_python
 
 if TYPE_CHECKING:
@@ -38,6 +44,7 @@ class ServerSlot:
     index: int
     client: SGLangClient
     tp_size: int
+    same_host: bool  # runs on this host (CUDA tensors may then travel as IPC handles)
     process: SGLangServerProcess | None = None
     in_flight: int = 0
     restarts: int = 0
@@ -50,20 +57,28 @@ class ServerSlot:
         return self.down_reason is None and not self.restarting
 
 
+def is_this_host(url: str) -> bool:
+    """``url`` names this machine: a loopback address, or this host's name."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return host in ("localhost", "::1", socket.gethostname(), socket.getfqdn()) or host.startswith("127.")
+
+
 def read_api_key(config: "SGLangConfig") -> str | None:
     """The key attached servers were started with (``rollout.sglang.api_key_file``), or None."""
     return Path(config.api_key_file).read_text().strip() if config.api_key_file else None
 
 
 class ServerPool:
-    """``config.urls`` non-empty: attach to those servers; otherwise launch ``config.num_servers`` on ``device``."""
+    """``config.urls`` non-empty: attach to those servers; otherwise launch ``config.num_servers`` on ``device``
+    serving ``dtype`` (SGLang's ``--dtype``)."""
 
     def __init__(self, config: "SGLangConfig", *, model_path: str, run_dir: Path,
-                 device: Literal["cpu", "cuda"]) -> None:
+                 device: Literal["cpu", "cuda"], dtype: str = "auto") -> None:
         self.config = config
         self.model_path = model_path
         self.run_dir = run_dir
         self.device = device
+        self.dtype = dtype
         self.slots: list[ServerSlot] = []
         self.processes: list[SGLangServerProcess] = []  # launched here; stopped by stop()
         self.deterministic = False  # servers run deterministic inference (then seeds are honored)
@@ -75,17 +90,25 @@ class ServerPool:
 
     def _launch(self) -> int:
         config = self.config
+        if self.device == "cuda":
+            import torch
+
+            gpus = server_gpu_ranges(config, trainer_local_ranks=trainer_local_world_size(),
+                                     visible_gpus=torch.cuda.device_count())
+        else:
+            gpus = [None] * config.num_servers
         require_sglang(server_python(config))
         for index in range(config.num_servers):
             process = SGLangServerProcess(config, model_path=self.model_path, index=index, run_dir=self.run_dir,
-                                          weight_version="0", device=self.device)
+                                          weight_version="0", device=self.device, gpus=gpus[index],
+                                          dtype=self.dtype)
             self.processes.append(process)
             process.start()
         for process in self.processes:  # started together, so the startups overlap
             process.wait_until_ready()
             client = SGLangClient(process.url, process.api_key, config.request_timeout_s)
             self.slots.append(ServerSlot(index=process.index, client=client, tp_size=config.tp_per_server,
-                                         process=process))
+                                         same_host=True, process=process))
         self.deterministic = DETERMINISTIC_FLAG in config.extra_server_args
         logger.info("launched %d SGLang server(s): %s", len(self.slots), ", ".join(self.urls))
         return 0
@@ -97,7 +120,8 @@ class ServerPool:
             client = SGLangClient(url, api_key, config.request_timeout_s)
             if not client.healthy(timeout_s=min(30.0, config.request_timeout_s)):
                 raise RolloutError(f"SGLang server {url} is not healthy (GET /health failed)")
-            self.slots.append(ServerSlot(index=index, client=client, tp_size=config.tp_per_server))
+            self.slots.append(ServerSlot(index=index, client=client, tp_size=config.tp_per_server,
+                                         same_host=is_this_host(url)))
         versions = {slot.client.served_weight_version() for slot in self.slots}
         if len(versions) != 1:
             raise RolloutError(f"attached servers serve different weight versions: {sorted(versions)}")

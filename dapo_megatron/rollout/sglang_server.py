@@ -1,8 +1,11 @@
 """Launching, watching and stopping one local SGLang server process (``python -m sglang.launch_server``).
 
-How to launch it (interpreter, TP degree, host and port, startup timeout, extra server arguments) is the run
+How to launch it (interpreter, TP degree, host and port, startup timeout, GPUs, extra server arguments) is the run
 config's ``rollout.sglang`` section (:class:`dapo_megatron.config.SGLangConfig`); ``python`` may be another
-environment's interpreter (SGLang and the trainer need not share an env).
+environment's interpreter (SGLang and the trainer need not share an env). The served dtype follows the trainer's
+``model.precision`` (:func:`served_dtype`), not SGLang's ``auto``, which serves a float32 checkpoint in float16;
+``--dtype`` in ``extra_server_args`` overrides it. GPU servers get ``--base-gpu-id`` from the pool's layout
+(:mod:`dapo_megatron.rollout.sglang_gpus`) and ``--mem-fraction-static`` when the section sets it.
 
 Each server runs in its own session (``start_new_session=True``), so it and the scheduler/detokenizer
 processes it forks form one process group that :meth:`SGLangServerProcess.stop` kills as a whole (SIGTERM, a
@@ -38,6 +41,7 @@ from typing import TYPE_CHECKING, Literal
 
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang_cpu import server_pythonpath
+from dapo_megatron.rollout.sglang_gpus import NCCL_CUMEM_OFF, nccl_carries_weights
 
 if TYPE_CHECKING:
     from dapo_megatron.config import SGLangConfig
@@ -55,6 +59,14 @@ _ENV_REMOVED_FROM_SERVER = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
 # KV-cache tokens of a CPU server unless ``--max-total-tokens`` is in ``extra_server_args``: left to itself SGLang
 # sizes the cache from free RAM (a 15 GB cache and a 99 s start were measured for a tiny model).
 CPU_KV_CACHE_TOKENS = 16384
+
+# model.precision -> the dtype the servers compute in: FP8 training keeps BF16 weights for the handoff.
+_SERVED_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
+
+
+def served_dtype(precision: str) -> str:
+    """SGLang's ``--dtype`` for the trainer's ``model.precision``."""
+    return _SERVED_DTYPES[precision]
 
 
 def server_python(config: "SGLangConfig") -> str:
@@ -88,16 +100,24 @@ def find_free_port(host: str) -> int:
 
 
 class SGLangServerProcess:
-    """One ``sglang.launch_server`` process group serving ``model_path`` at ``url``, protected by ``api_key``."""
+    """One ``sglang.launch_server`` process group serving ``model_path`` at ``url``, protected by ``api_key``.
+
+    ``gpus``: the GPUs of a CUDA server (its TP ranks, consecutive); ``dtype``: SGLang's ``--dtype``.
+    """
 
     def __init__(self, config: "SGLangConfig", *, model_path: str | Path, index: int, run_dir: str | Path,
-                 weight_version: str, device: Literal["cpu", "cuda"]) -> None:
+                 weight_version: str, device: Literal["cpu", "cuda"], gpus: range | None = None,
+                 dtype: str = "auto") -> None:
+        if device == "cuda" and (gpus is None or len(gpus) != config.tp_per_server):
+            raise ValueError(f"SGLang server {index}: a CUDA server needs its {config.tp_per_server} GPU(s), got {gpus}")
         self.config = config
         self.model_path = str(model_path)
         self.index = index
         self.run_dir = Path(run_dir)
         self.weight_version = weight_version
         self.device = device
+        self.gpus = gpus
+        self.dtype = dtype
         self.api_key = ""
         self.port = 0
         self._process: subprocess.Popen | None = None
@@ -134,12 +154,16 @@ class SGLangServerProcess:
             "--device", self.device,
             "--weight-version", self.weight_version,
         ]
+        if not _given(config.extra_server_args, "--dtype"):
+            command += ["--dtype", self.dtype]
+        if config.mem_fraction_static is not None:
+            command += ["--mem-fraction-static", str(config.mem_fraction_static)]
         if self.device == "cpu":
             command.append("--sleep-on-idle")
-            if "--max-total-tokens" not in config.extra_server_args:
+            if not _given(config.extra_server_args, "--max-total-tokens"):
                 command += ["--max-total-tokens", str(CPU_KV_CACHE_TOKENS)]
         else:
-            command += ["--base-gpu-id", str(self.index * config.tp_per_server)]
+            command += ["--base-gpu-id", str(self.gpus.start)]
         return command + list(config.extra_server_args)
 
     def environment(self) -> dict[str, str]:
@@ -147,6 +171,8 @@ class SGLangServerProcess:
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
+        if nccl_carries_weights(self.config.transport, self.device):
+            env.update(NCCL_CUMEM_OFF)
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (server_pythonpath(), env.get("PYTHONPATH")) if p)
@@ -217,6 +243,11 @@ class SGLangServerProcess:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+
+def _given(arguments: list[str], flag: str) -> bool:
+    """``flag`` is among ``arguments`` as ``--flag value`` or ``--flag=value``."""
+    return any(argument == flag or argument.startswith(flag + "=") for argument in arguments)
 
 
 def _process_tree(pid: int) -> list:

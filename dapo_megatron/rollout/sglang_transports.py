@@ -10,13 +10,9 @@ than one bucket. Full tensors are sent; SGLang shards them for its own TP degree
   ``snapshot_root/v{version}`` (a complete HF model directory written by :func:`dapo_megatron.hf_format.
   write_hf_folder`, on a filesystem the servers can read), then ``/update_weights_from_disk``.
   Works across hosts and is the one a restarted server can be relaunched from (:meth:`restart_model_path`).
-* :class:`TensorTransport` — same host: ``/update_weights_from_tensor``. CPU tensors are pickled by value (the
-  server's ``SafeUnpickler`` admits ``torch.storage._load_from_bytes``); CUDA tensors go through
-  ``torch.multiprocessing``'s reducers as CUDA IPC handles (no copy). CPU tensors are deliberately *not* sent as
-  shared-memory handles: with torch's default ``file_descriptor`` sharing strategy the server crashes (it fetches
-  the fd from this process's resource sharer, which rejects the server's authkey), and the ``file_system``
-  strategy starts a ``torch_shm_manager`` that keeps the client's stdout open (a piped CI step then hangs) and can
-  leave files in ``/dev/shm``.
+* :class:`TensorTransport` — ``/update_weights_from_tensor`` with one payload per server TP rank
+  (:mod:`dapo_megatron.rollout.tensor_payloads`): CUDA IPC handles for GPU buckets going to a server on this host,
+  kept alive until the update session ends; pickled CPU copies otherwise (any host, through the HTTP body).
 * :class:`DistributedTransport` — a process group formed by ``/init_weights_update_group`` (rank 0 here, the
   servers' TP ranks after it), then per bucket ``/update_weights_from_distributed`` announcing names/dtypes/shapes
   while this process broadcasts each tensor from rank 0. NCCL on GPUs; gloo on CPU (SGLang passes the backend
@@ -31,10 +27,7 @@ ends, so after the session every server flushes its prefix cache and is tagged w
 from __future__ import annotations
 
 import abc
-import base64
 import contextlib
-import io
-import pickle
 import shutil
 import threading
 import time
@@ -49,14 +42,17 @@ import torch
 from dapo_megatron.hf_format import CONFIG_FILE, Bucket, checked_buckets, write_hf_folder
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang_client import SGLangClient
+from dapo_megatron.rollout.tensor_payloads import BucketPayloads
 
 
 @dataclass
 class ServerTarget:
-    """A server a transport writes to: its client and TP degree (the number of group ranks it contributes)."""
+    """A server a transport writes to: its client, TP degree (the number of group ranks it contributes), and
+    whether it runs on this host (CUDA tensors may then travel as IPC handles)."""
 
     client: SGLangClient
     tp_size: int
+    same_host: bool = False
 
 
 def on_all_servers(servers: Sequence[ServerTarget], call: Callable[[ServerTarget], None]) -> None:
@@ -149,39 +145,24 @@ class DiskTransport(WeightTransport):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def serialize_named_tensors(named_tensors: Bucket) -> str:
-    """Base64 of a pickle that SGLang's ``MultiprocessingSerializer.deserialize`` accepts.
-
-    CPU tensors are pickled by value (standard ``pickle``); CUDA tensors with ``ForkingPickler``, which
-    ``torch.multiprocessing`` teaches to send CUDA IPC handles (the tensors stay alive until the server replied,
-    which the blocking HTTP call guarantees). The handle names its GPU by index, so this process and the server
-    must enumerate GPUs alike (same ``CUDA_VISIBLE_DEVICES``; servers launched here select GPUs with
-    ``--base-gpu-id``, which keeps that true). The CUDA path has not been run on a GPU in this project yet.
-    """
-    tensors = [(name, tensor.detach().contiguous()) for name, tensor in named_tensors]
-    if any(tensor.is_cuda for _, tensor in tensors):
-        import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reducers)
-        from multiprocessing.reduction import ForkingPickler
-
-        buffer = io.BytesIO()
-        ForkingPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(tensors)
-        raw = buffer.getvalue()
-    else:
-        raw = pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL)
-    return base64.b64encode(raw).decode("ascii")
-
-
 class TensorTransport(WeightTransport):
-    """``/update_weights_from_tensor`` per bucket, one payload per server TP rank."""
+    """``/update_weights_from_tensor`` per bucket, one payload per server TP rank (:mod:`.tensor_payloads`)."""
 
     name = "tensor"
 
     def send(self, servers, buckets, version):
-        with weight_update_session(servers):
-            for bucket in buckets:
-                payload = serialize_named_tensors(bucket)
-                on_all_servers(servers, lambda server: server.client.update_weights_from_tensor(
-                    [payload] * server.tp_size, version=None, flush_cache=False))
+        held: list[BucketPayloads] = []  # buckets sent as CUDA handles: servers copy from them until the session ends
+        try:
+            with weight_update_session(servers):
+                for bucket in buckets:
+                    payloads = BucketPayloads(bucket, servers)
+                    if payloads.by_reference:
+                        held.append(payloads)
+                    on_all_servers(servers, lambda server: server.client.update_weights_from_tensor(
+                        payloads.for_server(server), version=None, flush_cache=False))
+                    del payloads  # a bucket sent by value is released here: the trainer holds one at a time
+        finally:
+            held.clear()
         tag_version(servers, version)
 
 

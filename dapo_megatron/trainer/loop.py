@@ -7,7 +7,8 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
 2. generate G responses per prompt (:mod:`dapo_megatron.rollout`);
 3. reward them: exact-match ±1 plus the soft overlong punishment (:mod:`dapo_megatron.algorithm.reward`, ``overlong``);
 4. filter and buffer: keep groups with mixed outcomes until the batch is full or the generation-round cap is hit
-   (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank;
+   (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank
+   as packed tensors (:mod:`.rollout_batch`);
 5. group-normalized advantages, overlong-filtering masks (:mod:`.samples`, :mod:`dapo_megatron.algorithm.advantages`);
 6. π_old's log-probs of the sampled tokens, recomputed by the policy, forward only;
 7. ``train_batch_size / mini_batch_size`` optimizer updates on shuffled mini-batches with the DAPO loss
@@ -35,6 +36,7 @@ from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.trainer.evaluate import evaluate
 from dapo_megatron.trainer.metrics import MetricsWriter
 from dapo_megatron.trainer.model_source import load_tokenizer
+from dapo_megatron.trainer.rollout_batch import hand_over_rollouts
 from dapo_megatron.trainer.samples import mini_batches, training_samples, with_old_logprobs
 from dapo_megatron.trainer.step_metrics import StepTimer, policy_metrics, step_metrics, summary_line
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
@@ -101,7 +103,8 @@ class DAPOTrainer:
         c, timer, done = self.config, StepTimer(), step + 1
         with timer.phase("step"):
             with timer.phase("gen"):  # 1-4: prompts → G responses each → rewards → dynamic-sampling filter/buffer
-                groups, rollout = run_on_rank0(lambda: self.collector.collect(step), what=f"step {done} rollouts")
+                groups, rollout = hand_over_rollouts(lambda: self.collector.collect(step),
+                                                     what=f"step {done} rollouts")
             samples = training_samples(groups, c)  # 5: group-normalized advantages, overlong-filtering masks
             old, updates = None, []
             if samples:

@@ -1,0 +1,111 @@
+"""What ``/update_weights_from_tensor`` carries: per server, one serialized bucket per TP rank.
+
+SGLang 0.5.23 (``TpModelWorker.deserialize_own_rank``) has TP rank ``r`` of a server deserialize entry ``r`` of
+``serialized_named_tensors`` and nothing else, so a payload holds one entry per TP rank. Two ways to serialize:
+
+* by value — a standard pickle of CPU copies (the server's ``SafeUnpickler`` admits ``torch.storage._load_from_bytes``).
+  Works between any hosts. The bytes carry the data and no handle, so every rank's entry is the same pickle.
+* by reference — CUDA tensors as CUDA IPC handles (no copy), only for a server on this host and a bucket that lives
+  on GPUs. Every TP rank gets a serialization of its own: torch counts the consumers of a shared CUDA block per
+  serialization, and a rank opening another rank's entry would upset that count. The handle names its GPU by
+  UUID rather than by index, which is how SGLang's ``monkey_patch_torch_reductions`` (applied by the server before it
+  deserializes) finds the GPU when the server's ``CUDA_VISIBLE_DEVICES`` differs from the trainer's. The UUID is put
+  in by this module's own pickler for these payloads only; torch's reducers stay untouched in the trainer, where a
+  global patch would also rewrite CPU tensors' reductions. Servers enqueue their copies from that memory before they
+  answer, so the caller keeps :attr:`BucketPayloads.tensors` alive until ``/end_weight_update`` returned.
+
+CPU tensors are never sent as shared-memory handles: with torch's default ``file_descriptor`` strategy the server
+crashes (it fetches the fd from this process's resource sharer, which rejects the server's authkey), and the
+``file_system`` strategy starts a ``torch_shm_manager`` that keeps the client's stdout open (a piped CI step then hangs)
+and can leave files in ``/dev/shm``. The by-reference path has not run on a GPU in this project yet.
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import io
+import pickle
+from multiprocessing.reduction import ForkingPickler
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+from torch.multiprocessing import reductions
+
+from dapo_megatron.hf_format import Bucket
+
+if TYPE_CHECKING:
+    from dapo_megatron.rollout.sglang_transports import ServerTarget
+
+# torch's reducers, even if SGLang's patch replaced them in this process (then they already write UUIDs).
+_reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
+_rebuild_cuda_tensor = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
+# Where the GPU index sits in the arguments torch's reducer gives ``rebuild_cuda_tensor``.
+DEVICE_ARGUMENT = list(inspect.signature(_rebuild_cuda_tensor).parameters).index("storage_device")
+
+
+def serialize_by_value(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """Base64 of a standard pickle of CPU copies of the tensors."""
+    tensors = [(name, tensor.detach().cpu().contiguous()) for name, tensor in named_tensors]
+    return base64.b64encode(pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+
+
+def serialize_by_reference(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """Base64 of a ``ForkingPickler`` pickle of CUDA tensors: IPC handles whose GPU is named by UUID."""
+    buffer = io.BytesIO()
+    pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table[torch.Tensor] = _reduce_cuda_tensor
+    pickler.dump(list(named_tensors))
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _reduce_cuda_tensor(tensor: torch.Tensor):
+    if not tensor.is_cuda:
+        raise ValueError("serialize_by_reference: only CUDA tensors travel as handles (CPU ones go by value)")
+    rebuild, arguments = _reduce_tensor(tensor)
+    return rebuild, with_device_uuid(arguments, _device_uuid)
+
+
+def with_device_uuid(arguments: tuple, uuid_of: Callable[[int], str]) -> tuple:
+    """torch's ``rebuild_cuda_tensor`` arguments with the GPU index replaced by ``uuid_of(index)``."""
+    index = arguments[DEVICE_ARGUMENT]
+    if isinstance(index, str):  # already a UUID (SGLang's patch is active in this process)
+        return arguments
+    return (*arguments[:DEVICE_ARGUMENT], uuid_of(index), *arguments[DEVICE_ARGUMENT + 1:])
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def bucket_on_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    return all(tensor.is_cuda for _, tensor in tensors)
+
+
+def sends_by_reference(on_cuda: bool, same_host: bool) -> bool:
+    """CUDA IPC handles only for a bucket on GPUs going to a server on this host; everything else goes by value."""
+    return on_cuda and same_host
+
+
+class BucketPayloads:
+    """One bucket's ``serialized_named_tensors`` for each server (:meth:`for_server`).
+
+    ``by_reference``: some server got handles into :attr:`tensors`, which must then outlive the update session.
+    """
+
+    def __init__(self, bucket: Bucket, servers: Sequence["ServerTarget"]) -> None:
+        self.tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
+        on_cuda = bucket_on_cuda(self.tensors)
+        self.by_reference = False
+        self._per_server: dict[int, list[str]] = {}
+        by_value = None
+        for server in servers:
+            if sends_by_reference(on_cuda, server.same_host):
+                self._per_server[id(server)] = [serialize_by_reference(self.tensors) for _ in range(server.tp_size)]
+                self.by_reference = True
+            else:
+                by_value = by_value or serialize_by_value(self.tensors)
+                self._per_server[id(server)] = [by_value] * server.tp_size
+
+    def for_server(self, server: "ServerTarget") -> list[str]:
+        return self._per_server[id(server)]

@@ -1,0 +1,178 @@
+"""The tensor transport's payloads, decided on CPU: one entry per server TP rank, CUDA IPC handles only for GPU buckets
+going to a server on this host (each TP rank its own serialization, the GPU named by UUID), CPU copies by value
+otherwise, and a bucket sent by reference kept alive until ``/end_weight_update`` returned.
+
+No GPU here: the device flag and the IPC serializer are stood in for where the CUDA path would run; the real CPU
+server path is ``tests/test_sglang_server.py``'s tensor-transport test."""
+
+from __future__ import annotations
+
+import base64
+import gc
+import importlib.util
+import pickle
+import re
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo_megatron.rollout import tensor_payloads
+from dapo_megatron.rollout.sglang_transports import ServerTarget, TensorTransport
+from dapo_megatron.rollout.tensor_payloads import (
+    DEVICE_ARGUMENT,
+    BucketPayloads,
+    serialize_by_reference,
+    with_device_uuid,
+)
+
+torch.set_num_threads(1)
+
+
+class RecordingClient:
+    """The calls a transport makes on one server, in order; ``at_end`` runs when ``/end_weight_update`` arrives."""
+
+    def __init__(self, name: str, at_end=lambda: None) -> None:
+        self.base_url = name
+        self.calls: list[tuple] = []
+        self.at_end = at_end
+
+    def begin_weight_update(self):
+        self.calls.append(("begin",))
+
+    def update_weights_from_tensor(self, payloads, *, version, flush_cache):
+        self.calls.append(("tensor", list(payloads)))
+
+    def end_weight_update(self):
+        self.calls.append(("end", self.at_end()))
+
+    def flush_cache(self):
+        self.calls.append(("flush",))
+
+    def set_weight_version(self, version):
+        self.calls.append(("version", version))
+
+
+def _bucket(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(f"layer{seed}.weight", torch.randn(3, 4, generator=generator)),
+            (f"layer{seed}.bias", torch.randn(4, generator=generator).to(torch.bfloat16))]
+
+
+def _unpickled(payload: str) -> list[tuple[str, torch.Tensor]]:
+    return pickle.loads(base64.b64decode(payload))
+
+
+def _equal(a, b) -> bool:
+    return [n for n, _ in a] == [n for n, _ in b] and all(
+        x.dtype == y.dtype and torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Buckets count as living on GPUs; the IPC serializer records what it was given and gives each call its own
+    payload (as every real serialization is its own set of handles)."""
+    made = []
+
+    def by_reference(tensors):
+        made.append([weakref.ref(t) for _, t in tensors])
+        return f"handles-{len(made)}"
+
+    monkeypatch.setattr(tensor_payloads, "bucket_on_cuda", lambda tensors: True)
+    monkeypatch.setattr(tensor_payloads, "serialize_by_reference", by_reference)
+    return made
+
+
+def test_every_tp_rank_gets_an_entry_holding_the_whole_bucket():
+    bucket = _bucket()
+    servers = [ServerTarget(RecordingClient("a"), tp_size=2, same_host=True),
+               ServerTarget(RecordingClient("b"), tp_size=3, same_host=False)]
+    payloads = BucketPayloads(bucket, servers)
+    assert [len(payloads.for_server(s)) for s in servers] == [2, 3]
+    for server in servers:
+        for entry in payloads.for_server(server):
+            assert _equal(_unpickled(entry), bucket)  # a CPU bucket goes by value, to every server
+    assert not payloads.by_reference
+
+
+def test_a_gpu_bucket_goes_as_handles_only_to_servers_on_this_host(fake_cuda):
+    local, remote = (ServerTarget(RecordingClient("local"), tp_size=2, same_host=True),
+                     ServerTarget(RecordingClient("remote"), tp_size=2, same_host=False))
+    bucket = _bucket()
+    payloads = BucketPayloads(bucket, [local, remote])
+    assert payloads.by_reference
+    assert payloads.for_server(local) == ["handles-1", "handles-2"]  # one serialization per TP rank
+    assert len(fake_cuda) == 2
+    assert all(_equal(_unpickled(entry), bucket) for entry in payloads.for_server(remote))  # by value elsewhere
+    only_remote = BucketPayloads(bucket, [remote])
+    assert not only_remote.by_reference and len(fake_cuda) == 2
+
+
+def test_handles_name_the_gpu_by_uuid():
+    arguments = tuple(f"arg{i}" for i in range(15))
+    arguments = (*arguments[:DEVICE_ARGUMENT], 3, *arguments[DEVICE_ARGUMENT + 1:])
+    rewritten = with_device_uuid(arguments, lambda index: f"GPU-uuid-of-{index}")
+    assert rewritten[DEVICE_ARGUMENT] == "GPU-uuid-of-3"
+    assert rewritten[:DEVICE_ARGUMENT] == arguments[:DEVICE_ARGUMENT]
+    assert rewritten[DEVICE_ARGUMENT + 1:] == arguments[DEVICE_ARGUMENT + 1:]
+    assert with_device_uuid(rewritten, lambda index: pytest.fail("rewritten twice")) == rewritten
+
+
+def test_the_uuid_goes_where_torch_and_sglang_expect_the_device():
+    import inspect
+
+    from torch.multiprocessing import reductions
+
+    rebuild = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
+    assert list(inspect.signature(rebuild).parameters)[DEVICE_ARGUMENT] == "storage_device"
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("SGLang is not installed in this interpreter")
+    patch = Path(spec.origin).parent / "srt" / "utils" / "patch_torch.py"  # read, not imported: importing is slow
+    (sglang_index,) = re.findall(r"^_REDUCE_TENSOR_ARG_DEVICE_INDEX = (\d+)$", patch.read_text(), re.MULTILINE)
+    assert int(sglang_index) == DEVICE_ARGUMENT
+
+
+def test_cpu_tensors_never_travel_as_handles():
+    with pytest.raises(ValueError, match="only CUDA tensors travel as handles"):
+        serialize_by_reference(_bucket())
+
+
+def _push(servers, buckets):
+    TensorTransport().send(servers, iter(buckets), version=5)
+
+
+def test_a_bucket_sent_as_handles_lives_until_end_weight_update_returned(fake_cuda):
+    def all_alive():
+        gc.collect()
+        return [ref() is not None for refs in fake_cuda for ref in refs]
+
+    client = RecordingClient("local", at_end=all_alive)
+    _push([ServerTarget(client, tp_size=2, same_host=True)], [_bucket(i) for i in range(3)])
+    ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
+    assert len(alive_at_end) == 3 * 2 * 2 and all(alive_at_end)  # 3 buckets x 2 ranks x 2 tensors
+    gc.collect()
+    assert not any(ref() is not None for refs in fake_cuda for ref in refs)  # released after the session
+    assert [call[0] for call in client.calls] == ["begin", "tensor", "tensor", "tensor", "end", "flush", "version"]
+
+
+def test_control_a_bucket_sent_by_value_is_not_held(monkeypatch):
+    """The check above tells held buckets from released ones: by value, the earlier buckets are gone at the end."""
+    sent = []
+    real = tensor_payloads.serialize_by_value
+
+    def by_value(tensors):
+        sent.append([weakref.ref(t) for _, t in tensors])
+        return real(tensors)
+
+    monkeypatch.setattr(tensor_payloads, "serialize_by_value", by_value)
+
+    def alive():
+        gc.collect()
+        return [any(ref() is not None for ref in refs) for refs in sent]
+
+    client = RecordingClient("remote", at_end=alive)
+    _push([ServerTarget(client, tp_size=2, same_host=False)], [_bucket(i) for i in range(3)])
+    ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
+    assert alive_at_end == [False, False, False]
