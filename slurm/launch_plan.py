@@ -8,8 +8,10 @@ The two sbatch scripts in this folder keep their shell small and ask this module
 * ``serve``         — run inside each task of the server step: pick this task's port, GPUs and gloo interface
                       (the one that reaches ``MASTER_ADDR``), read the API key file and ``exec`` the SGLang server.
 * ``wait-healthy``  — poll every server's ``/health`` until all answer 200, the server step exits, or a deadline.
-* ``model-path``    — the model the servers must load: ``model.hf_path`` of the trainer's resolved config (which is
-                      loaded, so a bad config fails here, before any server is started).
+* ``server-settings`` — what the servers take from the trainer's resolved config (loaded here, so a bad config fails
+                      before any server is started): the model (``model.hf_path``), the dtype (from
+                      ``model.precision``, as for servers the engine launches) and whether NCCL carries the weights
+                      (``transport = distributed`` on GPU nodes: then ``NCCL_CUMEM_ENABLE=0`` on both ends).
 * ``new-api-key``   — a fresh random key for the servers, in a file created with mode 0600.
 
 The layout (N nodes in the job, M = ``sglang_nodes``, G GPUs per node, T = SGLang TP per server):
@@ -247,9 +249,13 @@ def read_api_key(path: str) -> str:
 
 
 def server_argv(server_cmd: str, *, model_path: str, host: str, port: int, api_key: str, tp: int,
-                extra_args: str = "") -> list[str]:
+                dtype: str | None = None, extra_args: str = "") -> list[str]:
+    """The server's command line; ``--dtype`` in ``extra_args`` wins over ``dtype``."""
+    extra = shlex.split(extra_args)
+    dtype_args = ["--dtype", dtype] if dtype and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra) \
+        else []
     return [*shlex.split(server_cmd), "--model-path", model_path, "--host", host, "--port", str(port),
-            f"--api-key={api_key}", "--tp", str(tp), *shlex.split(extra_args)]
+            f"--api-key={api_key}", "--tp", str(tp), *dtype_args, *extra]
 
 
 def _project_module(name: str):
@@ -272,9 +278,12 @@ def _serve(args: argparse.Namespace) -> None:
     gloo_interface = None
     if env.get("MASTER_ADDR"):
         gloo_interface = _project_module("dapo_megatron.host_address").pin_gloo_interface(env["MASTER_ADDR"], env)
+    if args.nccl_weight_sync:
+        env.update(_project_module("dapo_megatron.rollout.sglang_gpus").NCCL_CUMEM_OFF)
     port = args.base_port + local_id
     argv = server_argv(args.server_cmd, model_path=args.model_path, host=args.bind_host, port=port,
-                       api_key=read_api_key(args.api_key_file), tp=args.tp, extra_args=args.extra_args)
+                       api_key=read_api_key(args.api_key_file), tp=args.tp, dtype=args.dtype,
+                       extra_args=args.extra_args)
     print(f"[launch_plan] server task {local_id} on {os.uname().nodename}: port {port}"
           + (f", CUDA_VISIBLE_DEVICES={devices}" if devices else "")
           + (f", GLOO_SOCKET_IFNAME={gloo_interface}" if gloo_interface else ""), flush=True)
@@ -329,17 +338,25 @@ def wait_healthy(urls: list[str], api_key: str, *, deadline_s: float, watch_pid:
     return []
 
 
-# --------------------------------------------------------------------------------------------------- model path
+# --------------------------------------------------------------------------------------------------- server settings
 
 
-def model_path_from_config(config_path: str, overrides: list[str]) -> str:
-    from dapo_megatron.config import load_config  # the trainer's interpreter only (needs the project + pyyaml)
-
-    config = load_config(config_path, overrides)
+def server_settings_from_config(config_path: str, overrides: list[str], *, gpus_per_node: int) -> dict[str, str]:
+    """``MODEL_PATH``, ``SERVER_DTYPE`` and ``SERVER_NCCL_WEIGHT_SYNC`` (1/0) for the servers of this config."""
+    config = load_trainer_config(config_path, overrides)
     if config.model.source != "hf" or not config.model.hf_path:
         raise PlanError(f"{config_path}: SGLang servers load an HF folder, so the config needs model.source = hf "
                         f"and model.hf_path (got source={config.model.source!r}); or set SGLANG_MODEL_PATH")
-    return config.model.hf_path
+    served_dtype = _project_module("dapo_megatron.rollout.sglang_server").served_dtype
+    nccl = _project_module("dapo_megatron.rollout.sglang_gpus").nccl_carries_weights(
+        config.rollout.sglang.transport, "cuda" if gpus_per_node else "cpu")
+    return {"MODEL_PATH": config.model.hf_path, "SERVER_DTYPE": served_dtype(config.model.precision),
+            "SERVER_NCCL_WEIGHT_SYNC": str(int(nccl))}
+
+
+def load_trainer_config(config_path: str, overrides: list[str]):
+    """The trainer's resolved config (the trainer's interpreter only: needs the project and pyyaml)."""
+    return _project_module("dapo_megatron.config").load_config(config_path, overrides)
 
 
 # --------------------------------------------------------------------------------------------------- CLI
@@ -368,6 +385,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tp", type=int, default=1)
     serve.add_argument("--gpus-per-node", type=int, default=0)
     serve.add_argument("--bind-host", default="0.0.0.0")
+    serve.add_argument("--dtype", default=None, help="SGLang's --dtype (server-settings' SERVER_DTYPE)")
+    serve.add_argument("--nccl-weight-sync", action="store_true",
+                       help="NCCL carries the weights (transport=distributed on GPUs): NCCL_CUMEM_ENABLE=0")
     serve.add_argument("--extra-args", default="", help="appended to the server command line")
 
     health = sub.add_parser("wait-healthy", help="wait until every server answers /health")
@@ -376,10 +396,12 @@ def _build_parser() -> argparse.ArgumentParser:
     health.add_argument("--deadline-s", type=float, required=True)
     health.add_argument("--watch-pid", type=int, default=None, help="fail early when this process exits")
 
-    model = sub.add_parser("model-path", help="print model.hf_path of the resolved trainer config")
-    model.add_argument("config")
-    model.add_argument("overrides", nargs=argparse.REMAINDER,
-                       help="the trainer's arguments after CONFIG; its flags (--resume) are skipped")
+    settings = sub.add_parser("server-settings", help="print MODEL_PATH, SERVER_DTYPE, SERVER_NCCL_WEIGHT_SYNC "
+                                                      "of the resolved trainer config as shell assignments")
+    settings.add_argument("--gpus-per-node", default=None, help="N or type:N, as SLURM gives it (empty: CPU nodes)")
+    settings.add_argument("config")
+    settings.add_argument("overrides", nargs=argparse.REMAINDER,
+                          help="the trainer's arguments after CONFIG; its flags (--resume) are skipped")
 
     key = sub.add_parser("new-api-key", help="write a fresh random API key to FILE, readable by its owner only")
     key.add_argument("file")
@@ -403,8 +425,10 @@ def main(argv: list[str] | None = None) -> int:
             urls = json.loads(args.urls)
             return 1 if wait_healthy(urls, read_api_key(args.api_key_file), deadline_s=args.deadline_s,
                                      watch_pid=args.watch_pid) else 0
-        elif args.command == "model-path":
-            print(model_path_from_config(args.config, [a for a in args.overrides if not a.startswith("--")]))
+        elif args.command == "server-settings":
+            settings = server_settings_from_config(args.config, [a for a in args.overrides if not a.startswith("--")],
+                                                   gpus_per_node=parse_gpu_count(args.gpus_per_node))
+            sys.stdout.write("".join(f"{key}={shlex.quote(value)}\n" for key, value in settings.items()))
         elif args.command == "new-api-key":
             write_api_key(args.file)
     except (PlanError, OSError) as exc:

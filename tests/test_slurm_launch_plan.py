@@ -163,18 +163,19 @@ def test_api_key_file_is_private_and_fresh(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["key"]
 
 
-def _serve(tmp_path, **env_vars) -> dict:
+def _serve(tmp_path, *serve_flags, **env_vars) -> dict:
     """Run ``launch_plan.py serve`` with a probe as the server command; what the 'server' saw."""
     key_file = tmp_path / "key"
     lp.write_api_key(str(key_file))
     probe = ("import json, os, sys; print(json.dumps({'argv': sys.argv[1:], "
-             "'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), 'gloo': os.environ.get('GLOO_SOCKET_IFNAME')}))")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME")}
+             "'cuda': os.environ.get('CUDA_VISIBLE_DEVICES'), 'gloo': os.environ.get('GLOO_SOCKET_IFNAME'), "
+             "'cumem': os.environ.get('NCCL_CUMEM_ENABLE')}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_CUMEM_ENABLE")}
     env.update(SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7", **env_vars)
     out = subprocess.run(
         [sys.executable, str(LAUNCH_PLAN), "serve", "--server-cmd", f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}",
          "--model-path", "/models/q", "--api-key-file", str(key_file), "--base-port", "15000", "--tp", "4",
-         "--gpus-per-node", "8", "--extra-args", "--mem-fraction-static 0.8"],
+         "--gpus-per-node", "8", *serve_flags, "--extra-args", "--mem-fraction-static 0.8"],
         capture_output=True, text=True, env=env, timeout=60, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -190,6 +191,21 @@ def test_serve_execs_the_server_with_this_tasks_port_gpus_and_key(tmp_path):
     assert argv[-2:] == ["--mem-fraction-static", "0.8"]
     assert seen["cuda"] == "4,5,6,7"
     assert seen["gloo"] is None  # no MASTER_ADDR: nothing to reach
+    assert "--dtype" not in argv and seen["cumem"] is None  # neither asked for
+
+
+def test_serve_passes_the_served_dtype_and_turns_nccl_cumem_off_for_nccl_weight_sync(tmp_path):
+    seen = _serve(tmp_path, "--dtype", "bfloat16", "--nccl-weight-sync")
+    argv = seen["argv"]
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert seen["cumem"] == "0"
+    assert server_argv_dtype(["--dtype=float16"]) == ["--dtype=float16"]  # the user's --dtype wins
+
+
+def server_argv_dtype(extra: list[str]) -> list[str]:
+    argv = lp.server_argv("python -m sglang.launch_server", model_path="m", host="h", port=1, api_key="k", tp=1,
+                          dtype="bfloat16", extra_args=" ".join(extra))
+    return [a for a in argv if a.startswith("--dtype") or a in ("bfloat16", "float16")]
 
 
 def test_serve_pins_gloo_to_the_interface_that_reaches_the_trainer(tmp_path):
@@ -266,15 +282,25 @@ def test_plan_cli_reports_a_bad_layout():
     assert out.returncode == 2 and "leaves no node for the trainer" in out.stderr
 
 
-def test_model_path_comes_from_the_trainer_config(tmp_path):
+def test_server_settings_come_from_the_trainer_config(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("model: {source: hf, hf_path: /models/a}\ndata: {source: synthetic}\n")
+    config.write_text("model: {source: hf, hf_path: /models/a, precision: bf16}\ndata: {source: synthetic}\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    run = lambda *extra: subprocess.run([sys.executable, str(LAUNCH_PLAN), "model-path", str(config), *extra],  # noqa: E731
-                                        capture_output=True, text=True, env=env)
-    assert run().stdout.strip() == "/models/a"
-    assert run("model.hf_path=/models/b", "--resume").stdout.strip() == "/models/b"
-    bad = run("trainer.no_such_key=1")
+
+    def run(*extra):
+        out = subprocess.run([sys.executable, str(LAUNCH_PLAN), "server-settings", *extra[:2], str(config),
+                              *extra[2:]], capture_output=True, text=True, env=env)
+        settings = dict(line.split("=", 1) for line in out.stdout.split()) if out.returncode == 0 else None
+        return out, settings
+
+    _, settings = run("--gpus-per-node", "gpu:8")
+    assert settings == {"MODEL_PATH": "/models/a", "SERVER_DTYPE": "bfloat16", "SERVER_NCCL_WEIGHT_SYNC": "0"}
+    _, settings = run("--gpus-per-node", "gpu:8", "model.hf_path=/models/b", "model.precision=fp32",
+                      "rollout.sglang.transport=distributed", "--resume")
+    assert settings == {"MODEL_PATH": "/models/b", "SERVER_DTYPE": "float32", "SERVER_NCCL_WEIGHT_SYNC": "1"}
+    _, settings = run("--gpus-per-node", "", "rollout.sglang.transport=distributed")  # CPU nodes: gloo
+    assert settings["SERVER_NCCL_WEIGHT_SYNC"] == "0"
+    bad, _ = run("--gpus-per-node", "", "trainer.no_such_key=1")
     assert bad.returncode == 2 and "trainer.no_such_key" in bad.stderr
-    tiny = run("model.source=tiny")
+    tiny, _ = run("--gpus-per-node", "", "model.source=tiny")
     assert tiny.returncode == 2 and "model.hf_path" in tiny.stderr
