@@ -26,10 +26,12 @@ from typing import Mapping
 
 import torch
 
+from dapo_megatron.user_errors import UserError
+
 DEFAULT_MASTER_PORT = 29500
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError, kind="launch"):
     """The process layout or rendezvous is wrong (world size, ports, missing variables)."""
 
 

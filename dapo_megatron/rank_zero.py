@@ -12,6 +12,10 @@ collective. An exception kept to rank 0 would leave them blocked there until the
   returns, or raises the same :class:`Rank0Error`.
 
 In a single process (no process group, or a world of one) both simply run, and raise :class:`Rank0Error` too.
+
+A :class:`~dapo_megatron.user_errors.UserError` (bad input: a data file, a model folder, a server ...) keeps its kind
+on every rank: they all raise a :class:`Rank0UserError` with its message, kind and exit code, so every rank of a
+torchrun / srun launch exits with the same code and rank 0 prints the one line.
 """
 
 from __future__ import annotations
@@ -20,11 +24,21 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 
+from dapo_megatron.user_errors import UserError
+
 T = TypeVar("T")
 
 
 class Rank0Error(RuntimeError):
     """Rank 0's part of a collective piece of work failed; raised on every rank with the same message."""
+
+
+class Rank0UserError(Rank0Error, UserError):
+    """Rank 0's part failed on bad input: the original message, kind and exit code, on every rank."""
+
+    def __init__(self, message: str, kind: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.kind, self.exit_code = kind, exit_code
 
 
 def _world_size() -> int:
@@ -37,15 +51,20 @@ def _rank() -> int:
 
 def _share_outcome(result: Any, error: Exception | None, what: str, *, broadcast_result: bool) -> Any:
     """Every rank gets rank 0's result (or keeps its own when not broadcast) or raises the same Rank0Error."""
-    message = None if error is None else f"{what} failed on rank 0: {type(error).__name__}: {error}"
+    if error is None:
+        message, user = None, None
+    elif isinstance(error, UserError):
+        message, user = str(error), (error.kind, error.exit_code)
+    else:
+        message, user = f"{what} failed on rank 0: {type(error).__name__}: {error}", None
     if _world_size() > 1:
-        status = [(result if broadcast_result else None, message)]
+        status = [(result if broadcast_result else None, message, user)]
         dist.broadcast_object_list(status, src=0)
-        shared, message = status[0]
+        shared, message, user = status[0]
         if broadcast_result:
             result = shared
     if message is not None:
-        raise Rank0Error(message) from error
+        raise (Rank0Error(message) if user is None else Rank0UserError(message, *user)) from error
     return result
 
 

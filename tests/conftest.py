@@ -6,6 +6,8 @@ import pytest
 # Tests import their helpers (spawn_ranks.py, tiny_models.py, actor_harness.py) as top-level modules.
 sys.path.insert(0, os.path.dirname(__file__))
 
+from integration_required import pytest_runtest_makereport  # noqa: E402,F401 - full runs fail on integration skips
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: integration tests (real servers, clusters, long runs); `-m 'not slow'` skips them")

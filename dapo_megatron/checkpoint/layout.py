@@ -61,3 +61,11 @@ def is_incomplete_checkpoint(folder: Path) -> bool:
     """A trainer checkpoint whose writing did not finish (a ``.tmp`` folder, or no ``COMPLETE`` marker)."""
     looks_like_trainer = (folder / TRAINER_STATE_FILE).exists() or (folder / OPTIMIZER_DIR).is_dir()
     return folder.name.endswith(TMP_SUFFIX) or (looks_like_trainer and not (folder / COMPLETE_MARKER).exists())
+
+
+def missing_checkpoint_files(checkpoint: Path, world_size: int) -> list[str]:
+    """What a complete trainer checkpoint that ``world_size`` ranks can resume from lacks (relative paths; empty when
+    nothing is missing). Only names are checked: a file's contents are for the loader."""
+    required = [f"{MODEL_DIR}/{DIST_CHECKPOINT_MARKER}", f"{OPTIMIZER_DIR}/{DIST_CHECKPOINT_MARKER}", TRAINER_STATE_FILE,
+                *(f"{RNG_DIR}/rank_{rank}.pt" for rank in range(world_size))]
+    return [name for name in required if not (checkpoint / name).is_file()]

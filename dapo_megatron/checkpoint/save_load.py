@@ -17,10 +17,11 @@ import torch
 from dapo_megatron.checkpoint import layout
 from dapo_megatron.hf_format.folder import copy_side_files
 from dapo_megatron.hf_format.mismatch import TensorMismatch
+from dapo_megatron.user_errors import UserError
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError, kind="checkpoint"):
+    """A path that is not a complete, loadable checkpoint for this model and world size; the message names it."""
 
 
 def _rank() -> int:
@@ -136,6 +137,12 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
     return final
 
 
+def _adam_moments_saved(directory: Path) -> bool:
+    from megatron.core import dist_checkpointing
+
+    return any(".exp_avg" in key for key in dist_checkpointing.load_tensors_metadata(str(directory)))
+
+
 def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG; return the trainer state (all ranks call this)."""
     from megatron.core import dist_checkpointing
@@ -144,11 +151,16 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     if not (path / layout.COMPLETE_MARKER).exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {layout.COMPLETE_MARKER} marker)")
     load_model(model_chunks, path / layout.MODEL_DIR)
-    opt_state = dist_checkpointing.load(
-        optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True),
-        str(path / layout.OPTIMIZER_DIR),
-    )
-    optimizer.load_state_dict(opt_state)
+    if _adam_moments_saved(path / layout.OPTIMIZER_DIR):
+        opt_state = dist_checkpointing.load(
+            optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True),
+            str(path / layout.OPTIMIZER_DIR),
+        )
+        optimizer.load_state_dict(opt_state)
+    else:
+        # Written before the optimizer's first applied update: it had no state then, and this fresh one has none
+        # either (loading would ask for moments that were never saved). Its main copies follow the loaded model.
+        optimizer.reload_model_params()
     rng = layout.rng_file(path, _rank())
     if not rng.exists():
         raise CheckpointError(f"{rng} is missing: resume with the world size the checkpoint was written with")
