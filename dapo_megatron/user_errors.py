@@ -1,8 +1,10 @@
 """Errors in what the user gave us — as opposed to bugs — and the exit code each kind ends a command with.
 
 A :class:`UserError` is raised where the culprit is known and its message names it (the file, the key, the row,
-the server). ``dapo-megatron`` prints it as one line on global rank 0, ``<kind> error: <message>``, with no
+the server). ``dapo-megatron`` prints it on global rank 0 as one line, ``<kind> error: <message>``, with no
 traceback, and exits with the kind's code; any other exception is a bug and keeps its traceback (exit code 1).
+A message's first line is that line; a message that lists details (every tensor that does not fit, a server's log
+tail) has them on further lines, printed indented below it.
 
 =========== ===== ========================================================================================
 kind        code  raised for (the classes)
@@ -23,7 +25,8 @@ launch      7     a process layout that does not fit the config (world size vs T
 
 The same codes on every launch path: a plain process, each torchrun worker and each srun task exits with it
 (an error found on rank 0 inside :func:`dapo_megatron.rank_zero.run_on_rank0` reaches every rank with its kind).
-srun passes the tasks' code on; torchrun reports each worker's code in its failure summary and itself exits 1.
+srun exits with the highest of its tasks' codes; torchrun stops the other workers when one fails, names that worker's
+code as the root cause in its failure summary, and itself exits 1.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ class UserError(Exception):
             cls.kind, cls.exit_code = kind, EXIT_CODES[kind]
 
     def line(self) -> str:
-        """What the command line prints: ``<kind> error: <message>``."""
-        return f"{self.kind} error: {self}"
+        """What the command line prints: ``<kind> error: <first line of the message>``, details indented below."""
+        first, *details = str(self).splitlines() or [""]
+        return "\n".join([f"{self.kind} error: {first}", *(f"  {detail.strip()}" for detail in details if detail.strip())])
 
 
 class DataError(UserError, kind="data"):
