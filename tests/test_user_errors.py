@@ -8,27 +8,18 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
 import resource
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
+from cli_runs import TINY, run_cli
 
 from dapo_megatron.user_errors import EXIT_CODES
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "examples" / "tiny_cpu.yaml"
 SMALL = ["warm_start.enabled=false", "data.synthetic.num_train=200", "data.synthetic.num_heldout=8",
          "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64"]
-
-
-def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dapo_megatron.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, kind: str, message: str) -> str:

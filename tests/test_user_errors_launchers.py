@@ -20,7 +20,8 @@ import subprocess
 import sys
 
 import pytest
-from test_user_errors import REPO, SMALL, TINY
+from cli_runs import REPO, TINY
+from test_user_errors import SMALL
 
 from dapo_megatron.platform import free_port
 from dapo_megatron.user_errors import EXIT_CODES
