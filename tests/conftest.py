@@ -7,6 +7,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from integration_required import pytest_runtest_makereport  # noqa: E402,F401 - full runs fail on integration skips
+from sglang_fixtures import sglang_model_dir, sglang_server  # noqa: E402,F401 - one SGLang server per session
 
 
 def pytest_configure(config):
