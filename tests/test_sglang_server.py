@@ -172,7 +172,7 @@ def test_weight_update_over_same_host_transports_serves_the_new_weights(engine, 
         version = other.weight_version + 1
         state = perturbed_state_dict(model_dir, scale=0.1, seed=100 + version)
         buckets = list(bucketed(state.items(), BUCKET_BYTES))
-        (client,) = [slot.client for slot in other._slots]
+        (client,) = [slot.client for slot in other.pool.slots]
         sent = []  # the buckets reach the server as given: one update call per bucket, none re-bucketed
         update_call = getattr(client, f"update_weights_from_{transport}")
         setattr(client, f"update_weights_from_{transport}", lambda *a, **k: (sent.append(1), update_call(*a, **k)))
@@ -221,65 +221,51 @@ def test_attached_server_that_stops_answering_fails_the_rollout_within_the_timeo
     assert engine.health().healthy  # SIGCONT: the server itself is fine
 
 
-def _server_tree(engine: SGLangEngine) -> tuple[object, list]:
+def _fail_mid_rollout(engine: SGLangEngine, prompts, failure: signal.Signals, version: int) -> dict:
+    """Send ``failure`` to the server's process group while a rollout's requests are in flight; wait for the rollout
+    to complete on the restarted server. Returns the seconds from the failure until the pool declared the server
+    failed and until the rollout completed, and the /dev/shm files the old server had mapped."""
     (server,) = engine.server_processes()
-    return server, [psutil.Process(server.pid)] + psutil.Process(server.pid).children(recursive=True)
-
-
-def _assert_restarted(engine, server, old_pid, old_tree, restarts_before, result, prompts_sent, version):
+    old_pid, restarts_before = server.pid, _restarts(engine)
+    old_tree = [psutil.Process(old_pid)] + psutil.Process(old_pid).children(recursive=True)
+    old_shared_memory = {m.path for p in old_tree for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
+    prefills_before = server.log_path.read_text().count("Prefill batch")
+    worker, result = _rollout_in_background(engine, prompts, SamplingParams(n=2, max_new_tokens=24))
+    while server.log_path.read_text().count("Prefill batch") == prefills_before and worker.is_alive():
+        time.sleep(0.05)
+    assert worker.is_alive(), "the rollout finished before the server could fail mid-rollout"
+    os.killpg(old_pid, failure)
+    failed = time.monotonic()
+    try:
+        detected_s = _seconds_until_restart(engine, restarts_before, failed, worker,
+                                            limit_s=REQUEST_TIMEOUT_S + MARGIN_S)
+    finally:
+        worker.join(timeout=STARTUP_TIMEOUT_S + 2 * REQUEST_TIMEOUT_S)
+    completed_s = time.monotonic() - failed
+    assert not worker.is_alive(), "generate still running after the restart"
     assert "error" not in result, result.get("error")
     assert _restarts(engine) == restarts_before + 1 and server.pid != old_pid
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in old_tree)
     samples = result["samples"]
-    assert len(samples) == len(prompts_sent) and all(len(group) == 2 for group in samples)
+    assert len(samples) == len(prompts) and all(len(group) == 2 for group in samples)
     assert all(s.weight_version == version for group in samples for s in group)
+    return {"detected_s": detected_s, "completed_s": completed_s, "old_shared_memory": old_shared_memory}
 
 
-def test_hung_server_is_detected_within_the_timeout_and_restarted_with_its_weights(engine, model_dir, prompts):
-    state = perturbed_state_dict(model_dir, scale=0.1, seed=34)
-    version = serve(engine, state)
-    server, old_tree = _server_tree(engine)
-    old_pid, restarts_before = server.pid, _restarts(engine)
-    os.killpg(old_pid, signal.SIGSTOP)  # hung: the kernel still accepts connections, nothing answers
-    stopped = time.monotonic()
-    worker, result = _rollout_in_background(engine, prompts, SamplingParams(n=2, max_new_tokens=8))
-    try:
-        detected_s = _seconds_until_restart(engine, restarts_before, stopped, worker,
-                                            limit_s=REQUEST_TIMEOUT_S + MARGIN_S)
-    finally:
-        worker.join(timeout=STARTUP_TIMEOUT_S + 2 * REQUEST_TIMEOUT_S)
-    print(f"hung server: detected after {detected_s:.1f} s (request_timeout_s={REQUEST_TIMEOUT_S}), "
-          f"rollout complete after {time.monotonic() - stopped:.0f} s")
-    assert REQUEST_TIMEOUT_S <= detected_s <= REQUEST_TIMEOUT_S + MARGIN_S  # only the timeout can tell a hang
-    assert not worker.is_alive(), "generate still running after the restart"
-    _assert_restarted(engine, server, old_pid, old_tree, restarts_before, result, prompts, version)
-    _check_serves(engine, model_dir, prompts, state, version)  # the restart restored version's weights
-
-
-def test_killed_server_is_detected_within_the_timeout_restarted_and_lost_requests_resent(engine, model_dir, prompts):
+# SIGSTOP: hung — the kernel still accepts connections and holds the requests, nothing answers them, so only the
+# timeout can tell; SIGKILL: dead — connections are refused or reset at once.
+@pytest.mark.parametrize("failure, detected_no_earlier_than_s", [("hung", REQUEST_TIMEOUT_S), ("killed", 0.0)])
+def test_failed_server_is_detected_within_the_timeout_restarted_with_its_weights_and_lost_requests_resent(
+        engine, model_dir, prompts, failure, detected_no_earlier_than_s):
     state = perturbed_state_dict(model_dir, scale=0.1, seed=33)
     version = serve(engine, state)
-    server, old_tree = _server_tree(engine)
-    old_pid, restarts_before = server.pid, _restarts(engine)
-    old_shared_memory = {m.path for p in old_tree for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
-    prefills_before = server.log_path.read_text().count("Prefill batch")
-    worker, result = _rollout_in_background(engine, prompts * 2, SamplingParams(n=2, max_new_tokens=24))
-    while server.log_path.read_text().count("Prefill batch") == prefills_before and worker.is_alive():
-        time.sleep(0.05)
-    assert worker.is_alive(), "the rollout finished before the server could be killed mid-rollout"
-    os.killpg(old_pid, signal.SIGKILL)  # mid-rollout: requests are in flight
-    killed = time.monotonic()
-    try:
-        detected_s = _seconds_until_restart(engine, restarts_before, killed, worker,
-                                            limit_s=REQUEST_TIMEOUT_S + MARGIN_S)
-    finally:
-        worker.join(timeout=STARTUP_TIMEOUT_S + 2 * REQUEST_TIMEOUT_S)
-    print(f"killed server: detected after {detected_s:.1f} s, rollout complete after "
-          f"{time.monotonic() - killed:.0f} s")
-    assert detected_s <= REQUEST_TIMEOUT_S + MARGIN_S
-    assert not worker.is_alive(), "generate still running after the restart"
-    _assert_restarted(engine, server, old_pid, old_tree, restarts_before, result, prompts * 2, version)
-    assert old_shared_memory and not [path for path in old_shared_memory if os.path.exists(path)]
+    signal_sent = {"hung": signal.SIGSTOP, "killed": signal.SIGKILL}[failure]
+    outcome = _fail_mid_rollout(engine, prompts * 2, signal_sent, version)
+    print(f"{failure} server: detected after {outcome['detected_s']:.1f} s (request_timeout_s={REQUEST_TIMEOUT_S}), "
+          f"rollout complete after {outcome['completed_s']:.0f} s")
+    assert detected_no_earlier_than_s <= outcome["detected_s"] <= REQUEST_TIMEOUT_S + MARGIN_S
+    shared_memory = outcome["old_shared_memory"]
+    assert shared_memory and not [path for path in shared_memory if os.path.exists(path)]
     _check_serves(engine, model_dir, prompts, state, version)  # the restart restored version's weights
 
 

@@ -138,9 +138,11 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
 
 
 def _adam_moments_saved(directory: Path) -> bool:
-    from megatron.core import dist_checkpointing
+    """Whether the optimizer checkpoint holds Adam moments — per parameter, or inside the distributed optimizer's
+    one ``param_state`` object (a format that hides them from the key names)."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    return any(".exp_avg" in key for key in dist_checkpointing.load_tensors_metadata(str(directory)))
+    return any("exp_avg" in key or key.endswith(".param_state") for key in load_sharded_metadata(str(directory)))
 
 
 def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
