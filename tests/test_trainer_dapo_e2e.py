@@ -25,7 +25,7 @@ from cli_runs import TINY, check_run, cli_command, kill_after_checkpoint, read_r
 
 pytestmark = pytest.mark.slow
 
-TARGET_GROUPS, SAMPLES, STEPS = 4, 4, 6
+TARGET_GROUPS, SAMPLES, STEPS = 4, 4, 8
 TASK = ["data.synthetic.num_train=1000", "data.synthetic.num_heldout=16", "rollout.max_response_length=32",
         "algorithm.overlong_buffer_len=4"]
 WARM_START = [*TASK, "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=128",
