@@ -46,11 +46,14 @@ def test_a_fresh_start_or_a_resume_without_checkpoint_logs_each_step_once(tmp_pa
         assert read_run_metrics(run_dir) == first
 
 
-def test_resume_from_a_checkpoint_written_before_the_first_update(tmp_path):
-    """Dynamic sampling on a random model keeps no group (every answer is wrong), so the step-1 checkpoint holds an
-    optimizer that never stepped, hence no Adam moments; resuming from it works and logs the uninterrupted run."""
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_resume_from_a_checkpoint_written_before_the_first_update(tmp_path, distributed_optimizer):
+    """Dynamic sampling on a random model keeps no group (every answer is wrong), so the step-1 checkpoint is of an
+    optimizer that never stepped, hence has no Adam moments (megatron's distributed optimizer cannot even describe
+    that state); saving and resuming from it work and log the uninterrupted run."""
     never_updated = ["algorithm.dynamic_sampling=true", "algorithm.gen_batch_size=4", "algorithm.max_gen_rounds=1",
-                     "trainer.total_steps=2", "trainer.save_every=1"]
+                     "trainer.total_steps=2", "trainer.save_every=1",
+                     f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     check_run(*_train(straight, *never_updated))
     expected = read_run_metrics(straight)

@@ -4,7 +4,8 @@ One trainer checkpoint (``<run_dir>/checkpoints/step_000012``)::
 
     model/            megatron-core distributed checkpoint of the model (loads at any TP/PP; the same format
                       checkpoint_tools.hf_to_megatron writes and checkpoint_tools.megatron_to_hf reads)
-    optimizer/        distributed checkpoint of the Megatron optimizer (Adam moments, fp32 master weights)
+    optimizer/        distributed checkpoint of the Megatron optimizer (Adam moments, fp32 master weights; holds no
+                      tensors when written before the first applied update)
     trainer_state.pt  step, LR-scheduler state, data-sampler position, dynamic-sampling buffer, weight version
     rng/rank_N.pt     every generator of rank N (python, numpy, torch CPU/CUDA, megatron's model-parallel tracker)
     hf/               config.json, generation_config.json and tokenizer files: what an HF export needs

@@ -118,8 +118,12 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
     _barrier()
     model_state = model_sharded_state_dict(model_chunks)
     dist_checkpointing.save(model_state, str(tmp / layout.MODEL_DIR))
-    dist_checkpointing.save(optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks)),
-                            str(tmp / layout.OPTIMIZER_DIR))
+    # Before its first applied update an optimizer has no state to save (and megatron's distributed optimizer
+    # cannot even describe it): its folder then holds nothing, which load_checkpoint recognizes.
+    optimizer_state = {}
+    if _has_stepped(optimizer):
+        optimizer_state = optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks))
+    dist_checkpointing.save(optimizer_state, str(tmp / layout.OPTIMIZER_DIR))
     torch.save(rng_state(), layout.rng_file(tmp, _rank()))
     if _rank() == 0:
         torch.save(trainer_state, tmp / layout.TRAINER_STATE_FILE)
@@ -137,12 +141,17 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
     return final
 
 
-def _adam_moments_saved(directory: Path) -> bool:
-    """Whether the optimizer checkpoint holds Adam moments — per parameter, or inside the distributed optimizer's
-    one ``param_state`` object (a format that hides them from the key names)."""
+def _has_stepped(optimizer) -> bool:
+    """Whether any of the (chained) megatron optimizer's torch optimizers holds per-parameter state."""
+    return any(len(getattr(chained, "optimizer", chained).state) > 0
+               for chained in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_state_saved(directory: Path) -> bool:
+    """Whether the optimizer checkpoint holds any sharded state (none: written before the first applied update)."""
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    return any("exp_avg" in key or key.endswith(".param_state") for key in load_sharded_metadata(str(directory)))
+    return bool(load_sharded_metadata(str(directory)))
 
 
 def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
@@ -153,7 +162,7 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     if not (path / layout.COMPLETE_MARKER).exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {layout.COMPLETE_MARKER} marker)")
     load_model(model_chunks, path / layout.MODEL_DIR)
-    if _adam_moments_saved(path / layout.OPTIMIZER_DIR):
+    if _optimizer_state_saved(path / layout.OPTIMIZER_DIR):
         opt_state = dist_checkpointing.load(
             optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True),
             str(path / layout.OPTIMIZER_DIR),
@@ -161,7 +170,7 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
         optimizer.load_state_dict(opt_state)
     else:
         # Written before the optimizer's first applied update: it had no state then, and this fresh one has none
-        # either (loading would ask for moments that were never saved). Its main copies follow the loaded model.
+        # either (loading would ask for Adam moments that were never saved). Its main copies follow the model.
         optimizer.reload_model_params()
     rng = layout.rng_file(path, _rank())
     if not rng.exists():
