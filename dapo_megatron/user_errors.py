@@ -52,7 +52,8 @@ class UserError(Exception):
     def line(self) -> str:
         """What the command line prints: ``<kind> error: <first line of the message>``, details indented below."""
         first, *details = str(self).splitlines() or [""]
-        return "\n".join([f"{self.kind} error: {first}", *(f"  {detail.strip()}" for detail in details if detail.strip())])
+        indented = [f"  {detail.strip()}" for detail in details if detail.strip()]
+        return "\n".join([f"{self.kind} error: {first}", *indented])
 
 
 class DataError(UserError, kind="data"):

@@ -67,6 +67,6 @@ def is_incomplete_checkpoint(folder: Path) -> bool:
 def missing_checkpoint_files(checkpoint: Path, world_size: int) -> list[str]:
     """What a complete trainer checkpoint that ``world_size`` ranks can resume from lacks (relative paths; empty when
     nothing is missing). Only names are checked: a file's contents are for the loader."""
-    required = [f"{MODEL_DIR}/{DIST_CHECKPOINT_MARKER}", f"{OPTIMIZER_DIR}/{DIST_CHECKPOINT_MARKER}", TRAINER_STATE_FILE,
-                *(f"{RNG_DIR}/rank_{rank}.pt" for rank in range(world_size))]
+    required = [f"{MODEL_DIR}/{DIST_CHECKPOINT_MARKER}", f"{OPTIMIZER_DIR}/{DIST_CHECKPOINT_MARKER}",
+                TRAINER_STATE_FILE, *(f"{RNG_DIR}/rank_{rank}.pt" for rank in range(world_size))]
     return [name for name in required if not (checkpoint / name).is_file()]
