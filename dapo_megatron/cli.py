@@ -11,6 +11,10 @@ looks for it (``<run_dir>/initial_model``); ``train`` prepares it itself when it
 all. ``train`` and ``eval`` run as one process, or under torchrun / srun for many (the layout comes from the
 environment; see dapo_megatron.platform). ``plan`` prints the training ranks' GPU memory per pipeline stage for a
 config (dapo_megatron.policy.memory) and exits 1 when a stage does not fit.
+
+Bad input (a config key, a data file, a model folder, a checkpoint, a server) ends a command with one line on rank 0,
+``<kind> error: <message>``, and the kind's exit code on every rank (dapo_megatron.user_errors); ``train`` and
+``eval`` check what they read before building anything (dapo_megatron.trainer.input_checks).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import logging
 import sys
 from pathlib import Path
 
-from dapo_megatron.config import ConfigError, load_config
+from dapo_megatron.config import load_config
+from dapo_megatron.user_errors import UserError
 
 
 def _setup_logging(rank: int) -> None:
@@ -35,6 +40,17 @@ def _rank_from_env() -> int:
     from dapo_megatron.platform import launch_env
 
     return launch_env().rank
+
+
+def _check_inputs(config, **what) -> None:
+    """:func:`~dapo_megatron.trainer.input_checks.check_run_inputs` on rank 0; its error is raised on every rank."""
+    import torch.distributed as dist
+
+    from dapo_megatron.rank_zero import run_on_rank0
+    from dapo_megatron.trainer.input_checks import check_run_inputs
+
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    run_on_rank0(lambda: check_run_inputs(config, world_size=world_size, **what), what="checking the inputs")
 
 
 def _accuracy_line(first: dict, last: dict) -> str | None:
@@ -59,14 +75,14 @@ def _init_distributed(config) -> None:
 
 
 def cmd_prepare_tiny(args: argparse.Namespace) -> int:
-    from dapo_megatron.platform import launch_env
+    from dapo_megatron.platform import LaunchError, launch_env
     from dapo_megatron.tiny_model import prepare_tiny_model
     from dapo_megatron.trainer.model_source import tiny_model_dir
 
     config = load_config(args.config, args.overrides)
     if launch_env().world_size > 1:
-        raise SystemExit("prepare-tiny runs as one process (not under torchrun / srun with several tasks): "
-                         "`train` prepares the model on rank 0 by itself")
+        raise LaunchError("prepare-tiny runs as one process (not under torchrun / srun with several tasks): "
+                          "`train` prepares the model on rank 0 by itself")
     _setup_logging(0)
     out = prepare_tiny_model(config, args.out or tiny_model_dir(config))
     print(f"tiny model: {Path(out).resolve()}")
@@ -83,6 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _setup_logging(rank)
     _init_distributed(config)
     try:
+        _check_inputs(config, resume=args.resume)
         model_dir = prepare_initial_model(config)  # model.source = tiny: rank 0 makes it (once), the others wait
         trainer = DAPOTrainer(config, model_dir, resume=args.resume)
         try:
@@ -100,17 +117,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from dapo_megatron.checkpoint import MODEL_DIR
     from dapo_megatron.platform import destroy_distributed
     from dapo_megatron.trainer.evaluate import evaluate_checkpoint
 
     config = load_config(args.config, args.overrides)
     rank = _rank_from_env()
     _setup_logging(rank)
-    if not (Path(args.ckpt) / MODEL_DIR).is_dir():
-        raise SystemExit(f"--ckpt {args.ckpt}: no model/ folder (expected a trainer or checkpoint_tools checkpoint)")
     _init_distributed(config)
     try:
+        _check_inputs(config, checkpoint=args.ckpt)
         metrics = evaluate_checkpoint(config, args.ckpt)
     finally:
         destroy_distributed()
@@ -189,9 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        if _rank_for_messages() == 0:
+            print(exc.line(), file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+def _rank_for_messages() -> int:
+    try:
+        return _rank_from_env()
+    except UserError:  # the launch environment itself is the bad input: say it on every process
+        return 0
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from dapo_megatron.user_errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError, kind="config"):
     """A configuration key is unknown or its value is invalid; the message names the dotted key."""
 
 

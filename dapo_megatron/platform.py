@@ -34,11 +34,12 @@ from typing import Mapping
 import torch
 
 from dapo_megatron.host_address import pin_gloo_interface
+from dapo_megatron.user_errors import UserError
 
 DEFAULT_MASTER_PORT = 29500
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError, kind="launch"):
     """The process layout or rendezvous is wrong (world size, ports, missing variables)."""
 
 

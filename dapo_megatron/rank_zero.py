@@ -17,6 +17,10 @@ training backend: generation rounds can outlast the training collectives' timeou
 under NCCL's watchdog, which aborts the job at that timeout. The gloo wait has a week's timeout and no watchdog; if
 rank 0's process dies, its peers see the closed connection at once. A result that is a :class:`Packed` crosses as its
 tensors (one broadcast each, no pickling of the bulk) plus its small picklable ``meta``.
+
+A :class:`~dapo_megatron.user_errors.UserError` (bad input: a data file, a model folder, a server ...) keeps its kind
+on every rank: they all raise a :class:`Rank0UserError` with its message, kind and exit code, so every rank of a
+torchrun / srun launch exits with the same code and rank 0 prints the one line.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from dapo_megatron.user_errors import UserError
 
 T = TypeVar("T")
 
@@ -68,6 +74,14 @@ def waiting_group():
     return _waiting[1]
 
 
+class Rank0UserError(Rank0Error, UserError):
+    """Rank 0's part failed on bad input: the original message, kind and exit code, on every rank."""
+
+    def __init__(self, message: str, kind: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.kind, self.exit_code = kind, exit_code
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -78,20 +92,25 @@ def _rank() -> int:
 
 def _share_outcome(result: Any, error: Exception | None, what: str, *, broadcast_result: bool, group) -> Any:
     """Every rank gets rank 0's result (or keeps its own when not broadcast) or raises the same Rank0Error."""
-    message = None if error is None else f"{what} failed on rank 0: {type(error).__name__}: {error}"
+    if error is None:
+        message, user = None, None
+    elif isinstance(error, UserError):
+        message, user = str(error), (error.kind, error.exit_code)
+    else:
+        message, user = f"{what} failed on rank 0: {type(error).__name__}: {error}", None
     if group is not None:
         shared = result if broadcast_result and message is None else None
         if isinstance(shared, Packed):
             shared = _PackedHeader(shared.meta, [(k, t.dtype, tuple(t.shape)) for k, t in shared.tensors.items()])
-        status = [(shared, message)]
+        status = [(shared, message, user)]
         dist.broadcast_object_list(status, src=0, group=group)
-        shared, message = status[0]
+        shared, message, user = status[0]
         if isinstance(shared, _PackedHeader):
             shared = _receive_packed(result, shared, group)
         if broadcast_result:
             result = shared
     if message is not None:
-        raise Rank0Error(message) from error
+        raise (Rank0Error(message) if user is None else Rank0UserError(message, *user)) from error
     return result
 
 

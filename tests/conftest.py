@@ -6,6 +6,8 @@ import pytest
 # Tests import their helpers (spawn_ranks.py, tiny_models.py, actor_harness.py) as top-level modules.
 sys.path.insert(0, os.path.dirname(__file__))
 
+from sglang_fixtures import sglang_model_dir, sglang_server  # noqa: E402,F401 - one SGLang server per session
+
 # Set by the full test command (scripts/test.sh without --fast): the integration tier must run, so a test marked
 # `slurm` or `sglang` that skips (no cluster, SGLang not importable) is reported as a failure, with the skip's reason.
 REQUIRE_INTEGRATION = "DAPO_REQUIRE_INTEGRATION"

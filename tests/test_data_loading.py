@@ -9,6 +9,7 @@ import pytest
 from dapo_megatron.data.dapo_math import load_dapo_math, repeat_histogram, write_jsonl, write_parquet
 from dapo_megatron.data.fixtures import AIME_FIXTURE, DAPO_MATH_FIXTURE
 from dapo_megatron.data.schema import RowValidationError
+from dapo_megatron.user_errors import DataError
 
 
 def _fixture_rows(path=DAPO_MATH_FIXTURE):
@@ -197,9 +198,13 @@ def test_skip_mode_counts_every_skip_and_logs(tmp_path, caplog):
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="on_bad_row"):
         load_dapo_math(DAPO_MATH_FIXTURE, on_bad_row="drop")
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(DataError, match="missing.jsonl: no such data file"):
         load_dapo_math(tmp_path / "missing.jsonl")
     other = tmp_path / "rows.csv"
     other.write_text("a,b\n")
-    with pytest.raises(ValueError, match="unsupported file type '.csv'"):
+    with pytest.raises(DataError, match="unsupported file type '.csv'"):
         load_dapo_math(other)
+    broken = tmp_path / "rows.parquet"
+    broken.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(DataError, match="rows.parquet: not a readable parquet file"):
+        load_dapo_math(broken)

@@ -11,6 +11,7 @@ from dapo_megatron.data.prompts import build_prompt_records
 from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic import make_split
 from dapo_megatron.data.tokenizer import build_tiny_tokenizer, train_tiny_tokenizer
+from dapo_megatron.user_errors import ModelFolderError
 
 
 @pytest.fixture(scope="module")
@@ -79,5 +80,5 @@ def test_length_filter_counts_and_logs(tokenizer, caplog):
 
 def test_tokenizer_without_chat_template_is_rejected():
     bare = PreTrainedTokenizerFast(tokenizer_object=train_tiny_tokenizer(), eos_token="<|endoftext|>")
-    with pytest.raises(ValueError, match="no chat_template"):
+    with pytest.raises(ModelFolderError, match="no chat_template"):
         build_prompt_records(_synthetic_rows(n=2), bare, max_prompt_length=64)

@@ -45,6 +45,7 @@ def _run(tmp_path: Path, required: bool) -> subprocess.CompletedProcess:
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "test_other.py").write_text(OTHER)
     env = {k: v for k, v in os.environ.items() if k != "DAPO_REQUIRE_INTEGRATION"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)  # the helpers it imports
     if required:
         env["DAPO_REQUIRE_INTEGRATION"] = "1"
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(tmp_path)],

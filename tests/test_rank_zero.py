@@ -207,3 +207,29 @@ def test_a_rollout_longer_than_the_collective_timeout_is_waited_for():
     for outcome in (waited_0, waited_1):
         assert outcome["result"] == {"groups": 3} and outcome["seconds"] > TIMEOUT_S
     assert in_default_group["error"] is not None and "imed out" in in_default_group["error"], in_default_group
+
+
+def _rank0_user_error() -> dict:
+    from dapo_megatron.user_errors import DataError, UserError
+
+    _init_gloo()
+
+    def work():
+        raise DataError("/data/train.jsonl: no such data file")
+
+    try:
+        run_on_rank0(work, what="checking the inputs")
+    except UserError as exc:
+        return {"type": type(exc).__name__, "is_rank0_error": isinstance(exc, Rank0Error), "kind": exc.kind,
+                "exit_code": exc.exit_code, "line": exc.line()}
+    return {"type": None}
+
+
+def test_a_user_error_on_rank0_keeps_its_kind_on_every_rank():
+    """Bad input found on rank 0 makes every rank exit with its kind's code (dapo_megatron.user_errors), its
+    message unprefixed; a bug keeps the Rank0Error wording (test_run_on_rank0_result_and_error_reach_every_rank)."""
+    from spawn_ranks import run_distributed
+
+    rank0, rank1 = run_distributed(_rank0_user_error, 2, timeout_s=120)
+    assert rank0 == rank1 == {"type": "Rank0UserError", "is_rank0_error": True, "kind": "data", "exit_code": 3,
+                              "line": "data error: /data/train.jsonl: no such data file"}

@@ -13,6 +13,7 @@ from dapo_megatron.checkpoint.layout import (
     is_incomplete_checkpoint,
     latest_checkpoint,
     list_checkpoints,
+    missing_checkpoint_files,
     rng_file,
     step_dir,
 )
@@ -29,7 +30,8 @@ from dapo_megatron.checkpoint.save_load import (
 
 __all__ = [
     "COMPLETE_MARKER", "DIST_CHECKPOINT_MARKER", "HF_DIR", "MODEL_DIR", "OPTIMIZER_DIR", "RNG_DIR", "TMP_SUFFIX",
-    "TRAINER_STATE_FILE", "is_incomplete_checkpoint", "latest_checkpoint", "list_checkpoints", "rng_file", "step_dir",
+    "TRAINER_STATE_FILE", "is_incomplete_checkpoint", "latest_checkpoint", "list_checkpoints",
+    "missing_checkpoint_files", "rng_file", "step_dir",
     "CheckpointError", "load_checkpoint", "load_model", "model_sharded_state_dict", "rng_state", "save_checkpoint",
     "save_model", "set_rng_state",
 ]

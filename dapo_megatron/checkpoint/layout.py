@@ -4,7 +4,8 @@ One trainer checkpoint (``<run_dir>/checkpoints/step_000012``)::
 
     model/            megatron-core distributed checkpoint of the model (loads at any TP/PP; the same format
                       checkpoint_tools.hf_to_megatron writes and checkpoint_tools.megatron_to_hf reads)
-    optimizer/        distributed checkpoint of the Megatron optimizer (Adam moments, fp32 master weights)
+    optimizer/        distributed checkpoint of the Megatron optimizer (Adam moments, fp32 master weights; holds no
+                      tensors when written before the first applied update)
     trainer_state.pt  step, LR-scheduler state, data-sampler position, dynamic-sampling buffer, weight version
     rng/rank_N.pt     every generator of rank N (python, numpy, torch CPU/CUDA, megatron's model-parallel tracker)
     hf/               config.json, generation_config.json and tokenizer files: what an HF export needs
@@ -61,3 +62,11 @@ def is_incomplete_checkpoint(folder: Path) -> bool:
     """A trainer checkpoint whose writing did not finish (a ``.tmp`` folder, or no ``COMPLETE`` marker)."""
     looks_like_trainer = (folder / TRAINER_STATE_FILE).exists() or (folder / OPTIMIZER_DIR).is_dir()
     return folder.name.endswith(TMP_SUFFIX) or (looks_like_trainer and not (folder / COMPLETE_MARKER).exists())
+
+
+def missing_checkpoint_files(checkpoint: Path, world_size: int) -> list[str]:
+    """What a complete trainer checkpoint that ``world_size`` ranks can resume from lacks (relative paths; empty when
+    nothing is missing). Only names are checked: a file's contents are for the loader."""
+    required = [f"{MODEL_DIR}/{DIST_CHECKPOINT_MARKER}", f"{OPTIMIZER_DIR}/{DIST_CHECKPOINT_MARKER}",
+                TRAINER_STATE_FILE, *(f"{RNG_DIR}/rank_{rank}.pt" for rank in range(world_size))]
+    return [name for name in required if not (checkpoint / name).is_file()]

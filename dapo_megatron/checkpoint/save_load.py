@@ -17,10 +17,11 @@ import torch
 from dapo_megatron.checkpoint import layout
 from dapo_megatron.hf_format.folder import copy_side_files
 from dapo_megatron.hf_format.mismatch import TensorMismatch
+from dapo_megatron.user_errors import UserError
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError, kind="checkpoint"):
+    """A path that is not a complete, loadable checkpoint for this model and world size; the message names it."""
 
 
 def _rank() -> int:
@@ -125,9 +126,13 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
     _barrier()
     model_state = model_sharded_state_dict(model_chunks)
     dist_checkpointing.save(model_state, str(tmp / layout.MODEL_DIR))
-    dist_checkpointing.save(optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks),
-                                                         metadata=OPTIMIZER_STATE_METADATA),
-                            str(tmp / layout.OPTIMIZER_DIR))
+    # Before its first applied update an optimizer has no state to save (and megatron's distributed optimizer
+    # cannot even describe it): its folder then holds nothing, which load_checkpoint recognizes.
+    optimizer_state = {}
+    if _has_stepped(optimizer):
+        optimizer_state = optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks),
+                                                       metadata=OPTIMIZER_STATE_METADATA)
+    dist_checkpointing.save(optimizer_state, str(tmp / layout.OPTIMIZER_DIR))
     torch.save(rng_state(), layout.rng_file(tmp, _rank()))
     if _rank() == 0:
         torch.save(trainer_state, tmp / layout.TRAINER_STATE_FILE)
@@ -163,6 +168,19 @@ def _reapply_adam_steps(optimizer) -> None:
                     step.fill_(group["step"])
 
 
+def _has_stepped(optimizer) -> bool:
+    """Whether any of the (chained) megatron optimizer's torch optimizers holds per-parameter state."""
+    return any(len(getattr(chained, "optimizer", chained).state) > 0
+               for chained in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_state_saved(directory: Path) -> bool:
+    """Whether the optimizer checkpoint holds any sharded state (none: written before the first applied update)."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    return bool(load_sharded_metadata(str(directory)))
+
+
 def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG; return the trainer state (all ranks call this)."""
     from megatron.core import dist_checkpointing
@@ -171,14 +189,19 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     if not (path / layout.COMPLETE_MARKER).exists():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {layout.COMPLETE_MARKER} marker)")
     load_model(model_chunks, path / layout.MODEL_DIR)
-    opt_state = dist_checkpointing.load(
-        optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True,
-                                     metadata=OPTIMIZER_STATE_METADATA),
-        str(path / layout.OPTIMIZER_DIR),
-    )
-    with torch.no_grad():  # fp32 training: the distributed optimizer's main params are views of the model's leaves
-        optimizer.load_state_dict(opt_state)
-        _reapply_adam_steps(optimizer)
+    if _optimizer_state_saved(path / layout.OPTIMIZER_DIR):
+        opt_state = dist_checkpointing.load(
+            optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True,
+                                         metadata=OPTIMIZER_STATE_METADATA),
+            str(path / layout.OPTIMIZER_DIR),
+        )
+        with torch.no_grad():  # fp32 training: the distributed optimizer's main params are views of model leaves
+            optimizer.load_state_dict(opt_state)
+            _reapply_adam_steps(optimizer)
+    else:
+        # Written before the optimizer's first applied update: it had no state then, and this fresh one has none
+        # either (loading would ask for Adam moments that were never saved). Its main copies follow the model.
+        optimizer.reload_model_params()
     rng = layout.rng_file(path, _rank())
     if not rng.exists():
         raise CheckpointError(f"{rng} is missing: resume with the world size the checkpoint was written with")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
 
 from dapo_megatron.data.schema import DapoRow, RowValidationError, validate_row
+from dapo_megatron.user_errors import DataError
 
 if TYPE_CHECKING:
     import datasets
@@ -118,15 +119,19 @@ def iter_raw_rows(
     path = Path(path_or_name)
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".parquet") and not path.exists():
-        raise FileNotFoundError(f"{path}: no such data file")
+        raise DataError(f"{path}: no such data file")
     if suffix in (".jsonl", ".json"):
         return _iter_jsonl(path, on_bad_row=on_bad_row, report=report)
     if path.exists() and suffix != ".parquet":
-        raise ValueError(f"{path}: unsupported file type {suffix!r}; expected .jsonl, .json or .parquet")
+        raise DataError(f"{path}: unsupported file type {suffix!r}; expected .jsonl, .json or .parquet")
     import datasets  # only parquet and hub sources need arrow
 
     if suffix == ".parquet":
-        return _iter_arrow_dataset(datasets.Dataset.from_parquet(str(path)))
+        try:
+            dataset = datasets.Dataset.from_parquet(str(path))
+        except Exception as error:  # pyarrow's errors name no file
+            raise DataError(f"{path}: not a readable parquet file ({type(error).__name__}: {error})") from error
+        return _iter_arrow_dataset(dataset)
     logger.info("%s is not a local path; loading it from the Hugging Face hub (split=%s)", path_or_name, split)
     return _iter_arrow_dataset(datasets.load_dataset(str(path_or_name), split=split))
 

@@ -15,6 +15,7 @@ from typing import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from dapo_megatron.data.schema import DapoRow
+from dapo_megatron.user_errors import ModelFolderError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ def build_prompt_records(
     if max_prompt_length <= 0:
         raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
     if tokenizer.chat_template is None:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; prompts need one")
+        raise ModelFolderError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; prompts need one "
+                               f"(transformers reads it from tokenizer_config.json or chat_template.jinja)")
     texts = render_prompt_texts(rows, tokenizer)
     records: list[PromptRecord] = []
     num_filtered = 0

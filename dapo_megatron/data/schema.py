@@ -21,12 +21,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NoReturn
 
+from dapo_megatron.user_errors import DataError
+
 CHAT_ROLES = ("system", "user", "assistant")
 INTEGER_PATTERN = re.compile(r"-?\d+")
 FailFn = Callable[[str, str], NoReturn]
 
 
-class RowValidationError(ValueError):
+class RowValidationError(DataError, ValueError):
     """A malformed row: says which file, which row (0-based, plus ``extra_info.index`` when known) and which field."""
 
     def __init__(self, source: str, row: int, field: str, problem: str, index: str | int | None = None):

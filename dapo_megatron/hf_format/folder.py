@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from dapo_megatron.user_errors import ModelFolderError
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -31,7 +33,7 @@ SIDE_FILES = (
 )
 
 
-class HFFormatError(ValueError):
+class HFFormatError(ModelFolderError, ValueError):
     """An HF model folder is unusable: a weight file missing, truncated or corrupted, or tensors that do not fit
     the model. The message names the file and tensors."""
 

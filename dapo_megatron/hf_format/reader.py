@@ -35,7 +35,7 @@ def list_tensors(model_dir: str | Path) -> dict[str, StoredTensor]:
     elif (model_dir / SINGLE_FILE).is_file():
         return read_safetensors_header(model_dir / SINGLE_FILE)
     else:
-        raise HFFormatError(f"{model_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}: no weights")
+        raise HFFormatError(f"{model_dir} has no weights (neither {INDEX_FILE} nor {SINGLE_FILE})")
 
     tensors: dict[str, StoredTensor] = {}
     by_file: dict[str, list[str]] = {}

@@ -15,14 +15,21 @@ import urllib.request
 from typing import Any
 
 from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.user_errors import ServerError
 
 
-class ServerFailure(RolloutError):
+class SGLangServerError(RolloutError, ServerError):
+    """An SGLang server is missing, failed for good, or answered something unusable (exit code of the ``server``
+    kind, :mod:`dapo_megatron.user_errors`); the message names the server."""
+
+
+class ServerFailure(SGLangServerError):
     """The server did not answer (connection refused/reset, no reply within the timeout) or answered 5xx."""
 
 
-class ServerReplyError(RolloutError):
-    """The server answered with an HTTP error or a reply that says the operation failed."""
+class ServerReplyError(SGLangServerError):
+    """The server answered with an HTTP error, a reply that says the operation failed, or one that is not what the
+    endpoint returns (e.g. another program listens at the URL)."""
 
 
 class SGLangClient:
@@ -67,7 +74,10 @@ class SGLangClient:
     def generate(self, payload: dict[str, Any], *, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """``POST /generate``; always returns a list of outputs (SGLang returns a dict for a single one)."""
         reply = self._call("POST", "/generate", payload, timeout_s=timeout_s)
-        return reply if isinstance(reply, list) else [reply]
+        outputs = reply if isinstance(reply, list) else [reply]
+        if not all(isinstance(output, dict) and "output_ids" in output for output in outputs):
+            raise self._unexpected("POST", "/generate", reply, "a list of outputs with output_ids")
+        return outputs
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -77,13 +87,23 @@ class SGLangClient:
         return status == 200
 
     def model_info(self) -> dict[str, Any]:
-        return self._call("GET", "/model_info")
+        return self._json_object("GET", "/model_info", required="weight_version")
 
     def served_weight_version(self) -> str:
         return str(self.model_info()["weight_version"])
 
     def server_info(self) -> dict[str, Any]:
-        return self._call("GET", "/server_info")
+        return self._json_object("GET", "/server_info")
+
+    def _json_object(self, method: str, path: str, *, required: str | None = None) -> dict[str, Any]:
+        reply = self._call(method, path)
+        if not isinstance(reply, dict) or (required is not None and required not in reply):
+            raise self._unexpected(method, path, reply, "a JSON object" + (f" with {required!r}" if required else ""))
+        return reply
+
+    def _unexpected(self, method: str, path: str, reply: Any, expected: str) -> ServerReplyError:
+        return ServerReplyError(f"{method} {self.base_url}{path} answered {_short(reply, 200)!r}, not {expected}: "
+                                f"is an SGLang server listening there?")
 
     # ---- control ------------------------------------------------------------------------------------------------
     def pause_generation(self) -> None:

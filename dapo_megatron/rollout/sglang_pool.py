@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.rollout.sglang_client import SGLangClient
+from dapo_megatron.rollout.sglang_client import SGLangClient, SGLangServerError
 from dapo_megatron.rollout.sglang_gpus import server_gpu_ranges, trainer_local_world_size
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, require_sglang, server_python
 
@@ -119,12 +119,12 @@ class ServerPool:
         for index, url in enumerate(config.urls):
             client = SGLangClient(url, api_key, config.request_timeout_s)
             if not client.healthy(timeout_s=min(30.0, config.request_timeout_s)):
-                raise RolloutError(f"SGLang server {url} is not healthy (GET /health failed)")
+                raise SGLangServerError(f"SGLang server {url} is not healthy (GET /health failed)")
             self.slots.append(ServerSlot(index=index, client=client, tp_size=config.tp_per_server,
                                          same_host=is_this_host(url)))
         versions = {slot.client.served_weight_version() for slot in self.slots}
         if len(versions) != 1:
-            raise RolloutError(f"attached servers serve different weight versions: {sorted(versions)}")
+            raise SGLangServerError(f"attached servers serve different weight versions: {sorted(versions)}")
         version = versions.pop()
         if not version.isdigit():  # a fresh server says "default": these are the initial weights, version 0
             for slot in self.slots:
@@ -133,7 +133,7 @@ class ServerPool:
         infos = [slot.client.server_info() for slot in self.slots]
         for slot, info in zip(self.slots, infos):
             if "tp_size" not in info:
-                raise RolloutError(f"{slot.client.base_url}/server_info has no tp_size; is it an SGLang server?")
+                raise SGLangServerError(f"{slot.client.base_url}/server_info has no tp_size; is it an SGLang server?")
             slot.tp_size = int(info["tp_size"])
         self.deterministic = all(bool(info.get("enable_deterministic_inference")) for info in infos)
         return int(version)
@@ -177,7 +177,7 @@ class ServerPool:
                     return slot, slot.generation
                 if all(slot.down_reason is not None for slot in self.slots):
                     reasons = "; ".join(f"server {s.index}: {s.down_reason}" for s in self.slots)
-                    raise RolloutError(f"no SGLang server left to generate on ({reasons})")
+                    raise SGLangServerError(f"no SGLang server left to generate on ({reasons})")
                 self._dispatch.wait(timeout=5.0)
 
     def release(self, slot: ServerSlot) -> None:

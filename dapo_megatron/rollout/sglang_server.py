@@ -39,7 +39,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.rollout.sglang_client import SGLangServerError
 from dapo_megatron.rollout.sglang_cpu import server_pythonpath
 from dapo_megatron.rollout.sglang_gpus import NCCL_CUMEM_OFF, nccl_carries_weights
 
@@ -84,13 +84,13 @@ def require_sglang(python: str) -> None:
     try:
         result = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
-        raise RolloutError(f"SGLang server python {python!r} does not exist") from None
+        raise SGLangServerError(f"SGLang server python {python!r} does not exist") from None
     except subprocess.TimeoutExpired:
-        raise RolloutError(f"SGLang server python {python!r} did not answer a version probe in 60 s") from None
+        raise SGLangServerError(f"SGLang server python {python!r} did not answer a version probe in 60 s") from None
     if result.returncode == 3:
-        raise RolloutError(f"SGLang is not installed for the server python {python!r}: {INSTALL_HINT}")
+        raise SGLangServerError(f"SGLang is not installed for the server python {python!r}: {INSTALL_HINT}")
     if result.returncode != 0:
-        raise RolloutError(f"SGLang server python {python!r} failed to run: {result.stderr.strip()[-2000:]}")
+        raise SGLangServerError(f"SGLang server python {python!r} failed to run: {result.stderr.strip()[-2000:]}")
 
 
 def find_free_port(host: str) -> int:
@@ -208,7 +208,7 @@ class SGLangServerProcess:
                 code = None if self._process is None else self._process.returncode
                 tail = self.log_tail()
                 self.stop()
-                raise RolloutError(f"SGLang server {self.index} exited with code {code} during startup "
+                raise SGLangServerError(f"SGLang server {self.index} exited with code {code} during startup "
                                    f"(log {self.log_path}):\n{tail}")
             if self._health_ok():
                 self._shared_memory_files = _mapped_shared_memory_files(_process_tree(self._process.pid))
@@ -216,7 +216,7 @@ class SGLangServerProcess:
             if time.monotonic() > deadline:
                 tail = self.log_tail()
                 self.stop()
-                raise RolloutError(f"SGLang server {self.index} was not healthy after {timeout_s:.0f} s "
+                raise SGLangServerError(f"SGLang server {self.index} was not healthy after {timeout_s:.0f} s "
                                    f"(log {self.log_path}):\n{tail}")
             time.sleep(1.0)
 

@@ -146,6 +146,8 @@ class DAPOTrainer:
 
     def run(self) -> dict:
         step = self.restore() if self.resume else 0
+        if step == 0:
+            self.writer.truncate_after(-1)  # a fresh start: rows of an earlier run in this directory would repeat
         self.hand_off_weights(version=step)  # the engine serves the policy's weights from the first rollout on
         if step == 0:
             self.first_eval = self.validate()

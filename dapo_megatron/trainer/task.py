@@ -1,15 +1,22 @@
 """The prompts a run trains and evaluates on, from ``data.*``: DAPO-Math-17K files (+ e.g. AIME-2024 for
-validation) or the synthetic arithmetic task (train split + held-out split excluded by expression)."""
+validation) or the synthetic arithmetic task (train split + held-out split excluded by expression).
+
+A data file is read once per process (:func:`load_data_file`): the input checks before a run starts read it and the
+trainer then uses what they read.
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.data.dapo_math import load_dapo_math
+from dapo_megatron.data.dapo_math import DapoMathData, load_dapo_math
 from dapo_megatron.data.prompts import PromptRecord, build_prompt_records
 from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic import SyntheticSplit, make_split
+from dapo_megatron.user_errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +33,24 @@ def _synthetic_rows(config: DAPOConfig, split_name: str) -> list:
     return [validate_row(r, source=source, row=i, integer_answers=True) for i, r in enumerate(rows)]
 
 
-def _file_rows(config: DAPOConfig, paths: list[str]) -> list:
+def load_data_file(config: DAPOConfig, path: str) -> DapoMathData:
+    """``path`` read and validated with the ``data.*`` settings (a :class:`~dapo_megatron.user_errors.DataError`
+    naming the file, and the row, when it cannot be used); the same file unchanged is read only once."""
     d = config.data
-    return [row for path in paths
-            for row in load_dapo_math(path, integer_answers=d.integer_answers, on_bad_row=d.on_bad_row).rows]
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except OSError:
+        stamp = None  # missing (the loader says so) or a hub name
+    return _load_data_file(path, stamp, d.integer_answers, d.on_bad_row)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_data_file(path: str, stamp: int | None, integer_answers: bool, on_bad_row: str) -> DapoMathData:
+    return load_dapo_math(path, integer_answers=integer_answers, on_bad_row=on_bad_row)
+
+
+def _file_rows(config: DAPOConfig, paths: list[str]) -> list:
+    return [row for path in paths for row in load_data_file(config, path).rows]
 
 
 def train_prompts(config: DAPOConfig, tokenizer) -> tuple[PromptRecord, ...]:
@@ -41,7 +62,8 @@ def train_prompts(config: DAPOConfig, tokenizer) -> tuple[PromptRecord, ...]:
         logger.warning("dropped %d training prompts longer than data.max_prompt_length=%d",
                        train.num_filtered_too_long, d.max_prompt_length)
     if not train.records:
-        raise ValueError("no training prompt is left after length filtering (data.max_prompt_length too small?)")
+        raise DataError(f"no training prompt is left after length filtering: every one is longer than "
+                        f"data.max_prompt_length={d.max_prompt_length} tokens")
     return train.records
 
 
