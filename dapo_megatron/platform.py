@@ -180,6 +180,24 @@ def _parse_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+def local_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """Trainer ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, SLURM's tasks on this node, else 1."""
+    env = os.environ if environ is None else environ
+    if "LOCAL_WORLD_SIZE" in env:
+        return int(env["LOCAL_WORLD_SIZE"])
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    if "SLURM_TASKS_PER_NODE" in env:  # e.g. "4(x2),3": 4 tasks on each of the first two nodes, 3 on the third
+        per_node = []
+        for part in env["SLURM_TASKS_PER_NODE"].split(","):
+            match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+            if match is None:
+                raise ValueError(f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']!r} is not in SLURM's format")
+            per_node += [int(match.group(1))] * int(match.group(2) or 1)
+        return per_node[int(env.get("SLURM_NODEID", 0))]
+    return 1
+
+
 def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the process layout from torchrun variables, else SLURM variables, else a single process."""
     env = os.environ if environ is None else environ

@@ -16,13 +16,9 @@ import pytest
 import torch
 
 from dapo_megatron.config import ConfigError, SGLangConfig, load_config
+from dapo_megatron.platform import local_world_size
 from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.rollout.sglang_gpus import (
-    nccl_carries_weights,
-    server_gpu_ranges,
-    trainer_local_world_size,
-    trainer_nccl_env,
-)
+from dapo_megatron.rollout.sglang_gpus import nccl_carries_weights, server_gpu_ranges, trainer_nccl_env
 from dapo_megatron.rollout.sglang_pool import ServerPool
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, served_dtype
 
@@ -63,11 +59,11 @@ def test_a_layout_beyond_the_node_names_the_keys():
 
 
 def test_trainer_ranks_per_node_come_from_the_launcher():
-    assert trainer_local_world_size({"LOCAL_WORLD_SIZE": "4", "SLURM_NTASKS_PER_NODE": "8"}) == 4  # torchrun
-    assert trainer_local_world_size({"SLURM_NTASKS_PER_NODE": "8"}) == 8
-    assert trainer_local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}) == 3
-    assert trainer_local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3"}) == 4
-    assert trainer_local_world_size({}) == 1
+    assert local_world_size({"LOCAL_WORLD_SIZE": "4", "SLURM_NTASKS_PER_NODE": "8"}) == 4  # torchrun
+    assert local_world_size({"SLURM_NTASKS_PER_NODE": "8"}) == 8
+    assert local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}) == 3
+    assert local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3"}) == 4
+    assert local_world_size({}) == 1
 
 
 def test_gpu_and_memory_arguments_of_a_cuda_server(tmp_path):

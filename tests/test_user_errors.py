@@ -67,6 +67,58 @@ def test_config_without_weights_is_refused_before_a_model_is_built(tmp_path):
     assert peak_gib < 4, f"the refused run peaked at {peak_gib:.1f} GiB"
 
 
+def _sparse_model_folder(folder: Path, config: dict, tokenizer_from: Path) -> Path:
+    """A model folder whose weights file has a true header for every tensor ``config`` implies and a data region of
+    the right size that is a hole in the file (no disk used): it passes every header check, and is never read."""
+    import torch
+
+    from dapo_megatron.hf_format.header import encode_safetensors_header
+    from dapo_megatron.policy.model import model_spec_from_hf
+    from dapo_megatron.policy.weight_mapping import ShardGeometry, full_model_mappings, hf_shapes
+    from transformers import Qwen2Config
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    spec = model_spec_from_hf(Qwen2Config(**{k: v for k, v in config.items() if k != "model_type"}))
+    layout = [(name, torch.empty(shape, dtype=torch.float32, device="meta"))
+              for mapping in full_model_mappings(spec)
+              for name, shape in zip(mapping.hf_names, hf_shapes(mapping, ShardGeometry(spec, 1)), strict=True)]
+    header = encode_safetensors_header(layout)
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + sum(t.numel() * 4 for _, t in layout))
+    for file in tokenizer_from.iterdir():
+        if "token" in file.name or file.name.startswith("chat_template"):
+            (folder / file.name).write_bytes(file.read_bytes())
+    return folder
+
+
+def test_model_too_large_for_this_machine_is_refused_naming_both_numbers(tmp_path, model_dir):
+    """A complete-looking Qwen2-7B folder (the config's defaults; sparse weights) trained in fp32 on this CPU host:
+    refused with the estimate and the host's memory, before any weight is read or any model built."""
+    folder = _sparse_model_folder(tmp_path / "qwen2_7b_shape", {"model_type": "qwen2"}, model_dir)
+    result = train(tmp_path / "run", "model.source=hf", f"model.hf_path={folder}", "model.precision=fp32")
+    line = assert_one_line_error(result, "config", "needs an estimated")
+    assert "GiB" in line.split("needs an estimated")[1] and "this host has" in line, line
+    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    assert peak_gib < 4, f"the refused run peaked at {peak_gib:.1f} GiB"
+
+
+def test_training_memory_check_compares_the_estimate_with_what_is_there():
+    """The decision itself, with the available memory given: the same model passes with room and is refused
+    without; on CPU the trainer ranks of this host share it."""
+    from dapo_megatron.config import ConfigError, load_config
+    from dapo_megatron.policy.shapes import published_hf_config
+    from dapo_megatron.policy.model import model_spec_from_hf
+    from dapo_megatron.trainer.input_checks import check_training_memory
+
+    config = load_config(TINY, ["model.source=hf", "model.hf_path=/models/Qwen2.5-0.5B", "model.precision=bf16"])
+    spec = model_spec_from_hf(published_hf_config("Qwen2.5-0.5B"))
+    check_training_memory(config, spec, world_size=1, available=(10**12, "a big host"))
+    with pytest.raises(ConfigError, match=r"needs an estimated [\d.]+ GiB .* but a small host has 1\.0 GiB"):
+        check_training_memory(config, spec, world_size=1, available=(2**30, "a small host"))
+
+
 @pytest.mark.slow
 def test_folder_whose_weights_were_removed(tmp_path, model_dir):
     folder = copy_model(model_dir, tmp_path / "no_weights", without=("model.safetensors",))

@@ -16,9 +16,7 @@ before ``init_distributed``; the servers get it in their launch environment.
 
 from __future__ import annotations
 
-import os
-import re
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from dapo_megatron.config import ConfigError
 
@@ -26,24 +24,6 @@ if TYPE_CHECKING:
     from dapo_megatron.config import DAPOConfig, SGLangConfig
 
 NCCL_CUMEM_OFF = {"NCCL_CUMEM_ENABLE": "0"}
-
-
-def trainer_local_world_size(environ: Mapping[str, str] | None = None) -> int:
-    """Trainer ranks on this (rank 0's) node: torchrun's ``LOCAL_WORLD_SIZE``, SLURM's tasks on this node, else 1."""
-    env = os.environ if environ is None else environ
-    if "LOCAL_WORLD_SIZE" in env:
-        return int(env["LOCAL_WORLD_SIZE"])
-    if "SLURM_NTASKS_PER_NODE" in env:
-        return int(env["SLURM_NTASKS_PER_NODE"])
-    if "SLURM_TASKS_PER_NODE" in env:  # e.g. "4(x2),3": 4 tasks on each of the first two nodes, 3 on the third
-        per_node = []
-        for part in env["SLURM_TASKS_PER_NODE"].split(","):
-            match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-            if match is None:
-                raise ValueError(f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']!r} is not in SLURM's format")
-            per_node += [int(match.group(1))] * int(match.group(2) or 1)
-        return per_node[int(env.get("SLURM_NODEID", 0))]
-    return 1
 
 
 def server_gpu_ranges(config: "SGLangConfig", *, trainer_local_ranks: int, visible_gpus: int) -> list[range]:

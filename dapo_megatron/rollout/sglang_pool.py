@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Literal
 
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang_client import SGLangClient, SGLangServerError
-from dapo_megatron.rollout.sglang_gpus import server_gpu_ranges, trainer_local_world_size
+from dapo_megatron.platform import local_world_size
+from dapo_megatron.rollout.sglang_gpus import server_gpu_ranges
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, require_sglang, server_python
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class ServerPool:
         if self.device == "cuda":
             import torch
 
-            gpus = server_gpu_ranges(config, trainer_local_ranks=trainer_local_world_size(),
+            gpus = server_gpu_ranges(config, trainer_local_ranks=local_world_size(),
                                      visible_gpus=torch.cuda.device_count())
         else:
             gpus = [None] * config.num_servers

@@ -5,7 +5,9 @@
 :class:`~dapo_megatron.user_errors.UserError` on every rank within seconds:
 
 * the user's model folder (``model.source = hf``): :func:`dapo_megatron.trainer.model_source.check_model_folder`,
-  and whether it splits over ``parallel.tensor`` × ``parallel.pipeline``;
+  whether it splits over ``parallel.tensor`` × ``parallel.pipeline``, and, for training, whether its estimated
+  memory (:mod:`dapo_megatron.policy.memory`) fits what a GPU has — or, on CPU, what this host has for the trainer
+  ranks it runs (:func:`check_training_memory`);
 * the data files (``data.source = dapo_math``): read and validated, every row (the trainer reuses what was read);
 * the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory (none
   is fine: the run starts at step 0), ``eval --ckpt`` the one named.
@@ -23,9 +25,12 @@ from dapo_megatron.trainer.model_source import check_model_folder
 
 def check_run_inputs(config: DAPOConfig, *, world_size: int, resume: bool = False,
                      checkpoint: str | Path | None = None) -> None:
-    """Raise the :class:`~dapo_megatron.user_errors.UserError` of the first bad input (see the module docstring)."""
+    """Raise the :class:`~dapo_megatron.user_errors.UserError` of the first bad input (see the module docstring).
+    ``checkpoint``: the one ``eval`` reads (then nothing is trained, so the training memory is not checked)."""
     if config.model.source == "hf":
-        check_user_model(config)
+        spec = check_user_model(config)
+        if checkpoint is None:
+            check_training_memory(config, spec, world_size=world_size)
     check_data_files(config)
     if resume:
         check_resume_checkpoint(Path(config.trainer.run_dir) / "checkpoints", world_size)
@@ -33,7 +38,8 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, resume: bool = Fals
         check_model_checkpoint(Path(checkpoint))
 
 
-def check_user_model(config: DAPOConfig) -> None:
+def check_user_model(config: DAPOConfig):
+    """The user's model folder, checked; returns its :class:`~dapo_megatron.policy.model.ModelSpec`."""
     from dapo_megatron.policy.model import ParallelLayoutError, check_parallel_layout
 
     spec = check_model_folder(config.model.hf_path, tokenizer_path=config.model.tokenizer_path)
@@ -43,6 +49,56 @@ def check_user_model(config: DAPOConfig) -> None:
     except ParallelLayoutError as error:
         raise ConfigError(f"parallel.tensor={p.tensor} / parallel.pipeline={p.pipeline} do not fit the model in "
                           f"{config.model.hf_path}: {error}") from None
+    return spec
+
+
+# A CPU rank's own cost besides its share of the model (Python, torch, megatron-core), measured at ~0.6-0.9 GB RSS
+# for a tiny model; it replaces the GPU plan's fixed CUDA-context margin on CPU.
+CPU_PROCESS_BYTES = 10**9
+
+
+def check_training_memory(config: DAPOConfig, spec, *, world_size: int, available: tuple[int, str] | None = None
+                          ) -> None:
+    """Refuse a layout whose estimated training memory exceeds what is there, naming both numbers.
+
+    On GPU every rank has its own device: the largest stage's estimate must fit one GPU. On CPU the trainer ranks of
+    this host share its memory: the largest stage's estimate (without the GPU plan's CUDA margin, plus a process's
+    own cost) times the ranks on this host must fit the host's RAM. ``available``: (bytes, what they are), for
+    tests; default: this machine's."""
+    import torch
+
+    from dapo_megatron.plan import plan_stages
+    from dapo_megatron.platform import local_world_size
+    from dapo_megatron.policy.model import transformer_engine_usable
+
+    p = config.parallel
+    data_parallel = max(world_size // (p.tensor * p.pipeline), 1)
+    stages, _ = plan_stages(config, spec, data_parallel=data_parallel, local_spec=not transformer_engine_usable())
+    largest = max(stages, key=lambda stage: stage.total_bytes)
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        need, ranks = largest.total_bytes, 1
+    else:
+        ranks = min(local_world_size(), world_size)
+        need = ranks * (largest.total_bytes - largest.margin_bytes + CPU_PROCESS_BYTES)
+    have, what = available or _available_memory(on_gpu)
+    if need > have:
+        per = f"{ranks} trainer ranks on this host × " if ranks > 1 else ""
+        raise ConfigError(
+            f"model.hf_path: training {config.model.hf_path} ({spec.num_layers} layers, hidden {spec.hidden_size}, "
+            f"vocab {spec.vocab_size}) at TP={p.tensor} PP={p.pipeline} DP={data_parallel} in "
+            f"{config.model.precision} needs an estimated {need / 2**30:.1f} GiB ({per}pipeline stage "
+            f"{largest.stage}: `dapo-megatron plan` breaks it down), but {what} has {have / 2**30:.1f} GiB")
+
+
+def _available_memory(on_gpu: bool) -> tuple[int, str]:
+    import psutil
+    import torch
+
+    if on_gpu:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory, f"GPU {torch.cuda.current_device()} ({props.name})"
+    return psutil.virtual_memory().total, "this host"
 
 
 def check_data_files(config: DAPOConfig) -> None:
