@@ -89,14 +89,15 @@ def prepare_workload(args: argparse.Namespace, work_dir: Path) -> dict:
     from dapo_megatron.data.prompts import build_prompt_records
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.data.schema import validate_row
-    from dapo_megatron.trainer.model_source import load_tokenizer, prepare_initial_model
+    from dapo_megatron.tiny_model import prepare_tiny_model
+    from dapo_megatron.trainer.model_source import load_tokenizer
     from dapo_megatron.trainer.task import synthetic_split
 
     prompts_per_step = 8 * args.batch_scale
     config = bench_config(args.seed)
     tiny = config.model.tiny
-    model_dir = prepare_initial_model(config, work_dir).hf_dir
-    tokenizer = load_tokenizer(model_dir)
+    model_dir = prepare_tiny_model(config, work_dir / "model")
+    tokenizer = load_tokenizer(config, model_dir)
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as weights:
         num_params = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
     # The trainer's prompt pipeline (trainer.task.build_task), keeping the rows for their chat messages.

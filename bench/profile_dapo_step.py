@@ -96,24 +96,27 @@ def main() -> None:
     from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
-    from dapo_megatron.policy.packing import BatchingConfig, PolicySample, pack_micro_batches
+    from dapo_megatron.policy.batch_plan import PackedBatching, PaddedBatching
+    from dapo_megatron.policy.packing import PolicySample, pack_micro_batches
     from dapo_megatron.rollout.embedded import EmbeddedEngine
     from dapo_megatron.rollout.engine import SamplingParams
-    from dapo_megatron.trainer.loop import actor_config_from
-    from dapo_megatron.trainer.model_source import load_tokenizer, prepare_initial_model
-    from dapo_megatron.trainer.task import build_task
+    from dapo_megatron.tiny_model import prepare_tiny_model
+    from dapo_megatron.trainer.model_source import load_tokenizer
+    from dapo_megatron.trainer.task import train_prompts
 
     config = bench_config(args.seed)
     reps = args.reps
     with tempfile.TemporaryDirectory(prefix="profile_dapo_step_") as tmp:
-        model_dir = prepare_initial_model(config, Path(tmp)).hf_dir
-        tokenizer = load_tokenizer(model_dir)
-        records = PromptSampler(build_task(config, tokenizer).train, batch_size=8 * args.batch_scale,
+        model_dir = prepare_tiny_model(config, Path(tmp) / "model")
+        tokenizer = load_tokenizer(config, model_dir)
+        records = PromptSampler(train_prompts(config, tokenizer), batch_size=8 * args.batch_scale,
                                 seed=args.seed).next_batch()
         init_distributed(1, 1)
         seed_everything(args.seed)
         spec = load_model_spec(model_dir)
-        actor = build_actor(spec, actor_config_from(config))
+        c = config
+        actor = build_actor(spec, model=c.model, parallel=c.parallel, optim=c.optim, algorithm=c.algorithm,
+                            micro_batch_tokens=c.trainer.micro_batch_tokens, temperature=c.rollout.temperature)
         load_hf_weights(actor.model, spec, model_dir)
         actor.optimizer.reload_model_params()
         engine = EmbeddedEngine.from_hf_directory(model_dir)
@@ -136,8 +139,7 @@ def main() -> None:
           f"{padded_tokens}; trainer.micro_batch_tokens = {budget}; {reps} reps, CPU ms")
 
     def hand_off():
-        engine.update_weights((named for bucket in gather_hf_buckets_to_rank0(actor.model, spec) for named in bucket),
-                              version=1)
+        engine.update_weights(gather_hf_buckets_to_rank0(actor.model, spec), version=1)
 
     phases = {"gen": lambda: engine.generate(prompts, params), "old_logprob": lambda: actor.compute_logprobs(samples),
               "update": lambda: actor.train_minibatch(samples), "handoff": hand_off}
@@ -172,13 +174,13 @@ def main() -> None:
 
     hooks = [hook for m in actor.model.modules() if isinstance(m, DotProductAttention)
              for hook in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-    layouts = [(f"packed {n} tokens/row", BatchingConfig(token_budget=n)) for n in (256, 512, 1024)]
-    layouts += [(f"padded {n} samples/mb", BatchingConfig(mode="padded", samples_per_micro_batch=n))
+    layouts = [(f"packed {n} tokens/row", PackedBatching(token_budget=n)) for n in (256, 512, 1024)]
+    layouts += [(f"padded {n} samples/mb", PaddedBatching(samples_per_micro_batch=n))
                 for n in sorted({1, 64, len(samples)}) if n <= len(samples)]
     per_micro_batch = {}
     for label, batching in layouts:
         count = (len(pack_micro_batches(samples, token_budget=batching.token_budget, layout=actor.layout))
-                 if batching.mode == "packed" else -(-len(samples) // batching.samples_per_micro_batch))
+                 if isinstance(batching, PackedBatching) else -(-len(samples) // batching.samples_per_micro_batch))
         attention[0] = 0.0
         start = time.process_time()
         actor.compute_logprobs(samples, batching=batching)

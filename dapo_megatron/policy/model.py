@@ -248,16 +248,16 @@ def transformer_config(
     )
 
 
-def layer_spec(use_transformer_engine: bool):
-    """megatron layer spec: TE modules (fused norm+linear, FP8-capable) or megatron's local torch modules."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+def layer_spec(use_transformer_engine: bool, spec: ModelSpec):
+    """megatron layer spec: TE modules (fused norm+linear, FP8-capable) or megatron's local torch modules with a core
+    attention that applies ``spec``'s RoPE itself and takes packed rows (:mod:`dapo_megatron.policy.cpu_attention`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from dapo_megatron.policy.cpu_attention import RotarySettings, local_layer_spec
 
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    return local_layer_spec(RotarySettings(spec.rope_theta, spec.rope_llama3_factor))
 
 
 def build_model(spec: ModelSpec, tconfig, *, use_transformer_engine: bool | None = None):
@@ -277,14 +277,14 @@ def build_model(spec: ModelSpec, tconfig, *, use_transformer_engine: bool | None
         )
     return GPTModel(
         config=tconfig,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=layer_spec(use_te, spec),
         vocab_size=padded_vocab_size(spec.vocab_size, tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if use_te else "none",  # the local spec's attention applies RoPE itself
         rotary_base=spec.rope_theta,
         rope_scaling=spec.rope_llama3_factor is not None,
         rope_scaling_factor=spec.rope_llama3_factor or 8.0,

@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from dapo_megatron import cpu_compat
 from dapo_megatron.hf_format import Bucket, TensorMismatch, WrongShape, bucketed, iter_tensors, load_hf_config
 from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache
 from dapo_megatron.rollout.engine import (
@@ -206,17 +207,18 @@ class EmbeddedEngine(RolloutEngine):
         )
         rows_per_chunk = self._chunk_size(max(len(prompt) for prompt in prompts), params.max_new_tokens)
         results: dict[tuple[int, int], GeneratedRow] = {}
-        for start in range(0, len(rows), rows_per_chunk):
-            chunk_rows = rows[start : start + rows_per_chunk]
-            chunk_index = torch.tensor(chunk_rows)  # [rows, 2]: (prompt index, sample index)
-            generated = self._generate_chunk(
-                model,
-                [prompts[prompt_index] for prompt_index, _ in chunk_rows],
-                seeds[chunk_index[:, 0], chunk_index[:, 1]],
-                params,
-                sampler,
-            )
-            results.update(zip(chunk_rows, generated))
+        with cpu_compat.suspended():  # HF generation never names CUDA: the device redirect would only slow it down
+            for start in range(0, len(rows), rows_per_chunk):
+                chunk_rows = rows[start : start + rows_per_chunk]
+                chunk_index = torch.tensor(chunk_rows)  # [rows, 2]: (prompt index, sample index)
+                generated = self._generate_chunk(
+                    model,
+                    [prompts[prompt_index] for prompt_index, _ in chunk_rows],
+                    seeds[chunk_index[:, 0], chunk_index[:, 1]],
+                    params,
+                    sampler,
+                )
+                results.update(zip(chunk_rows, generated))
 
         return [
             [
