@@ -3,7 +3,8 @@
 Who does what (every rank calls the same function; it returns/yields nothing on ranks with no part to play):
 
 * Only data-parallel rank 0 takes part — DP replicas hold identical weights.
-* Within each pipeline stage, the TP ranks ``gather`` each parameter's shard to TP rank 0 (the stage's *source*),
+* Within each pipeline stage, the TP ranks ``gather`` each parameter's shard to TP rank 0 (the stage's *source*)
+  — through shared memory when they share a host and no GPU (:mod:`dapo_megatron.handoff.shm_gather`) —
   which turns the shards into full HF tensors through :mod:`dapo_megatron.policy.weight_mapping` (QKV and fc1
   un-interleaved, vocabulary padding removed). Replicated tensors (norms) are not gathered.
 * The source packs the tensors into buckets of at most ``bucket_bytes`` (a single larger tensor travels alone;
@@ -25,6 +26,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.handoff.shm_gather import shared_memory_gather
 from dapo_megatron.hf_format.buckets import Bucket, bucketed, nbytes
 from dapo_megatron.policy.hf_loader import model_stage_mappings, unwrap_model
 from dapo_megatron.policy.model import ModelSpec
@@ -63,16 +65,26 @@ def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
     geometry = ShardGeometry(spec, parallel_state.get_tensor_model_parallel_world_size())
     is_source = parallel_state.get_tensor_model_parallel_rank() == 0
     params = dict(unwrap_model(model).named_parameters())
-    for mapping in model_stage_mappings(model, spec):
-        if not mapping.exported:
-            continue
+    mappings = [m for m in model_stage_mappings(model, spec) if m.exported]
+    split = [params[m.megatron_name].detach() for m in mappings if m.split is not Split.REPLICATED]
+    shm = shared_memory_gather(parallel_state.get_tensor_model_parallel_group(), split)  # same-host CPU ranks
+    if shm is not None:
+        shm.stage(split)
+    number = 0
+    for mapping in mappings:
         shard = params[mapping.megatron_name]
-        shards = [shard.detach()] * geometry.tensor_parallel if mapping.split is Split.REPLICATED else _gather_shards(shard)
+        if mapping.split is Split.REPLICATED:
+            shards = [shard.detach()] * geometry.tensor_parallel
+        else:
+            shards = _gather_shards(shard) if shm is None else shm.shards(number, shard) if is_source else None
+            number += 1
         if not is_source:
             continue
         for name, tensor in zip(mapping.hf_names, hf_from_shards(mapping, geometry, shards), strict=True):
             tensor = tensor.contiguous()
             yield name, tensor if dtype is None else tensor.to(dtype)
+    if shm is not None:
+        shm.finish()
 
 
 def export_hf_buckets(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
