@@ -10,6 +10,8 @@ Generation (:meth:`EmbeddedEngine.generate`) is a custom decode loop rather than
   cut into chunks bounded by a row count and a KV-cache byte budget;
 * a chunk is left-padded, masked and cached as :mod:`dapo_megatron.rollout.decode_batch` describes (positions that
   ignore the padding, masks that keep pad slots finite, a KV cache preallocated for the whole decode);
+* the prompt goes through the HF model; every decode step after it through :mod:`dapo_megatron.rollout.lean_decode`
+  (the same operations without transformers' per-call machinery, bit-identical logits);
 * a row finishes on a stop token (kept in its ``token_ids``, reason ``"stop"``) or after ``max_new_tokens``
   (``"length"``); finished rows are dropped from the batch once they are a large enough share of it, which
   shrinks every later forward at the cost of one copy of the cache.
@@ -33,6 +35,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from dapo_megatron import cpu_compat
 from dapo_megatron.hf_format import Bucket, TensorMismatch, WrongShape, bucketed, iter_tensors, load_hf_config
 from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache
+from dapo_megatron.rollout.lean_decode import LeanDecoder
 from dapo_megatron.rollout.engine import (
     EngineHealth,
     FinishReason,
@@ -165,6 +168,7 @@ class EmbeddedEngine(RolloutEngine):
         self._model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         self._model.eval().requires_grad_(False)
         self._config = self._model.config
+        self._decode_step = LeanDecoder(self._model)  # the model's decode step without its per-call machinery
         self._max_batch_rows = max_batch_rows
         self._max_kv_cache_bytes = max_kv_cache_bytes
         self._drop_finished_fraction = drop_finished_fraction
@@ -300,13 +304,9 @@ class EmbeddedEngine(RolloutEngine):
                         layer.batch_select_indices(keep)
                     rows, key_valid, prompt_lengths = rows[keep], key_valid[keep], prompt_lengths[keep]
                     tokens, finished = tokens[keep], finished[keep]
-                logits = model(
-                    input_ids=tokens[:, None],
-                    attention_mask=key_valid[:, None, None, : padded + step + 1],
-                    position_ids=(prompt_lengths + step)[:, None],
-                    cache=cache,
-                    use_cache=True,
-                ).logits[:, -1]
+                logits = self._decode_step(
+                    tokens, key_valid[:, None, None, : padded + step + 1], (prompt_lengths + step)[:, None], cache
+                )
 
         token_lists = out_tokens.tolist()
         logprob_lists = out_logprobs.tolist()
