@@ -12,7 +12,8 @@ then ``engine.update_weights``). Rows (best of ``--repeats``; bytes = the fp32 m
 * ``engine update``: the embedded engine's ``update_weights`` on ready buckets (checks + one copy into its model);
 * ``TP=1 export + engine update``: the trainer's handoff at TP=1;
 * ``TP=2 export, gloo``: the TP gather as a gloo ``gather`` per parameter over loopback;
-* ``TP=2 export, shared memory``: the same-host gather the exporter uses on CPU (:mod:`dapo_megatron.handoff.shm_gather`);
+* ``TP=2 export, shared memory``: the same-host gather the exporter uses on CPU
+  (:mod:`dapo_megatron.handoff.shm_gather`);
 * ``TP=2 export + engine update`` and ``TP=2 export + disk snapshot`` (the SGLang disk transport's folder).
 """
 

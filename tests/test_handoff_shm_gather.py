@@ -52,7 +52,8 @@ def test_shared_memory_gather_equals_the_gloo_gather(tmp_path):
     save_random_hf_model(model_dir, tiny_config("qwen2"), seed=0)
     rank0, rank1 = run_distributed(_exports_job, 2, str(model_dir))
     assert rank1["first"] == {} and rank1["over_gloo"] == {}  # rank 0 receives everything
-    assert rank0["mapped_without"] == 0 and rank0["mapped_with"] == 1  # the shared-memory path ran (control: not before)
+    # the shared-memory path ran (control: it had not before)
+    assert rank0["mapped_without"] == 0 and rank0["mapped_with"] == 1
     assert rank0["first"].keys() == rank0["over_gloo"].keys()
     for name, tensor in rank0["over_gloo"].items():
         assert torch.equal(rank0["first"][name], tensor), name

@@ -99,7 +99,8 @@ class _Rotation:
 
 
 class PackedSequenceAttention(DotProductAttention):
-    """megatron's ``DotProductAttention`` with RoPE inside it and the ``"segments"`` packed layout (module docstring)."""
+    """megatron's ``DotProductAttention`` with RoPE inside it and the ``"segments"`` packed layout (see the module
+    docstring)."""
 
     def __init__(self, config, *args, rotary: RotarySettings, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)

@@ -242,7 +242,8 @@ def _response_tensors(samples: Sequence[PolicySample], indices: Sequence[int], s
     def per_token(values, default: float) -> Tensor:
         if all(v is None for v in values):
             return torch.full((int(lengths.sum()),), default)
-        return torch.cat([torch.full((s.response_length,), default) if v is None else v for s, v in zip(picked, values)])
+        return torch.cat([torch.full((s.response_length,), default) if v is None else v
+                          for s, v in zip(picked, values)])
 
     if not picked:
         empty = torch.zeros(0, 0)

@@ -35,7 +35,6 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from dapo_megatron import cpu_compat
 from dapo_megatron.hf_format import Bucket, TensorMismatch, WrongShape, bucketed, iter_tensors, load_hf_config
 from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache
-from dapo_megatron.rollout.lean_decode import LeanDecoder
 from dapo_megatron.rollout.engine import (
     EngineHealth,
     FinishReason,
@@ -44,6 +43,7 @@ from dapo_megatron.rollout.engine import (
     Sample,
     SamplingParams,
 )
+from dapo_megatron.rollout.lean_decode import LeanDecoder
 from dapo_megatron.rollout.sampling import (
     TokenSampler,
     per_sample_seeds,

@@ -10,7 +10,8 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
    (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank;
 5. group-normalized advantages, overlong-filtering masks (:mod:`.samples`, :mod:`dapo_megatron.algorithm.advantages`);
 6. π_old's log-probs of the sampled tokens, recomputed by the policy, forward only — except for the first
-   mini-batch's samples of the current weights, whose π_old the first update's own forward gives (:mod:`.policy_update`);
+   mini-batch's samples of the current weights, whose π_old the first update's own forward gives
+   (:mod:`.policy_update`);
 7. ``train_batch_size / mini_batch_size`` optimizer updates on shuffled mini-batches with the DAPO loss
    (:meth:`dapo_megatron.policy.actor.Actor.train_minibatch`, :mod:`dapo_megatron.algorithm.loss`);
 8. the new weights go to the engine (Megatron shards → HF tensors → ``engine.update_weights``; :mod:`.weight_sync`);

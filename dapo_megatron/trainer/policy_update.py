@@ -77,4 +77,5 @@ def optimizer_updates(actor: Actor, samples: list[PolicySample], plan: UpdatePla
             metrics = actor.train_minibatch(batch)
         updates.append(metrics)
     order = range(len(samples))
-    return updates, PolicyLogProbs(logprobs=[per_sample[i][0] for i in order], entropy=[per_sample[i][1] for i in order])
+    return updates, PolicyLogProbs(logprobs=[per_sample[i][0] for i in order],
+                                   entropy=[per_sample[i][1] for i in order])
