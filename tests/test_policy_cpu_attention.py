@@ -68,7 +68,9 @@ def layouts_job(hf_dir: str, tensor_parallel: int):
             grads = {name: param.main_grad.clone() for name, param in actor.model.named_parameters()}
             results[case, name] = dict(logprobs=logprobs, grads=grads,
                                        micro_batches=len(plan.micro_batches),
-                                       tokens=sum(mb.num_processed_tokens for mb in plan.micro_batches))
+                                       tokens=sum(mb.num_processed_tokens for mb in plan.micro_batches),
+                                       classes=max(len(getattr(mb.packed_seq_params, "classes", ()))
+                                                   for mb in plan.micro_batches))
     results["leaky"] = leaky_logprobs(actor, CASES["shared prompts"]())
     return results
 
@@ -84,7 +86,7 @@ def leaky_logprobs(actor, samples):
     (mb,) = actor._plan(samples, PackedBatching(token_budget=4096)).micro_batches
     row = mb.packed_seq_params
     length = row.slot.numel()
-    leaky = replace(row, views=1, longest=length, gather=torch.arange(length), slot=torch.arange(length))
+    leaky = replace(row, classes=((1, length),), gather=torch.arange(length), slot=torch.arange(length))
     with torch.no_grad():
         logits = actor.model(mb.tokens, mb.position_ids, None, packed_seq_params=leaky)
         rows, _ = actor._response_logprobs(mb, logits, temperature=1.0)
@@ -111,6 +113,7 @@ def assert_layouts_agree(results: dict) -> None:
                                            msg=f"{case}, {name}: gradient of {param}")
         assert results[case, "segments, rows of 24"]["micro_batches"] > 1
         assert results[case, "segments, one row"]["micro_batches"] == 1
+    assert results["distinct prompts", "segments, one row"]["classes"] > 1  # views of several length classes
 
 
 def test_segments_layout_matches_the_dense_mask_and_each_sample_alone(hf_dir):
@@ -156,6 +159,7 @@ def test_rope_inside_the_core_attention_is_megatrons_rope(hf_dir):
 
 
 def test_segmented_row_layout():
+    from dapo_megatron.policy import segment_layout
     from dapo_megatron.policy.segment_layout import segment_bins, segmented_row
 
     prompt = torch.tensor([1, 2, 3])
@@ -168,7 +172,10 @@ def test_segmented_row_layout():
     assert mb.tokens[0].tolist() == [1, 2, 3, 4, 7, 8, 9, 8, 7, 0, 0, 0]
     assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 3, 4, 0, 1, 2, 0, 1, 2]
     row = mb.packed_seq_params
-    assert row.views == 4 and row.longest == 5  # sample 2 (one token, not the prompt's owner) needs no view
+    # views: sample 0 (prompt + 1), sample 3 (prompt + 2), the other prompt + 2, padding; sample 2 (one token, not
+    # the prompt's owner) needs none. Length classes: the views of 5, 4 and 3 tokens, then padding (3 tokens too)
+    assert row.classes == ((4, 5),)
+    assert segment_layout.length_classes([9, 4, 5, 2, 8]) == [([0, 4, 2], 9), ([1, 3], 4)]
     assert torch.equal(row.gather[row.slot], torch.arange(12))  # each position's output slot reads that position
     assert len(set(row.slot.tolist())) == 12
     valid = mb.response_valid

@@ -12,11 +12,12 @@ queries and keys (RoPE) by their position in the row, not in their sample.
   may share positions: every response to the same prompt reads the prompt's positions, so a prompt is embedded,
   projected and run through the MLPs once per row instead of once per sample;
 * each token is rotated by its position in its sample (``positions``), as the rollout engine rotates it;
-* attention gathers every view into a right-padded batch ``[views, heads, longest, head_dim]``, runs causal
-  ``scaled_dot_product_attention`` on it (``longest²`` per view instead of ``row²``) and takes each row position's
-  output from the one view that owns it (``slot``). Right padding is never seen by a real query (causal), padded
-  queries see real keys only (so every value stays finite) and are dropped; a prompt shared by several views gets
-  its key/value gradient from all of them through the gather.
+* attention gathers the views into right-padded batches ``[views, heads, longest, head_dim]`` — one per length
+  class (views at least half as long as the class's longest), so a short response is not padded to the longest
+  one in the row — runs causal ``scaled_dot_product_attention`` on each (``longest²`` per view instead of
+  ``row²``) and takes each row position's output from the one view that owns it (``slot``). Right padding is never
+  seen by a real query (causal), padded queries see real keys only (so every value stays finite) and are dropped;
+  a prompt shared by several views gets its key/value gradient from all of them through the gather.
 
 The result equals the dense masked computation of each sample alone up to float rounding
 (tests/test_policy_cpu_attention.py). Without ``packed_seq_params`` (right-padded rows, the dense-mask layout) the
@@ -54,13 +55,13 @@ class SegmentedRow(PackedSeqParams):
     """``packed_seq_params`` of one packed row in the ``"segments"`` layout (``qkv_format`` stays megatron's "sbhd":
     the tensors keep their ``[s, b=1, ...]`` shape through megatron's attention).
 
-    ``positions [S]``: each token's position in its sample (RoPE); ``gather [views × longest]``: the row position each
-    padded view slot reads (slots past a view's end repeat its first position); ``slot [S]``: the view slot whose
-    output each row position takes.
+    ``positions [S]``: each token's position in its sample (RoPE); ``classes``: ``(views, longest)`` of each length
+    class; ``gather [Σ views × longest]``: the row position each padded view slot reads, class after class (slots
+    past a view's end repeat its first position); ``slot [S]``: the slot, in that same order, whose output each row
+    position takes.
     """
 
-    views: int = 0
-    longest: int = 0
+    classes: tuple[tuple[int, int], ...] = ()
     positions: Tensor | None = None
     gather: Tensor | None = None
     slot: Tensor | None = None
@@ -126,12 +127,16 @@ class PackedSequenceAttention(DotProductAttention):
         query, key, value = _rotate(query[:, 0], cos, sin), _rotate(key[:, 0], cos, sin), value[:, 0]
         heads, head_dim = query.shape[1], query.shape[2]
 
-        def batched(x: Tensor) -> Tensor:  # [S, h, d] -> [views, h, longest, d]
-            return x.index_select(0, row.gather).view(row.views, row.longest, x.shape[1], head_dim).transpose(1, 2)
-
-        context = F.scaled_dot_product_attention(batched(query), batched(key), batched(value), is_causal=True,
-                                                 scale=self.packed_scale, enable_gqa=key.shape[1] != heads)
-        context = context.transpose(1, 2).reshape(row.views * row.longest, heads * head_dim)
+        contexts, start = [], 0
+        for views, longest in row.classes:
+            gather = row.gather[start:start + views * longest]
+            start += views * longest
+            q, k, v = (x.index_select(0, gather).view(views, longest, x.shape[1], head_dim).transpose(1, 2)
+                       for x in (query, key, value))  # [S, h, d] -> [views, h, longest, d]
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.packed_scale,
+                                                     enable_gqa=key.shape[1] != heads)
+            contexts.append(context.transpose(1, 2).reshape(views * longest, heads * head_dim))
+        context = contexts[0] if len(contexts) == 1 else torch.cat(contexts)
         return context.index_select(0, row.slot)[:, None]  # [S, 1, hp]
 
     def _check_packed(self, row, query: Tensor, attention_bias) -> None:

@@ -67,6 +67,17 @@ def segment_bins(samples: Sequence[PolicySample], indices: Sequence[int], token_
     return [[index for u in members for index in units[u]] for members in bins]
 
 
+def length_classes(lengths: Sequence[int]) -> list[tuple[list[int], int]]:
+    """Views grouped for attention: longest first, a view joins the current class while it is at least half as long
+    as the class's longest (its padding then costs at most 4x its own scores). ``[(view numbers, longest)]``."""
+    classes: list[tuple[list[int], int]] = []
+    for number in sorted(range(len(lengths)), key=lambda n: (-lengths[n], n)):
+        if not classes or 2 * lengths[number] < classes[-1][1]:
+            classes.append(([], lengths[number]))
+        classes[-1][0].append(number)
+    return classes
+
+
 def segmented_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int) -> MicroBatch:
     """One row holding ``indices`` (consecutive samples with the same prompt share it), as the module docstring lays
     it out. Plain Python lists until the end: one tensor op per field, not per sample."""
@@ -107,20 +118,23 @@ def segmented_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_t
         tokens += [PAD_TOKEN_ID] * (total - real)
         positions += range(total - real)
 
-    longest = max(len(view) for view in views)
+    classes = length_classes([len(view) for view in views])
     gather: list[int] = []
     slot = [0] * total
     labels = [0] * total  # the next token along each position's owning view; a shared prompt's end: its owner's
-    for number, (view, first) in enumerate(zip(views, owned_from)):
-        gather += view + [view[0]] * (longest - len(view))
-        for column in range(first, len(view)):
-            slot[view[column]] = number * longest + column
-            if column + 1 < len(view):
-                labels[view[column]] = tokens[view[column + 1]]
+    for members, longest in classes:
+        for number in members:
+            view, first, base = views[number], owned_from[number], len(gather)
+            gather += view + [view[0]] * (longest - len(view))
+            for column in range(first, len(view)):
+                slot[view[column]] = base + column
+                if column + 1 < len(view):
+                    labels[view[column]] = tokens[view[column + 1]]
     response_ids = [token for index in indices for token in samples[index].response_ids.tolist()]
     for position, token in zip(reversed(predictors), reversed(response_ids)):
         labels[position] = token
-    row = SegmentedRow(views=len(views), longest=longest, positions=torch.tensor(positions, dtype=torch.long),
+    row = SegmentedRow(classes=tuple((len(members), longest) for members, longest in classes),
+                       positions=torch.tensor(positions, dtype=torch.long),
                        gather=torch.tensor(gather, dtype=torch.long), slot=torch.tensor(slot, dtype=torch.long))
     return MicroBatch(
         torch.tensor(tokens, dtype=torch.long)[None], row.positions[None], torch.tensor(labels, dtype=torch.long)[None],
