@@ -129,16 +129,21 @@ def _create_mapping(group, rank: int, world: int, key: tuple, region: int) -> _M
     """TP rank 0 creates the file (when /dev/shm has room), every rank maps it, rank 0 unlinks it."""
     size = region * (world - 1)
     header: list = [None]
+    buffer = None
     if rank == 0:
         stat = os.statvfs(SHM_DIR) if os.path.isdir(SHM_DIR) else None
         if stat is not None and stat.f_bavail * stat.f_frsize >= size * 2:  # keep room for everyone else
-            header[0] = os.path.join(SHM_DIR, f"dapo_megatron_handoff_{uuid.uuid4().hex}")
+            path = os.path.join(SHM_DIR, f"dapo_megatron_handoff_{uuid.uuid4().hex}")
+            try:
+                buffer = _map(path, size, create=True)
+                header[0] = path
+            except OSError:  # no shared memory after all: every rank falls back to the process group
+                if os.path.exists(path):
+                    os.unlink(path)
     dist.broadcast_object_list(header, src=dist.get_global_rank(group, 0), group=group)
     path = header[0]
     if path is None:
         return None
-    buffer = _map(path, size, create=rank == 0) if rank == 0 else None
-    dist.barrier(group=group)  # the file exists
     if rank > 0:
         buffer = _map(path, size, create=False)
     dist.barrier(group=group)  # everyone has mapped it
