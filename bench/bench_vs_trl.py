@@ -28,7 +28,8 @@ What is measured: each system runs in its own interpreter (TRL in ``bench/.venv-
 ``torch`` (the project's version), ``trl==1.16.0`` and ``transformers==5.24.0``; nothing is installed into the
 project's environment). Per step: wall and CPU time of the whole step and of the phases ``gen`` (generation +
 reward + advantages), ``old_logprob``, ``update`` (forward + backward + optimizer) and ``handoff`` (weights to the
-engine); TRL has no old-log-prob pass at one update per step and no handoff (0). The first ``--warmup`` steps are
+engine). At one update per step neither system runs an old-log-prob pass (both take π_old from the update's own
+forward, detached: 0); TRL has no handoff (0). The first ``--warmup`` steps are
 dropped; the table shows medians over the rest (pooled over ``--repeats``, which alternate the systems), the peak
 RSS of each process and the ratio dapo-megatron / TRL of the time per generated token. With one thread, CPU time
 is the steadier number on a shared machine (it does not count time spent waiting for a core).
