@@ -8,7 +8,8 @@ then ``engine.update_weights``). Rows (best of ``--repeats``; bytes = the fp32 m
 
 * ``memcpy``: ``dst.copy_(src)`` of the model's size, warm pages — the reference every ratio divides by;
 * ``TP=1 export``: the exporter's own work — megatron names → HF names, QKV/fc1 un-interleaved, padding cut,
-  bucketed (one copy of each tensor);
+  bucketed; a parameter that is an HF tensor as it is (o_proj, down_proj, norms, an unpadded vocabulary) is handed
+  over without a copy, the others are copied once — so this row can exceed 1× memcpy;
 * ``engine update``: the embedded engine's ``update_weights`` on ready buckets (checks + one copy into its model);
 * ``TP=1 export + engine update``: the trainer's handoff at TP=1;
 * ``TP=2 export, gloo``: the TP gather as a gloo ``gather`` per parameter over loopback;

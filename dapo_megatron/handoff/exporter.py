@@ -58,6 +58,16 @@ def _gather_shards(shard: torch.Tensor) -> list[torch.Tensor] | None:
     return gathered
 
 
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """A TP=1 piece as consumers may take it: a parameter that is its whole storage as it is (handing it over copies
+    nothing, and serializing it sends only its bytes); any other view (q/k/v rows of the interleaved QKV weight,
+    the halves of fc1, the vocabulary without its padding rows, a view into DDP's parameter buffer) as a compact
+    copy of its elements."""
+    whole = (tensor.is_contiguous() and tensor.storage_offset() == 0
+             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+    return tensor if whole else tensor.clone(memory_format=torch.contiguous_format)
+
+
 def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for this stage, on its TP rank 0; other TP ranks only take part in the gathers."""
     from megatron.core import parallel_state
@@ -81,7 +91,7 @@ def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
         if not is_source:
             continue
         for name, tensor in zip(mapping.hf_names, hf_from_shards(mapping, geometry, shards), strict=True):
-            tensor = tensor.contiguous()
+            tensor = _standalone(tensor) if geometry.tensor_parallel == 1 else tensor.contiguous()
             yield name, tensor if dtype is None else tensor.to(dtype)
     if shm is not None:
         shm.finish()
