@@ -12,20 +12,27 @@ from spawn_ranks import run_distributed
 from test_policy_model_parity import save_random_hf_model, tiny_config
 
 
+def _policy_model(model_dir: str, tensor_parallel: int):
+    """This rank's megatron model of the HF folder at TP=``tensor_parallel`` (PP=1), and its spec."""
+    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
+    from dapo_megatron.policy.model import build_model, transformer_config
+
+    init_distributed(tensor_parallel, 1)
+    seed_everything(0)
+    spec = load_model_spec(model_dir)
+    model = build_model(spec, transformer_config(spec, tensor_parallel=tensor_parallel, pipeline_parallel=1))
+    load_hf_weights(model, spec, model_dir)
+    return model, spec
+
+
 def _exports_job(model_dir: str) -> dict:
     import torch.distributed as dist
 
     import dapo_megatron.handoff.exporter as exporter
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0, shm_gather
-    from dapo_megatron.platform import init_distributed, seed_everything
-    from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
-    from dapo_megatron.policy.model import build_model, transformer_config
 
-    init_distributed(2, 1)
-    seed_everything(0)
-    spec = load_model_spec(model_dir)
-    model = build_model(spec, transformer_config(spec, tensor_parallel=2, pipeline_parallel=1))
-    load_hf_weights(model, spec, model_dir)
+    model, spec = _policy_model(model_dir, 2)
 
     def export() -> dict:
         return {name: tensor.clone() for bucket in gather_hf_buckets_to_rank0(model, spec, bucket_bytes=4096)
@@ -64,15 +71,9 @@ def test_shared_memory_gather_equals_the_gloo_gather(tmp_path):
 
 def _tp1_job(model_dir: str) -> dict:
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
-    from dapo_megatron.platform import init_distributed, seed_everything
-    from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec, unwrap_model
-    from dapo_megatron.policy.model import build_model, transformer_config
+    from dapo_megatron.policy.hf_loader import unwrap_model
 
-    init_distributed(1, 1)
-    seed_everything(0)
-    spec = load_model_spec(model_dir)
-    model = build_model(spec, transformer_config(spec, tensor_parallel=1, pipeline_parallel=1))
-    load_hf_weights(model, spec, model_dir)
+    model, spec = _policy_model(model_dir, 1)
     parameters = {param.data_ptr() for param in unwrap_model(model).parameters()}
     exported = {}
     for bucket in gather_hf_buckets_to_rank0(model, spec, bucket_bytes=4096):
