@@ -8,16 +8,17 @@ time a step consumes is what a loaded shared machine distorts least); then the p
 
     python bench/bench_packing.py [--samples 32] [--min-response 20] [--max-response 200] [--steps 3]
 
-Measured here (shared 2-core machine, 1 thread, 32 samples, responses 20..200 tokens, 4555 real tokens, local
-attention): packing efficiency 1.000 packed vs 0.680 padded (x1.47) in every run; training tokens per CPU-second
-packed/padded x1.03 (hidden 128, 4 layers, budget 512), x1.03 (hidden 256, 2 layers, budget 512) and x0.76
-(hidden 128, budget 1024). Wall-clock ratios on the loaded machine ranged 0.26-4.9 and are not trustworthy.
+Measured here (shared 2-core machine under heavy load, 1 thread, 32 samples, responses 20..200 tokens, 4555 real
+tokens, hidden 128, 4 layers, the CPU "segments" layout): packing efficiency 1.000 packed vs 0.680 padded (x1.47);
+training tokens per CPU-second packed/padded x1.77 at a 512-token budget (9 vs 8 micro-batches) and x1.25-1.32 at
+4096 (2 micro-batches; on this shape, with a 2048-token vocabulary, longer rows are not faster). Wall-clock ratios
+on the loaded machine are not trustworthy.
 
-Notes on what it measures: on CPU the model uses megatron's local attention, where a packed row pays dense
-``S × S`` attention scores (masked block-diagonally) — packing saves the padded tokens' work in every linear layer
-but pays attention across the samples of a row, which on a model this small costs as much as it saves (and more
-with longer rows). With Transformer Engine (THD, ``cu_seqlens``) attention is computed per sample and the saving
-is the efficiency ratio; that path needs a GPU and is not measured here.
+Notes on what it measures: on CPU the model's core attention
+(:class:`dapo_megatron.policy.cpu_attention.PackedSequenceAttention`) attends per sample inside a packed row, so
+packing saves the padded tokens' work in every layer without paying attention across the samples of a row (before
+it, a packed row was one dense masked ``S x S`` square and the ratio was x1.03). With Transformer Engine (THD,
+``cu_seqlens``) attention is per sample too; that path needs a GPU and is not measured here.
 """
 
 from __future__ import annotations

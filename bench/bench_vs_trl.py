@@ -28,7 +28,8 @@ What is measured: each system runs in its own interpreter (TRL in ``bench/.venv-
 ``torch`` (the project's version), ``trl==1.16.0`` and ``transformers==5.24.0``; nothing is installed into the
 project's environment). Per step: wall and CPU time of the whole step and of the phases ``gen`` (generation +
 reward + advantages), ``old_logprob``, ``update`` (forward + backward + optimizer) and ``handoff`` (weights to the
-engine); TRL has no old-log-prob pass at one update per step and no handoff (0). The first ``--warmup`` steps are
+engine). At one update per step neither system runs an old-log-prob pass (both take π_old from the update's own
+forward, detached: 0); TRL has no handoff (0). The first ``--warmup`` steps are
 dropped; the table shows medians over the rest (pooled over ``--repeats``, which alternate the systems), the peak
 RSS of each process and the ratio dapo-megatron / TRL of the time per generated token. With one thread, CPU time
 is the steadier number on a shared machine (it does not count time spent waiting for a core).
@@ -89,14 +90,15 @@ def prepare_workload(args: argparse.Namespace, work_dir: Path) -> dict:
     from dapo_megatron.data.prompts import build_prompt_records
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.data.schema import validate_row
-    from dapo_megatron.trainer.model_source import load_tokenizer, prepare_initial_model
+    from dapo_megatron.tiny_model import prepare_tiny_model
+    from dapo_megatron.trainer.model_source import load_tokenizer
     from dapo_megatron.trainer.task import synthetic_split
 
     prompts_per_step = 8 * args.batch_scale
     config = bench_config(args.seed)
     tiny = config.model.tiny
-    model_dir = prepare_initial_model(config, work_dir).hf_dir
-    tokenizer = load_tokenizer(model_dir)
+    model_dir = prepare_tiny_model(config, work_dir / "model")
+    tokenizer = load_tokenizer(config, model_dir)
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as weights:
         num_params = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
     # The trainer's prompt pipeline (trainer.task.build_task), keeping the rows for their chat messages.

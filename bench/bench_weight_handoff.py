@@ -1,13 +1,21 @@
-"""Weight-handoff throughput: Megatron shards at TP=2 → bucketed full HF tensors on rank 0 → rollout engine,
-next to this machine's plain torch memory-copy bandwidth, measured in the same run.
+"""Weight-handoff throughput next to this machine's memory-copy bandwidth, every number from the same run.
 
     python bench/bench_weight_handoff.py [--hidden 768 --layers 6 --vocab 32000 --repeats 3]
 
-Prints, for the export alone (TP all-gather + un-interleave + bucketing + gather to rank 0), for export + the
-embedded engine's ``update_weights`` (the buckets handed over as they are, as the trainer does), and for export + the
-snapshot the SGLang disk transport writes (one safetensors shard per bucket, index and side files:
-:func:`dapo_megatron.hf_format.write_hf_folder`), the bytes/s of the fp32 model and the ratio to ``tensor.copy_``
-bandwidth.
+A random Qwen2 of the given shape is built as a megatron-core policy (CPU, fp32) at TP=1 and at TP=2 (two processes,
+gloo), and its weights are handed off the way the trainer does (:func:`dapo_megatron.handoff.gather_hf_buckets_to_rank0`
+then ``engine.update_weights``). Rows (best of ``--repeats``; bytes = the fp32 model):
+
+* ``memcpy``: ``dst.copy_(src)`` of the model's size, warm pages — the reference every ratio divides by;
+* ``TP=1 export``: the exporter's own work — megatron names → HF names, QKV/fc1 un-interleaved, padding cut,
+  bucketed; a parameter that is an HF tensor as it is (o_proj, down_proj, norms, an unpadded vocabulary) is handed
+  over without a copy, the others are copied once — so this row can exceed 1× memcpy;
+* ``engine update``: the embedded engine's ``update_weights`` on ready buckets (checks + one copy into its model);
+* ``TP=1 export + engine update``: the trainer's handoff at TP=1;
+* ``TP=2 export, gloo``: the TP gather as a gloo ``gather`` per parameter over loopback;
+* ``TP=2 export, shared memory``: the same-host gather the exporter uses on CPU
+  (:mod:`dapo_megatron.handoff.shm_gather`);
+* ``TP=2 export + engine update`` and ``TP=2 export + disk snapshot`` (the SGLang disk transport's folder).
 """
 
 from __future__ import annotations
@@ -25,15 +33,16 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def memcpy_bandwidth(nbytes: int, repeats: int) -> float:
+def memcpy_seconds(nbytes: int, repeats: int) -> float:
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the destination pages is not part of a copy
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
-    return nbytes / best
+    return best
 
 
 def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
@@ -42,6 +51,7 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     torch.set_num_threads(1)
     from transformers import Qwen2Config
 
+    import dapo_megatron.handoff.exporter as exporter
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
     from dapo_megatron.hf_format import nbytes, write_hf_folder
     from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
@@ -58,36 +68,32 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     model = build_model(spec, transformer_config(spec, tensor_parallel=world, pipeline_parallel=1))
     engine = EmbeddedEngine(hf_config) if rank == 0 else None
     bucket_bytes = args.bucket_mb * 2**20
+    version = [0]
 
-    def run(consume) -> tuple[float, int]:
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        total = 0
-        buckets = gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes)
-        if rank == 0:
-            total = consume(buckets)
-        else:
-            for _ in buckets:
-                pass
-        torch.distributed.barrier()
-        return time.perf_counter() - start, total
+    def timed(consume) -> tuple[float, int]:
+        """Best time of ``consume(buckets)`` on rank 0 (the others drain) and the bytes it saw."""
+        best, moved = float("inf"), 0
+        for _ in range(args.repeats):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            buckets = gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes)
+            moved = consume(buckets) if rank == 0 else sum(1 for _ in buckets)
+            torch.distributed.barrier()
+            best = min(best, time.perf_counter() - start)
+        return best, moved
+
+    def count(buckets) -> int:
+        return sum(nbytes(t) for bucket in buckets for _, t in bucket)
 
     def counted(buckets, total: list[int]):
-        """The buckets as they are, adding up their bytes."""
         for bucket in buckets:
             total[0] += sum(nbytes(t) for _, t in bucket)
             yield bucket
 
-    def count(buckets) -> int:
-        total = [0]
-        for _ in counted(buckets, total):
-            pass
-        return total[0]
-
     def to_engine(buckets) -> int:
         total = [0]
-        run.version = getattr(run, "version", 0) + 1
-        engine.update_weights(counted(buckets, total), version=run.version)
+        version[0] += 1
+        engine.update_weights(counted(buckets, total), version=version[0])
         return total[0]
 
     def to_disk(buckets) -> int:
@@ -98,14 +104,27 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
         return total[0]
 
     results = {}
-    for label, consume in (("export", count), ("export+embedded update", to_engine),
-                           ("export+disk snapshot", to_disk)):
-        times, moved = [], 0
+    if world == 1:
+        results["TP=1 export"] = timed(count)
+        ready = [[(name, tensor.clone()) for name, tensor in bucket]
+                 for bucket in gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes)]
+        best = float("inf")
         for _ in range(args.repeats):
-            seconds, moved_run = run(consume)
-            times.append(seconds)
-            moved = moved_run or moved
-        results[label] = (min(times), moved)
+            version[0] += 1
+            start = time.perf_counter()
+            engine.update_weights(iter(ready), version=version[0])
+            best = min(best, time.perf_counter() - start)
+        results["engine update"] = (best, count(ready))
+        results["TP=1 export + engine update"] = timed(to_engine)
+        results["memcpy"] = (memcpy_seconds(count(ready), args.repeats), count(ready))
+    else:
+        shared_memory = exporter.shared_memory_gather
+        exporter.shared_memory_gather = lambda group, shards: None  # the plain gloo gather
+        results["TP=2 export, gloo"] = timed(count)
+        exporter.shared_memory_gather = shared_memory
+        results["TP=2 export, shared memory"] = timed(count)
+        results["TP=2 export + engine update"] = timed(to_engine)
+        results["TP=2 export + disk snapshot"] = timed(to_disk)
     if rank == 0:
         torch.save(results, out_file)
     destroy_distributed()
@@ -121,19 +140,20 @@ def main() -> None:
     args = parser.parse_args()
     from dapo_megatron.platform import free_port
 
-    port = free_port()
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        out_file = f"{tmp}/results.pt"
-        mp.spawn(_worker, args=(2, port, args, out_file), nprocs=2, join=True)
-        results = torch.load(out_file)
-    model_bytes = results["export"][1]
-    bandwidth = memcpy_bandwidth(model_bytes, args.repeats)
-    print(f"model: {model_bytes / 4e6:.1f}M parameters, {model_bytes / 2**20:.0f} MiB fp32, TP=2, "
-          f"buckets of {args.bucket_mb} MiB")
-    print(f"torch memcpy bandwidth (same run): {bandwidth / 2**30:.2f} GiB/s")
-    for label, (seconds, nbytes) in results.items():
-        rate = nbytes / seconds
-        print(f"{label:>24}: {seconds:6.2f} s  {rate / 2**30:6.3f} GiB/s  = {rate / bandwidth:.3f} x memcpy")
+        for world in (1, 2):
+            out_file = f"{tmp}/results_{world}.pt"
+            mp.spawn(_worker, args=(world, free_port(), args, out_file), nprocs=world, join=True)
+            results.update(torch.load(out_file))
+    memcpy_s, model_bytes = results.pop("memcpy")
+    bandwidth = model_bytes / memcpy_s
+    print(f"model: {model_bytes / 4e6:.1f}M parameters, {model_bytes / 2**20:.0f} MiB fp32, buckets of "
+          f"{args.bucket_mb} MiB, one thread per rank")
+    print(f"{'memcpy (tensor.copy_, same run)':<36}{memcpy_s:7.3f} s {bandwidth / 2**30:7.2f} GiB/s   1.000 x memcpy")
+    for label, (seconds, moved) in results.items():
+        rate = moved / seconds
+        print(f"{label:<36}{seconds:7.3f} s {rate / 2**30:7.2f} GiB/s {rate / bandwidth:7.3f} x memcpy")
 
 
 if __name__ == "__main__":

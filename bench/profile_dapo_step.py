@@ -7,13 +7,13 @@ Builds the benchmark's model, the policy (real megatron-core at TP=1, the CPU la
 engine in this process, samples one batch of the task's prompts and times each phase's work on its own (CPU time,
 median of ``--reps``; CPU time does not count waiting for a core on a shared machine):
 
-1. the CPU layer's redirect mode: torch calls it sees per phase, what one call costs with and without it, and
-   generation with the mode suspended (``cpu_compat.suspended``);
-2. micro-batch layouts for the old-log-prob pass and the update: packed rows of 256/512/1024 tokens (the local
-   attention path computes each row as a dense masked square) vs right-padded rows of one sample each (attention
-   costs per sample), with the share of the forward spent in core attention;
-3. the fixed cost of one micro-batch (megatron's per-layer Python work), the optimizer's share of an update and the
-   weight handoff.
+1. the phases as the trainer runs them and the CPU layer's redirect mode: torch calls it sees per phase (generation
+   and packing run with it suspended), what one call costs with and without it;
+2. micro-batch layouts for a forward-only pass and an update: the CPU path's packed "segments" rows of
+   512/4096/16384 tokens (attention per sample, each prompt once), the dense block-diagonal masked square it
+   replaced ("mask", 512-token rows), and right-padded rows; with the share of the forward spent in core attention;
+3. the fixed cost of one micro-batch (megatron's per-layer Python work) and the planner's and optimizer's shares of
+   an update.
 """
 
 from __future__ import annotations
@@ -96,24 +96,27 @@ def main() -> None:
     from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
-    from dapo_megatron.policy.packing import BatchingConfig, PolicySample, pack_micro_batches
+    from dapo_megatron.policy.batch_plan import PackedBatching, PaddedBatching
+    from dapo_megatron.policy.packing import PolicySample, pack_micro_batches
     from dapo_megatron.rollout.embedded import EmbeddedEngine
     from dapo_megatron.rollout.engine import SamplingParams
-    from dapo_megatron.trainer.loop import actor_config_from
-    from dapo_megatron.trainer.model_source import load_tokenizer, prepare_initial_model
-    from dapo_megatron.trainer.task import build_task
+    from dapo_megatron.tiny_model import prepare_tiny_model
+    from dapo_megatron.trainer.model_source import load_tokenizer
+    from dapo_megatron.trainer.task import train_prompts
 
     config = bench_config(args.seed)
     reps = args.reps
     with tempfile.TemporaryDirectory(prefix="profile_dapo_step_") as tmp:
-        model_dir = prepare_initial_model(config, Path(tmp)).hf_dir
-        tokenizer = load_tokenizer(model_dir)
-        records = PromptSampler(build_task(config, tokenizer).train, batch_size=8 * args.batch_scale,
+        model_dir = prepare_tiny_model(config, Path(tmp) / "model")
+        tokenizer = load_tokenizer(config, model_dir)
+        records = PromptSampler(train_prompts(config, tokenizer), batch_size=8 * args.batch_scale,
                                 seed=args.seed).next_batch()
         init_distributed(1, 1)
         seed_everything(args.seed)
         spec = load_model_spec(model_dir)
-        actor = build_actor(spec, actor_config_from(config))
+        c = config
+        actor = build_actor(spec, model=c.model, parallel=c.parallel, optim=c.optim, algorithm=c.algorithm,
+                            micro_batch_tokens=c.trainer.micro_batch_tokens, temperature=c.rollout.temperature)
         load_hf_weights(actor.model, spec, model_dir)
         actor.optimizer.reload_model_params()
         engine = EmbeddedEngine.from_hf_directory(model_dir)
@@ -136,10 +139,9 @@ def main() -> None:
           f"{padded_tokens}; trainer.micro_batch_tokens = {budget}; {reps} reps, CPU ms")
 
     def hand_off():
-        engine.update_weights((named for bucket in gather_hf_buckets_to_rank0(actor.model, spec) for named in bucket),
-                              version=1)
+        engine.update_weights(gather_hf_buckets_to_rank0(actor.model, spec), version=1)
 
-    phases = {"gen": lambda: engine.generate(prompts, params), "old_logprob": lambda: actor.compute_logprobs(samples),
+    phases = {"gen": lambda: engine.generate(prompts, params), "forward-only": lambda: actor.compute_logprobs(samples),
               "update": lambda: actor.train_minibatch(samples), "handoff": hand_off}
     print("\n1. phases now, and the redirect mode's calls in each")
     for name, fn in phases.items():
@@ -156,12 +158,10 @@ def main() -> None:
     with_mode = cpu_ms(adds, reps) / 20
     with cpu_compat.suspended():
         without = cpu_ms(adds, reps) / 20
-        gen_suspended = cpu_ms(phases["gen"], reps)
     print(f"  one torch.add: {with_mode:.2f} us with the mode, {without:.2f} us without "
           f"({with_mode - without:.2f} us per call)")
-    print(f"  gen with the mode suspended: {gen_suspended:.1f} ms")
 
-    print("\n2. micro-batch layouts (old-log-prob pass, update; share of the forward in core attention)")
+    print("\n2. micro-batch layouts (forward-only pass, update; share of the forward in core attention)")
     attention = [0.0]
 
     def before(module, inputs):
@@ -172,13 +172,15 @@ def main() -> None:
 
     hooks = [hook for m in actor.model.modules() if isinstance(m, DotProductAttention)
              for hook in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-    layouts = [(f"packed {n} tokens/row", BatchingConfig(token_budget=n)) for n in (256, 512, 1024)]
-    layouts += [(f"padded {n} samples/mb", BatchingConfig(mode="padded", samples_per_micro_batch=n))
+    layouts = [(f"segments {n} tokens/row", "segments", PackedBatching(token_budget=n)) for n in (512, 4096, 16384)]
+    layouts += [("mask 512 tokens/row", "mask", PackedBatching(token_budget=512))]
+    layouts += [(f"padded {n} samples/mb", "segments", PaddedBatching(samples_per_micro_batch=n))
                 for n in sorted({1, 64, len(samples)}) if n <= len(samples)]
     per_micro_batch = {}
-    for label, batching in layouts:
-        count = (len(pack_micro_batches(samples, token_budget=batching.token_budget, layout=actor.layout))
-                 if batching.mode == "packed" else -(-len(samples) // batching.samples_per_micro_batch))
+    for label, layout, batching in layouts:
+        actor.layout = layout
+        count = (len(pack_micro_batches(samples, token_budget=batching.token_budget, layout=layout))
+                 if isinstance(batching, PackedBatching) else -(-len(samples) // batching.samples_per_micro_batch))
         attention[0] = 0.0
         start = time.process_time()
         actor.compute_logprobs(samples, batching=batching)
@@ -186,8 +188,9 @@ def main() -> None:
         forward = cpu_ms(lambda: actor.compute_logprobs(samples, batching=batching), reps)
         update = cpu_ms(lambda: actor.train_minibatch(samples, batching=batching), reps)
         per_micro_batch[label] = (count, forward, update)
-        print(f"  {label:<24}{count:4d} micro-batches  old_logprob {forward:7.1f}  update {update:7.1f}  "
+        print(f"  {label:<24}{count:4d} micro-batches  forward {forward:7.1f}  update {update:7.1f}  "
               f"attention {share:4.0%} of the forward")
+    actor.layout = "segments"
     for hook in hooks:
         hook.remove()
 

@@ -39,12 +39,13 @@ def actor_config(token_budget: int = 4096, agg: str = "token-mean", lr_warmup_st
 
 
 def budget_for(samples, micro_batches: int) -> int:
-    """The smallest token budget that packs ``samples`` into exactly ``micro_batches`` micro-batches (one DP rank)."""
-    from dapo_megatron.policy.packing import first_fit_decreasing
+    """The smallest token budget that packs ``samples`` into exactly ``micro_batches`` micro-batches (one DP rank,
+    the CPU's segments layout)."""
+    from dapo_megatron.policy.packing import packing_bins
 
     lengths = [s.length for s in samples]
-    return next(b for b in range(max(lengths), sum(lengths) + 1)
-                if len(first_fit_decreasing(lengths, b)) == micro_batches)
+    return next(b for b in range(1, sum(lengths) + 1)
+                if len(packing_bins(samples, range(len(samples)), b, "segments")) == micro_batches)
 
 
 def hf_gradients(actor, spec):

@@ -142,11 +142,13 @@ def packed_parity_job(hf_dir: str):
         return actor.compute_logprobs(samples, temperature=0.8, batching=batching)
 
     actor, _ = build_test_actor(hf_dir, 2, 1, actor_settings())
-    assert actor.layout == "mask"
+    assert actor.layout == "segments"
     alone = logprobs(PaddedBatching(samples_per_micro_batch=1))
     packed = logprobs(PackedBatching(token_budget=64, pad_to_multiple=4))
     padded = logprobs(PaddedBatching(samples_per_micro_batch=3))
-    return [alone.logprobs, alone.entropy, packed.logprobs, packed.entropy, padded.logprobs]
+    actor.layout = "mask"  # the dense block-diagonal reference, on the same model
+    masked = logprobs(PackedBatching(token_budget=64, pad_to_multiple=4))
+    return [alone.logprobs, alone.entropy, packed.logprobs, packed.entropy, padded.logprobs, masked.logprobs]
 
 
 def test_packed_logprobs_equal_each_sample_run_alone_and_the_hf_model(tmp_path):
@@ -154,7 +156,7 @@ def test_packed_logprobs_equal_each_sample_run_alone_and_the_hf_model(tmp_path):
 
     hf_dir = write_tiny_qwen2(tmp_path / "hf")
     results = run_distributed(packed_parity_job, 2, str(hf_dir))
-    alone, alone_entropy, packed, packed_entropy, padded = results[0]
+    alone, alone_entropy, packed, packed_entropy, padded, masked = results[0]
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     assert hf.config.vocab_size == TINY_VOCAB
     for i, s in enumerate(random_samples(7, seed=3, prompt_lengths=(1, 9), response_lengths=(1, 25))):
@@ -162,6 +164,7 @@ def test_packed_logprobs_equal_each_sample_run_alone_and_the_hf_model(tmp_path):
         torch.testing.assert_close(packed[i], alone[i], atol=1e-5, rtol=0)
         torch.testing.assert_close(packed_entropy[i], alone_entropy[i], atol=1e-5, rtol=0)
         torch.testing.assert_close(padded[i], alone[i], atol=1e-5, rtol=0)
+        torch.testing.assert_close(masked[i], alone[i], atol=1e-5, rtol=0)
         with torch.no_grad():
             logits = hf(torch.cat([s.prompt_ids, s.response_ids])[None]).logits[0].double() / 0.8
         expected = torch.log_softmax(logits, -1)[s.prompt_length - 1:-1].gather(-1, s.response_ids[:, None])[:, 0]

@@ -367,3 +367,52 @@ def test_lifecycle_and_bad_inputs():
     engine.shutdown()  # twice is fine
     with pytest.raises(RolloutError, match="shut down"):
         engine.generate(PROMPTS, SamplingParams())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the decode step without transformers' per-call machinery
+
+
+def llama3_scaled_tied_config() -> LlamaConfig:
+    config = llama_config()
+    config.num_key_value_heads = 2
+    config.tie_word_embeddings = True
+    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    return config
+
+
+@pytest.mark.parametrize("make", [qwen2_config, lambda: qwen2_config(tie=False), llama_config,
+                                  llama3_scaled_tied_config])
+def test_lean_decode_step_is_bit_identical_to_the_model(make):
+    from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache
+    from dapo_megatron.rollout.lean_decode import LeanDecoder
+
+    config = make()
+    model = reference_model(config)
+    steps = 6
+    batch = LeftPaddedBatch.build(PROMPTS, steps, pad_token_id=0)
+    padded = batch.padded_length
+
+    def decode(step_fn) -> list[torch.Tensor]:
+        cache = preallocated_kv_cache(config.num_hidden_layers, padded + steps)
+        with torch.inference_mode():
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.prompt_attention_mask(),
+                           position_ids=batch.prompt_position_ids(), cache=cache, use_cache=True).logits[:, -1]
+            out = []
+            for step in range(steps):
+                tokens = logits.argmax(-1)
+                logits = step_fn(tokens, batch.key_valid[:, None, None, : padded + step + 1],
+                                 (batch.prompt_lengths + step)[:, None], cache)
+                out.append(logits)
+        return out
+
+    def through_model(tokens, mask, positions, cache):
+        return model(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
+                     use_cache=True).logits[:, -1]
+
+    reference = decode(through_model)
+    lean = decode(LeanDecoder(model))
+    assert all(torch.equal(a, b) for a, b in zip(lean, reference))
+    # control: the comparison is not vacuous (one step later, other positions, other logits)
+    assert not torch.equal(reference[0], reference[1])

@@ -3,7 +3,8 @@
 Who does what (every rank calls the same function; it returns/yields nothing on ranks with no part to play):
 
 * Only data-parallel rank 0 takes part — DP replicas hold identical weights.
-* Within each pipeline stage, the TP ranks ``gather`` each parameter's shard to TP rank 0 (the stage's *source*),
+* Within each pipeline stage, the TP ranks ``gather`` each parameter's shard to TP rank 0 (the stage's *source*)
+  — through shared memory when they share a host and no GPU (:mod:`dapo_megatron.handoff.shm_gather`) —
   which turns the shards into full HF tensors through :mod:`dapo_megatron.policy.weight_mapping` (QKV and fc1
   un-interleaved, vocabulary padding removed). Replicated tensors (norms) are not gathered.
 * The source packs the tensors into buckets of at most ``bucket_bytes`` (a single larger tensor travels alone;
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.handoff.stage_routes import StageStreamReceiver, stage_broadcast_groups
+from dapo_megatron.handoff.shm_gather import shared_memory_gather
 from dapo_megatron.hf_format.buckets import Bucket, bucketed, nbytes
 from dapo_megatron.policy.hf_loader import model_stage_mappings, unwrap_model
 from dapo_megatron.policy.model import ModelSpec
@@ -63,6 +65,16 @@ def _gather_shards(shard: torch.Tensor) -> list[torch.Tensor] | None:
     return gathered
 
 
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """A TP=1 piece as consumers may take it: a parameter that is its whole storage as it is (handing it over copies
+    nothing, and serializing it sends only its bytes); any other view (q/k/v rows of the interleaved QKV weight,
+    the halves of fc1, the vocabulary without its padding rows, a view into DDP's parameter buffer) as a compact
+    copy of its elements."""
+    whole = (tensor.is_contiguous() and tensor.storage_offset() == 0
+             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+    return tensor if whole else tensor.clone(memory_format=torch.contiguous_format)
+
+
 def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for this stage, on its TP rank 0; other TP ranks only take part in the gathers."""
     from megatron.core import parallel_state
@@ -70,16 +82,26 @@ def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
     geometry = ShardGeometry(spec, parallel_state.get_tensor_model_parallel_world_size())
     is_source = parallel_state.get_tensor_model_parallel_rank() == 0
     params = dict(unwrap_model(model).named_parameters())
-    for mapping in model_stage_mappings(model, spec):
-        if not mapping.exported:
-            continue
+    mappings = [m for m in model_stage_mappings(model, spec) if m.exported]
+    split = [params[m.megatron_name].detach() for m in mappings if m.split is not Split.REPLICATED]
+    shm = shared_memory_gather(parallel_state.get_tensor_model_parallel_group(), split)  # same-host CPU ranks
+    if shm is not None:
+        shm.stage(split)
+    number = 0
+    for mapping in mappings:
         shard = params[mapping.megatron_name]
-        shards = [shard.detach()] * geometry.tensor_parallel if mapping.split is Split.REPLICATED else _gather_shards(shard)
+        if mapping.split is Split.REPLICATED:
+            shards = [shard.detach()] * geometry.tensor_parallel
+        else:
+            shards = _gather_shards(shard) if shm is None else shm.shards(number, shard) if is_source else None
+            number += 1
         if not is_source:
             continue
         for name, tensor in zip(mapping.hf_names, hf_from_shards(mapping, geometry, shards), strict=True):
-            tensor = tensor.contiguous()
+            tensor = _standalone(tensor) if geometry.tensor_parallel == 1 else tensor.contiguous()
             yield name, tensor if dtype is None else tensor.to(dtype)
+    if shm is not None:
+        shm.finish()
 
 
 def export_hf_buckets(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dapo_megatron import cpu_compat
 from dapo_megatron.algorithm import policy_loss
 from dapo_megatron.policy.batch_plan import Batching, PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
@@ -69,11 +70,18 @@ def aligned_batching(batching: Batching, multiple: int) -> Batching:
     return replace(batching, pad_to_multiple=math.lcm(batching.pad_to_multiple, multiple))
 
 
-def uses_local_attention(model: torch.nn.Module) -> bool:
-    """True when the model's attention is megatron's local ``DotProductAttention`` (needs a mask for packing)."""
+def packed_layout(model: torch.nn.Module) -> PackedLayout:
+    """How packed rows reach this model's attention: ``"segments"`` for the local spec's
+    :class:`dapo_megatron.policy.cpu_attention.PackedSequenceAttention`, ``"mask"`` for megatron's plain local
+    ``DotProductAttention``, ``"thd"`` for Transformer Engine's."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    return any(isinstance(module, DotProductAttention) for module in model.modules())
+    from dapo_megatron.policy.cpu_attention import PackedSequenceAttention
+
+    kinds = {type(module) for module in model.modules() if isinstance(module, DotProductAttention)}
+    if PackedSequenceAttention in kinds:
+        return "segments"
+    return "mask" if kinds else "thd"
 
 
 def build_actor(spec: "ModelSpec", *, model: "ModelConfig", parallel: "ParallelConfig", optim: "OptimConfig",
@@ -140,7 +148,7 @@ class Actor:
         self.algorithm = algorithm
         self.batching = batching
         self.temperature = temperature
-        self.layout: PackedLayout = "mask" if uses_local_attention(model) else "thd"
+        self.layout: PackedLayout = packed_layout(model)
         self.forward_backward = get_forward_backward_func()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -161,10 +169,11 @@ class Actor:
 
     def _plan(self, samples: Sequence[PolicySample], batching: Batching | None):
         self._check_same_minibatch_on_dp_ranks(samples)
-        plan = plan_data_parallel(
-            samples, self._batching(batching), data_parallel=self.dp_size, data_parallel_rank=self.dp_rank,
-            layout=self.layout, vocab_size=self.real_vocab_size,
-        )
+        with cpu_compat.suspended():  # packing never names CUDA; its many small tensor calls need no redirect
+            plan = plan_data_parallel(
+                samples, self._batching(batching), data_parallel=self.dp_size, data_parallel_rank=self.dp_rank,
+                layout=self.layout, vocab_size=self.real_vocab_size,
+            )
         device = self.device
         plan.micro_batches = [mb.to(device) for mb in plan.micro_batches]
         return plan
@@ -199,10 +208,10 @@ class Actor:
         )
 
     def _response_logprobs(self, mb: MicroBatch, logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-        logprobs, entropy = vocab_parallel_logprobs(
-            logits, mb.labels, real_vocab_size=self.real_vocab_size, temperature=temperature
-        )
-        return logprobs.reshape(-1)[mb.response_index], entropy.reshape(-1)[mb.response_index]
+        """``[n, R]`` log-probs and entropies of the response tokens: the softmax runs at those positions only."""
+        response_logits = logits.reshape(-1, logits.shape[-1])[mb.response_index]
+        return vocab_parallel_logprobs(response_logits, mb.response_ids, real_vocab_size=self.real_vocab_size,
+                                       temperature=temperature)
 
     def _share_from_last_stage(self, values: Tensor, *, sum_over_dp: bool) -> Tensor:
         """Sum over DP (last-stage ranks hold the values; others hold zeros), then broadcast from the last PP stage."""
@@ -215,16 +224,22 @@ class Actor:
     # ------------------------------------------------------------------------------------------------ training
 
     def _training_loss(self, mb: MicroBatch, logits: Tensor, *, scale: float, num_tokens: int,
-                       num_sequences: int):
+                       num_sequences: int, reuse: Sequence[bool] | None = None):
         algorithm = self.algorithm
         logprobs, entropy = self._response_logprobs(mb, logits, self.temperature)
+        old_logprobs = mb.old_logprobs
+        if reuse is not None:  # π_old = this forward's log-probs, detached, for the samples flagged
+            rows = torch.tensor([reuse[i] for i in mb.sample_indices], dtype=torch.bool, device=logits.device)
+            old_logprobs = torch.where(rows[:, None], logprobs.detach(), old_logprobs)
         loss, metrics = policy_loss(
-            logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
+            logprobs, old_logprobs, mb.advantages, mb.loss_mask,
             eps_low=algorithm.eps_low, eps_high=algorithm.eps_high,
             clip_ratio_c=algorithm.clip_ratio_c, agg=algorithm.loss_agg,
             num_tokens=num_tokens, num_sequences=num_sequences,
         )
         metrics["entropy_sum"] = float((entropy * mb.loss_mask).sum())
+        if reuse is not None:
+            metrics.update(mb=mb, logprobs=logprobs.detach(), entropy=entropy)
         return loss * scale, metrics
 
     def train_minibatch(self, samples: Sequence[PolicySample], batching: Batching | None = None
@@ -239,6 +254,20 @@ class Actor:
         ``num_sequences``, ``num_micro_batches`` (per DP rank), ``packing_efficiency`` (whole mini-batch) and
         ``skipped`` (1.0 when the loss or gradient norm was not finite and no update was applied).
         """
+        return self._train(samples, batching, reuse=None)[0]
+
+    def train_minibatch_reusing_logprobs(self, samples: Sequence[PolicySample], reuse: Sequence[bool],
+                                         batching: Batching | None = None) -> tuple[dict[str, float], PolicyLogProbs]:
+        """:meth:`train_minibatch` where sample ``i`` with ``reuse[i]`` takes π_old's log-probs from this update's
+        own forward pass, detached (its ``old_logprobs`` are ignored): exact when the policy still holds the
+        weights π_old stands for, and then its importance ratio is exactly 1. Returns the update's metrics and the
+        forward's (pre-update) log-probs and entropies of every sample, on every rank, in input order."""
+        if len(reuse) != len(samples):
+            raise ValueError(f"train_minibatch_reusing_logprobs: {len(reuse)} reuse flags for {len(samples)} samples")
+        metrics, outputs = self._train(samples, batching, reuse=list(reuse))
+        return metrics, self._per_sample(samples, outputs)
+
+    def _train(self, samples: Sequence[PolicySample], batching: Batching | None, reuse: list[bool] | None):
         plan = self._plan(samples, batching)
         num_micro_batches = len(plan.micro_batches)
         self.model.train()
@@ -246,7 +275,7 @@ class Actor:
         self.optimizer.zero_grad()
         loss_func = partial(
             self._training_loss, scale=float(num_micro_batches * self.dp_size),
-            num_tokens=plan.num_loss_tokens, num_sequences=plan.num_loss_sequences,
+            num_tokens=plan.num_loss_tokens, num_sequences=plan.num_loss_sequences, reuse=reuse,
         )
         per_micro_batch = self._run_schedule(plan.micro_batches, loss_func, forward_only=False)
 
@@ -291,7 +320,7 @@ class Actor:
             packing_efficiency=float(summary[-2] / max(float(summary[-1]), 1.0)),
             skipped=float(skipped),
         )
-        return result
+        return result, per_micro_batch
 
     # ---------------------------------------------------------------------------------------------- forward-only
 
@@ -310,10 +339,6 @@ class Actor:
         temperature = self.temperature if temperature is None else temperature
         sync_params(self.model)  # with overlap_param_gather the last update's all-gather waits for a training forward
         plan = self._plan(samples, batching)
-        lengths = [sample.response_length for sample in samples]
-        offsets = [0]
-        for length in lengths:
-            offsets.append(offsets[-1] + length)
         self.model.eval()
         try:
             outputs = self._run_schedule(
@@ -321,7 +346,16 @@ class Actor:
             )
         finally:
             self.model.train()
+        return self._per_sample(samples, outputs)
 
+    def _per_sample(self, samples: Sequence[PolicySample], outputs: list[dict]) -> PolicyLogProbs:
+        """The ``logprobs``/``entropy`` rows of the last stage's per-micro-batch outputs as per-sample tensors in
+        input order, on every rank (each DP rank holds its share; the sum over DP and the broadcast from the last
+        stage assemble the whole mini-batch)."""
+        lengths = [sample.response_length for sample in samples]
+        offsets = [0]
+        for length in lengths:
+            offsets.append(offsets[-1] + length)
         flat = torch.zeros(2, offsets[-1], dtype=torch.float32, device=self.device)
         if self.is_last_stage:
             for output in outputs:

@@ -18,8 +18,8 @@ from dapo_megatron.policy.packing import (
     PackedLayout,
     PolicySample,
     empty_micro_batch,
-    first_fit_decreasing,
     pack_micro_batches,
+    packing_bins,
     packing_efficiency,
     padded_micro_batches,
 )
@@ -79,14 +79,15 @@ class DataParallelPlan:
         return packing_efficiency(self.micro_batches)
 
 
-def _micro_batch_count(lengths: Sequence[int], share: list[int], batching: Batching) -> int:
+def _micro_batch_count(samples: Sequence[PolicySample], share: list[int], batching: Batching,
+                       layout: PackedLayout) -> int:
     if not share:
         return 0
     if isinstance(batching, PaddedBatching):
         return -(-len(share) // batching.samples_per_micro_batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the rank that owns an oversize sample warns when it packs it
-        return len(first_fit_decreasing([lengths[i] for i in share], batching.token_budget))
+        return len(packing_bins(samples, share, batching.token_budget, layout))
 
 
 def plan_data_parallel(
@@ -111,7 +112,7 @@ def plan_data_parallel(
         raise ValueError(f"pad_to_multiple must be >= 1, got {batching.pad_to_multiple}")
     lengths = [sample.length for sample in samples]
     shares = split_for_data_parallel(lengths, data_parallel)
-    target = max(_micro_batch_count(lengths, share, batching) for share in shares)
+    target = max(_micro_batch_count(samples, share, batching, layout) for share in shares)
     mine = shares[data_parallel_rank]
     if isinstance(batching, PaddedBatching):
         micro_batches = padded_micro_batches(samples, samples_per_micro_batch=batching.samples_per_micro_batch,

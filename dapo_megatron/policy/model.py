@@ -360,27 +360,27 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-def layer_spec(use_transformer_engine: bool, tconfig=None):
-    """megatron spec: TE modules (fused norm+linear, FP8-capable) or megatron's local torch modules.
+def layer_spec(use_transformer_engine: bool, spec: ModelSpec, tconfig=None):
+    """megatron spec: TE modules (fused norm+linear, FP8-capable) or megatron's local torch modules with a core
+    attention that applies ``spec``'s RoPE itself and takes packed rows (:mod:`dapo_megatron.policy.cpu_attention`).
 
     With the local spec under sequence parallelism (``tconfig.sequence_parallel``), a block spec for this pipeline
-    stage whose three norms are :class:`SequenceParallelRMSNorm` (the only change; see :func:`sequence_parallel_enabled`).
+    stage whose three norms are :class:`SequenceParallelRMSNorm` (see :func:`sequence_parallel_enabled`).
     """
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from dapo_megatron.policy.cpu_attention import RotarySettings, local_layer_spec
 
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = local_layer_spec(RotarySettings(spec.rope_theta, spec.rope_llama3_factor))
     if tconfig is None or not tconfig.sequence_parallel:
-        return spec
+        return layer
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    spec.submodules.input_layernorm = SequenceParallelRMSNorm
-    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tconfig),
+    layer.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(tconfig),
                                       layer_norm=SequenceParallelRMSNorm)
 
 
@@ -401,14 +401,14 @@ def build_model(spec: ModelSpec, tconfig, *, use_transformer_engine: bool | None
         )
     return GPTModel(
         config=tconfig,
-        transformer_layer_spec=layer_spec(use_te, tconfig),
+        transformer_layer_spec=layer_spec(use_te, spec, tconfig),
         vocab_size=padded_vocab_size(spec.vocab_size, tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if use_te else "none",  # the local spec's attention applies RoPE itself
         rotary_base=spec.rope_theta,
         rope_scaling=spec.rope_llama3_factor is not None,
         rope_scaling_factor=spec.rope_llama3_factor or 8.0,

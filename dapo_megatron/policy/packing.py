@@ -12,7 +12,10 @@ with positions restarting at 0:
 
 * ``layout="thd"`` (Transformer Engine attention): ``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv=…)``; TE and
   megatron's RoPE then restart positions at every ``cu_seqlens`` boundary.
-* ``layout="mask"`` (megatron's local ``DotProductAttention``, the CPU path): a block-diagonal causal
+* ``layout="segments"`` (the local spec's :class:`dapo_megatron.policy.cpu_attention.PackedSequenceAttention`, the
+  CPU path): each prompt once, followed by its responses, attention per sample; see
+  :mod:`dapo_megatron.policy.segment_layout`.
+* ``layout="mask"`` (megatron's plain local ``DotProductAttention``, the reference): a block-diagonal causal
   ``attention_mask [1, 1, S, S]`` with True = masked — the local attention masks scores where the mask is True
   (``masked_fill(mask, -10000)``) and, when a mask is given, does not add its own causal mask. megatron's standard
   RoPE rotates by the position in the row, not by ``position_ids``; since a rotary score depends only on the
@@ -32,13 +35,13 @@ job. Everything here is deterministic: the same samples in the same order give t
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Literal, Sequence
 
 import torch
 from torch import Tensor
 
-PackedLayout = Literal["thd", "mask"]
+PackedLayout = Literal["thd", "mask", "segments"]
 PAD_TOKEN_ID = 0  # padding positions are never attended to and never in the loss; any valid id works
 
 
@@ -109,9 +112,10 @@ class MicroBatch:
 
     Model inputs ``[B, S]``: ``tokens``, ``position_ids``, ``labels`` (the next token at every position, 0 where
     there is none); ``attention_mask`` ``[B, 1, S, S]`` (True = masked) or None for plain causal attention;
-    ``packed_seq_params`` for the THD layout. Loss inputs ``[n, R]``: ``response_index`` (flat index into ``B·S``
-    of the logits that predict each response token), ``response_valid``, ``loss_mask``, ``old_logprobs``,
-    ``advantages``. ``sample_indices[i]`` is the position of sample ``i`` in the list given to the planner.
+    ``packed_seq_params`` for the THD and segments layouts. Loss inputs ``[n, R]``: ``response_index`` (flat index
+    into ``B·S`` of the logits that predict each response token), ``response_valid``, ``loss_mask``,
+    ``old_logprobs``, ``advantages``, ``response_ids`` (the tokens predicted). ``sample_indices[i]`` is the position
+    of sample ``i`` in the list given to the planner.
     """
 
     tokens: Tensor
@@ -124,6 +128,7 @@ class MicroBatch:
     loss_mask: Tensor
     old_logprobs: Tensor
     advantages: Tensor
+    response_ids: Tensor
     sample_indices: tuple[int, ...]
     num_real_tokens: int
 
@@ -145,13 +150,15 @@ class MicroBatch:
 
         params = self.packed_seq_params
         if params is not None:
-            params = replace(params, cu_seqlens_q=move(params.cu_seqlens_q), cu_seqlens_kv=move(params.cu_seqlens_kv))
+            params = replace(params, **{f.name: move(getattr(params, f.name)) for f in fields(params)
+                                        if isinstance(getattr(params, f.name), Tensor)})
         return replace(
             self,
             tokens=move(self.tokens), position_ids=move(self.position_ids), labels=move(self.labels),
             attention_mask=move(self.attention_mask), packed_seq_params=params,
             response_index=move(self.response_index), response_valid=move(self.response_valid),
             loss_mask=move(self.loss_mask), old_logprobs=move(self.old_logprobs), advantages=move(self.advantages),
+            response_ids=move(self.response_ids),
         )
 
 
@@ -199,7 +206,10 @@ def first_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[list
 
 
 def _check_vocab(samples: Sequence[PolicySample], indices: Sequence[int], vocab_size: int | None) -> None:
-    if vocab_size is None:
+    if vocab_size is None or not indices:
+        return
+    every = torch.cat([ids for i in indices for ids in (samples[i].prompt_ids, samples[i].response_ids)])
+    if int(every.min()) >= 0 and int(every.max()) < vocab_size:
         return
     for index in indices:
         sample = samples[index]
@@ -212,25 +222,47 @@ def _check_vocab(samples: Sequence[PolicySample], indices: Sequence[int], vocab_
                 )
 
 
-def _response_tensors(samples: Sequence[PolicySample], indices: Sequence[int], starts: Sequence[int]):
-    """``[n, R]`` response_index/valid/loss_mask/old_logprobs/advantages; ``starts[i]`` is sample i's flat offset."""
-    count = len(indices)
-    width = max((samples[i].response_length for i in indices), default=0)
-    response_index = torch.zeros(count, width, dtype=torch.long)
-    valid = torch.zeros(count, width, dtype=torch.bool)
-    loss_mask = torch.zeros(count, width)
-    old_logprobs = torch.zeros(count, width)
-    advantages = torch.zeros(count, width)
-    for row, (index, start) in enumerate(zip(indices, starts)):
-        sample = samples[index]
-        length = sample.response_length
-        mask, old, advantage = sample.response_tensors()
-        response_index[row, :length] = torch.arange(length) + start + sample.prompt_length - 1
-        valid[row, :length] = True
-        loss_mask[row, :length] = mask
-        old_logprobs[row, :length] = old
-        advantages[row, :length] = advantage
-    return response_index, valid, loss_mask, old_logprobs, advantages
+def _response_tensors(samples: Sequence[PolicySample], indices: Sequence[int], starts: Sequence[int],
+                      predictors: Sequence[int] | None = None):
+    """``[n, R]`` response_index/valid/loss_mask/old_logprobs/advantages/response_ids. The logits predicting the
+    response tokens are at the flat positions ``predictors`` (all samples' tokens in order) when given, else, for
+    sample i, the ``R`` positions from its flat offset ``starts[i]`` plus its prompt length minus one (prompt and
+    response back to back). Built with one scatter per tensor, not one per sample: plans of hundreds of samples
+    are made every update."""
+    picked = [samples[i] for i in indices]
+    lengths = torch.tensor([s.response_length for s in picked], dtype=torch.long)
+    width = int(lengths.max()) if picked else 0
+    valid = torch.arange(width)[None, :] < lengths[:, None]
+
+    def rows(flat: Tensor, dtype: torch.dtype) -> Tensor:
+        out = torch.zeros(len(picked), width, dtype=dtype)
+        out[valid] = flat.to(dtype)
+        return out
+
+    def per_token(values, default: float) -> Tensor:
+        if all(v is None for v in values):
+            return torch.full((int(lengths.sum()),), default)
+        return torch.cat([torch.full((s.response_length,), default) if v is None else v
+                          for s, v in zip(picked, values)])
+
+    if not picked:
+        empty = torch.zeros(0, 0)
+        return empty.long(), empty.bool(), empty, empty, empty, empty.long()
+    if predictors is None:
+        first = torch.tensor([start + s.prompt_length - 1 for start, s in zip(starts, picked)])
+        offset = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        predictor_index = torch.repeat_interleave(first, lengths) + offset
+    else:
+        predictor_index = torch.tensor(predictors, dtype=torch.long)
+    masks = per_token([None if s.loss_mask is None else (s.loss_mask != 0).float() for s in picked], 1.0)
+    old = per_token([s.old_logprobs for s in picked], 0.0)
+    if all(isinstance(s.advantage, (int, float)) for s in picked):
+        advantages = torch.repeat_interleave(torch.tensor([float(s.advantage) for s in picked]), lengths)
+    else:
+        advantages = torch.cat([torch.as_tensor(s.advantage, dtype=torch.float32).expand(s.response_length)
+                                for s in picked])
+    return (rows(predictor_index, torch.long), valid, rows(masks, torch.float32), rows(old, torch.float32),
+            rows(advantages, torch.float32), rows(torch.cat([s.response_ids for s in picked]), torch.long))
 
 
 def _packed_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int, layout: PackedLayout
@@ -289,8 +321,24 @@ def pack_micro_batches(
     """
     indices = list(range(len(samples))) if indices is None else list(indices)
     _check_vocab(samples, indices, vocab_size)
+    bins = packing_bins(samples, indices, token_budget, layout)
+    if layout == "segments":
+        from dapo_megatron.policy.segment_layout import segmented_row
+
+        return [segmented_row(samples, members, pad_to_multiple) for members in bins]
+    return [_packed_row(samples, members, pad_to_multiple, layout) for members in bins]
+
+
+def packing_bins(samples: Sequence[PolicySample], indices: Sequence[int], token_budget: int, layout: PackedLayout
+                 ) -> list[list[int]]:
+    """The sample indices of each packed micro-batch: first-fit decreasing by sample length, or, for the segments
+    layout, by prompt unit (:func:`dapo_megatron.policy.segment_layout.segment_bins`)."""
+    if layout == "segments":
+        from dapo_megatron.policy.segment_layout import segment_bins
+
+        return segment_bins(samples, indices, token_budget)
     bins = first_fit_decreasing([samples[i].length for i in indices], token_budget)
-    return [_packed_row(samples, [indices[j] for j in members], pad_to_multiple, layout) for members in bins]
+    return [[indices[j] for j in members] for members in bins]
 
 
 def empty_micro_batch(layout: PackedLayout | Literal["padded"], pad_to_multiple: int = 1) -> MicroBatch:
@@ -302,6 +350,10 @@ def empty_micro_batch(layout: PackedLayout | Literal["padded"], pad_to_multiple:
             torch.zeros(1, length, dtype=torch.long), None, None, *_response_tensors([], [], []),
             sample_indices=(), num_real_tokens=0,
         )
+    if layout == "segments":
+        from dapo_megatron.policy.segment_layout import segmented_row
+
+        return segmented_row([], [], pad_to_multiple)
     return _packed_row([], [], pad_to_multiple, layout)
 
 

@@ -243,14 +243,18 @@ def shard_from_hf(mapping: BoundMapping, geometry: ShardGeometry, tp_rank: int,
 
 
 def hf_from_shards(mapping: BoundMapping, geometry: ShardGeometry, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """All TP ranks' shards (rank order) → the full HF tensors (in ``mapping.hf_names`` order), padding removed."""
+    """All TP ranks' shards (rank order) → the full HF tensors (in ``mapping.hf_names`` order), padding removed.
+    With one rank they are views of its shard (possibly not contiguous); with several, new tensors."""
     if len(shards) != geometry.tensor_parallel:
         raise ValueError(f"{mapping.megatron_name}: got {len(shards)} shards for tensor_parallel={geometry.tensor_parallel}")
     if mapping.split is Split.REPLICATED:
         return [shards[0]]
     per_rank = [split_shard(mapping, geometry, s) for s in shards]
-    dim = 1 if mapping.split is Split.ROW else 0
-    full = [torch.cat([pieces[i] for pieces in per_rank], dim=dim) for i in range(len(mapping.hf_names))]
+    if len(per_rank) == 1:  # one rank: its pieces are the tensors (views of its shard, nothing copied)
+        full = per_rank[0]
+    else:
+        dim = 1 if mapping.split is Split.ROW else 0
+        full = [torch.cat([pieces[i] for pieces in per_rank], dim=dim) for i in range(len(mapping.hf_names))]
     if mapping.split is Split.VOCAB:
         full = [full[0][: geometry.spec.vocab_size]]
     return full

@@ -10,6 +10,8 @@ Generation (:meth:`EmbeddedEngine.generate`) is a custom decode loop rather than
   cut into chunks bounded by a row count and a KV-cache byte budget;
 * a chunk is left-padded, masked and cached as :mod:`dapo_megatron.rollout.decode_batch` describes (positions that
   ignore the padding, masks that keep pad slots finite, a KV cache preallocated for the whole decode);
+* the prompt goes through the HF model; every decode step after it through :mod:`dapo_megatron.rollout.lean_decode`
+  (the same operations without transformers' per-call machinery, bit-identical logits);
 * a row finishes on a stop token (kept in its ``token_ids``, reason ``"stop"``) or after ``max_new_tokens``
   (``"length"``); finished rows are dropped from the batch once they are a large enough share of it, which
   shrinks every later forward at the cost of one copy of the cache.
@@ -22,6 +24,7 @@ Log-probs and the sampling rule are documented in :mod:`dapo_megatron.rollout.sa
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -29,6 +32,7 @@ from typing import Iterable, Sequence
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from dapo_megatron import cpu_compat
 from dapo_megatron.hf_format import Bucket, TensorMismatch, WrongShape, bucketed, iter_tensors, load_hf_config
 from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache
 from dapo_megatron.rollout.engine import (
@@ -39,6 +43,7 @@ from dapo_megatron.rollout.engine import (
     Sample,
     SamplingParams,
 )
+from dapo_megatron.rollout.lean_decode import LeanDecoder
 from dapo_megatron.rollout.sampling import (
     TokenSampler,
     per_sample_seeds,
@@ -95,7 +100,7 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
             if not tensor.is_floating_point():
                 bad_values.append(f"{name}: dtype {tensor.dtype} is not floating point")
                 continue
-            if not bool(torch.isfinite(tensor).all()):
+            if not _all_finite(tensor):
                 bad_values.append(f"{name}: contains NaN or inf")
                 continue
             already_loaded = [alias for alias in aliases[id(param)] if alias != name and alias in received]
@@ -114,6 +119,15 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
     if mismatch:
         raise ValueError(mismatch.report(f"the tensors do not match {type(model).__name__}",
                                          max_names=_MAX_NAMES_IN_ERROR))
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """NaN and ±inf reach the minimum or maximum: one read pass, no temporary the size of the tensor (which
+    ``isfinite(t).all()`` makes, at several times the cost of the copy into the parameter)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -154,6 +168,7 @@ class EmbeddedEngine(RolloutEngine):
         self._model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         self._model.eval().requires_grad_(False)
         self._config = self._model.config
+        self._decode_step = LeanDecoder(self._model)  # the model's decode step without its per-call machinery
         self._max_batch_rows = max_batch_rows
         self._max_kv_cache_bytes = max_kv_cache_bytes
         self._drop_finished_fraction = drop_finished_fraction
@@ -206,17 +221,18 @@ class EmbeddedEngine(RolloutEngine):
         )
         rows_per_chunk = self._chunk_size(max(len(prompt) for prompt in prompts), params.max_new_tokens)
         results: dict[tuple[int, int], GeneratedRow] = {}
-        for start in range(0, len(rows), rows_per_chunk):
-            chunk_rows = rows[start : start + rows_per_chunk]
-            chunk_index = torch.tensor(chunk_rows)  # [rows, 2]: (prompt index, sample index)
-            generated = self._generate_chunk(
-                model,
-                [prompts[prompt_index] for prompt_index, _ in chunk_rows],
-                seeds[chunk_index[:, 0], chunk_index[:, 1]],
-                params,
-                sampler,
-            )
-            results.update(zip(chunk_rows, generated))
+        with cpu_compat.suspended():  # HF generation never names CUDA: the device redirect would only slow it down
+            for start in range(0, len(rows), rows_per_chunk):
+                chunk_rows = rows[start : start + rows_per_chunk]
+                chunk_index = torch.tensor(chunk_rows)  # [rows, 2]: (prompt index, sample index)
+                generated = self._generate_chunk(
+                    model,
+                    [prompts[prompt_index] for prompt_index, _ in chunk_rows],
+                    seeds[chunk_index[:, 0], chunk_index[:, 1]],
+                    params,
+                    sampler,
+                )
+                results.update(zip(chunk_rows, generated))
 
         return [
             [
@@ -288,13 +304,9 @@ class EmbeddedEngine(RolloutEngine):
                         layer.batch_select_indices(keep)
                     rows, key_valid, prompt_lengths = rows[keep], key_valid[keep], prompt_lengths[keep]
                     tokens, finished = tokens[keep], finished[keep]
-                logits = model(
-                    input_ids=tokens[:, None],
-                    attention_mask=key_valid[:, None, None, : padded + step + 1],
-                    position_ids=(prompt_lengths + step)[:, None],
-                    cache=cache,
-                    use_cache=True,
-                ).logits[:, -1]
+                logits = self._decode_step(
+                    tokens, key_valid[:, None, None, : padded + step + 1], (prompt_lengths + step)[:, None], cache
+                )
 
         token_lists = out_tokens.tolist()
         logprob_lists = out_logprobs.tolist()

@@ -10,7 +10,9 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
    (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank
    as packed tensors (:mod:`.rollout_batch`);
 5. group-normalized advantages, overlong-filtering masks (:mod:`.samples`, :mod:`dapo_megatron.algorithm.advantages`);
-6. π_old's log-probs of the sampled tokens, recomputed by the policy, forward only;
+6. π_old's log-probs of the sampled tokens, recomputed by the policy, forward only — except for the first
+   mini-batch's samples of the current weights, whose π_old the first update's own forward gives
+   (:mod:`.policy_update`);
 7. ``train_batch_size / mini_batch_size`` optimizer updates on shuffled mini-batches with the DAPO loss
    (:meth:`dapo_megatron.policy.actor.Actor.train_minibatch`, :mod:`dapo_megatron.algorithm.loss`);
 8. the new weights go to the engine (Megatron shards → HF tensors → ``engine.update_weights``; :mod:`.weight_sync`);
@@ -36,8 +38,9 @@ from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.trainer.evaluate import evaluate
 from dapo_megatron.trainer.metrics import MetricsWriter
 from dapo_megatron.trainer.model_source import load_tokenizer
+from dapo_megatron.trainer.policy_update import forward_only_old_logprobs, optimizer_updates, plan_updates
 from dapo_megatron.trainer.rollout_batch import hand_over_rollouts
-from dapo_megatron.trainer.samples import mini_batches, training_samples, with_old_logprobs
+from dapo_megatron.trainer.samples import training_samples
 from dapo_megatron.trainer.step_metrics import StepTimer, policy_metrics, step_metrics, summary_line
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
@@ -108,12 +111,12 @@ class DAPOTrainer:
             samples = training_samples(groups, c)  # 5: group-normalized advantages, overlong-filtering masks
             old, updates = None, []
             if samples:
-                with timer.phase("old_logprob"):  # 6: π_old's log-probs of the sampled tokens (forward only)
-                    old = self.actor.compute_logprobs(samples)
-                samples = with_old_logprobs(samples, old.logprobs)
+                plan = plan_updates(groups, c, step, policy_version=step)  # the policy holds version `step` now
+                with timer.phase("old_logprob"):  # 6: π_old's log-probs, forward only, where 7 cannot reuse its own
+                    samples, forward_only = forward_only_old_logprobs(self.actor, samples, plan)
                 with timer.phase("update"):  # 7: one optimizer update per mini-batch, with the DAPO loss
-                    updates = [self.actor.train_minibatch(mini_batch)
-                               for mini_batch in self._progress(mini_batches(samples, c, step), done)]
+                    updates, old = optimizer_updates(self.actor, samples, plan, forward_only,
+                                                     lambda batches: self._progress(batches, done))
             with timer.phase("handoff"):  # 8: the new weights → the rollout engine
                 self.hand_off_weights(version=done)
         # 9: metrics (+ validation on schedule) to TensorBoard and metrics.jsonl; a checkpoint on schedule.

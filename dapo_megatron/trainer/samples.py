@@ -34,10 +34,15 @@ def with_old_logprobs(samples: list[PolicySample], old_logprobs: list[torch.Tens
     return [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, old_logprobs, strict=True)]
 
 
-def mini_batches(samples: list[PolicySample], config: DAPOConfig, step: int) -> list[list[PolicySample]]:
-    """Shuffle (seeded by run seed and step: the same on every rank, and on a resumed run) and split."""
+def mini_batch_indices(count: int, config: DAPOConfig, step: int) -> list[list[int]]:
+    """Sample indices shuffled (seeded by run seed and step: the same on every rank, and on a resumed run) and split
+    into the mini-batches of the step's optimizer updates."""
     per_mini_batch = config.trainer.mini_batch_size * config.rollout.n_samples
     generator = torch.Generator().manual_seed(config.trainer.seed * 7_919 + step)
-    order = torch.randperm(len(samples), generator=generator).tolist()
-    shuffled = [samples[i] for i in order]
-    return [shuffled[i:i + per_mini_batch] for i in range(0, len(shuffled), per_mini_batch)]
+    order = torch.randperm(count, generator=generator).tolist()
+    return [order[i:i + per_mini_batch] for i in range(0, count, per_mini_batch)]
+
+
+def mini_batches(samples: list[PolicySample], config: DAPOConfig, step: int) -> list[list[PolicySample]]:
+    """The samples of each mini-batch (:func:`mini_batch_indices`)."""
+    return [[samples[i] for i in indices] for indices in mini_batch_indices(len(samples), config, step)]

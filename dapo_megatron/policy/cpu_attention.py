@@ -1,0 +1,167 @@
+"""Core attention for megatron's local (non-Transformer-Engine) layer spec: the CPU path, at a cost per sample.
+
+megatron-core's local ``DotProductAttention`` has no packed-sequence support: a row holding several samples had to
+be one dense ``S × S`` score matrix with a block-diagonal causal mask, so attention grew with the square of the row
+and rows had to stay short (many micro-batches, each paying megatron's per-layer Python work). It also rotates
+queries and keys (RoPE) by their position in the row, not in their sample.
+
+:class:`PackedSequenceAttention` is that module with RoPE moved inside it and a packed layout of its own, the
+``"segments"`` layout (:class:`SegmentedRow`, built by :mod:`dapo_megatron.policy.segment_layout`):
+
+* a row holds *views*: a view is the row positions of one sample in order — its prompt, then its response. Views
+  may share positions: every response to the same prompt reads the prompt's positions, so a prompt is embedded,
+  projected and run through the MLPs once per row instead of once per sample;
+* each token is rotated by its position in its sample (``positions``), as the rollout engine rotates it;
+* attention gathers the views into right-padded batches ``[views, heads, longest, head_dim]`` — one per length
+  class (views at least half as long as the class's longest), so a short response is not padded to the longest
+  one in the row — runs causal ``scaled_dot_product_attention`` on each (``longest²`` per view instead of
+  ``row²``) and takes each row position's output from the one view that owns it (``slot``). Right padding is never
+  seen by a real query (causal), padded queries see real keys only (so every value stays finite) and are dropped;
+  a prompt shared by several views gets its key/value gradient from all of them through the gather.
+
+The result equals the dense masked computation of each sample alone up to float rounding
+(tests/test_policy_cpu_attention.py). Without ``packed_seq_params`` (right-padded rows, the dense-mask layout) the
+module rotates by row position and runs megatron's ``DotProductAttention`` unchanged: exactly megatron's own path.
+
+Models built with this module use ``position_embedding_type="none"`` (:func:`dapo_megatron.policy.model.build_model`):
+megatron's own RoPE would rotate by row position before the core attention sees the tensors. Its rotary embedding
+holds no weights, so the checkpoint layout is the same.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RotarySettings:
+    """RoPE as the HF config gives it: base and the llama3 scaling factor (None: plain RoPE)."""
+
+    base: float
+    llama3_factor: float | None = None
+
+
+@dataclass
+class SegmentedRow(PackedSeqParams):
+    """``packed_seq_params`` of one packed row in the ``"segments"`` layout (``qkv_format`` stays megatron's "sbhd":
+    the tensors keep their ``[s, b=1, ...]`` shape through megatron's attention).
+
+    ``positions [S]``: each token's position in its sample (RoPE); ``classes``: ``(views, longest)`` of each length
+    class; ``gather [Σ views × longest]``: the row position each padded view slot reads, class after class (slots
+    past a view's end repeat its first position); ``slot [S]``: the slot, in that same order, whose output each row
+    position takes.
+    """
+
+    classes: tuple[tuple[int, int], ...] = ()
+    positions: Tensor | None = None
+    gather: Tensor | None = None
+    slot: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.qkv_format = "sbhd"
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """megatron's non-interleaved RoPE (``_apply_rotary_pos_emb_bshd``), the same operations in the same order."""
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class _Rotation:
+    """cos/sin tables ``[positions, 1, 1, head_dim]`` from megatron's RotaryEmbedding, grown on demand; and the
+    per-token tables of the row seen last (one entry: every layer of a forward pass passes the same row object)."""
+
+    def __init__(self, rotary: RotaryEmbedding) -> None:
+        self.rotary = rotary
+        self.cos = self.sin = None
+        self.row: SegmentedRow | None = None
+        self.row_tables: tuple[Tensor, Tensor] | None = None
+
+    def tables(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self.cos is None or self.cos.shape[0] < length or self.cos.device != device or self.cos.dtype != dtype:
+            freqs = self.rotary.get_emb(max(length, 64)).to(device)  # [L, 1, 1, d]
+            self.cos, self.sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+        return self.cos[:length], self.sin[:length]
+
+    def for_row(self, row: SegmentedRow, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self.row is not row:
+            cos, sin = self.tables(int(row.positions.max()) + 1, row.positions.device, dtype)
+            self.row, self.row_tables = row, (cos[row.positions, 0], sin[row.positions, 0])  # [S, 1, d]
+        return self.row_tables
+
+
+class PackedSequenceAttention(DotProductAttention):
+    """megatron's ``DotProductAttention`` with RoPE inside it and the ``"segments"`` packed layout (see the module
+    docstring)."""
+
+    def __init__(self, config, *args, rotary: RotarySettings, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        # megatron's dense path multiplies the scores by softmax_scale, then by the softmax's own scale (the layer
+        # number under query-key layer scaling): the packed path applies both at once.
+        self.packed_scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        self._rotation = _Rotation(RotaryEmbedding(
+            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_interleaved=False,
+            rotary_base=rotary.base, rope_scaling=rotary.llama3_factor is not None,
+            rope_scaling_factor=rotary.llama3_factor or 8.0, use_cpu_initialization=True))
+        if config.rotary_interleaved:
+            raise ValueError("PackedSequenceAttention: interleaved RoPE is not supported")
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+        if packed_seq_params is None:  # right-padded or dense-mask rows: rotate by row position, megatron's path
+            cos, sin = self._rotation.tables(query.shape[0], query.device, query.dtype)
+            return super().forward(_rotate(query, cos, sin), _rotate(key, cos, sin), value, attention_mask,
+                                   attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+        row = packed_seq_params
+        self._check_packed(row, query, attention_bias)
+        cos, sin = self._rotation.for_row(row, query.dtype)
+        query, key, value = _rotate(query[:, 0], cos, sin), _rotate(key[:, 0], cos, sin), value[:, 0]
+        heads, head_dim = query.shape[1], query.shape[2]
+
+        contexts, start = [], 0
+        for views, longest in row.classes:
+            gather = row.gather[start:start + views * longest]
+            start += views * longest
+            q, k, v = (x.index_select(0, gather).view(views, longest, x.shape[1], head_dim).transpose(1, 2)
+                       for x in (query, key, value))  # [S, h, d] -> [views, h, longest, d]
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.packed_scale,
+                                                     enable_gqa=key.shape[1] != heads)
+            contexts.append(context.transpose(1, 2).reshape(views * longest, heads * head_dim))
+        context = contexts[0] if len(contexts) == 1 else torch.cat(contexts)
+        return context.index_select(0, row.slot)[:, None]  # [S, 1, hp]
+
+    def _check_packed(self, row, query: Tensor, attention_bias) -> None:
+        unsupported = []
+        if not isinstance(row, SegmentedRow):
+            unsupported.append(f"packed_seq_params of type {type(row).__name__} (only SegmentedRow)")
+        elif query.shape[1] != 1 or row.slot.numel() != query.shape[0]:
+            unsupported.append(f"a query of shape {tuple(query.shape)} for a row of {row.slot.numel()} tokens")
+        if attention_bias is not None:
+            unsupported.append("an attention bias")
+        if self.scale_mask_softmax.window_size is not None:
+            unsupported.append("sliding-window attention")
+        if self.softmax_offset is not None:
+            unsupported.append(f"softmax_type={self.config.softmax_type!r}")
+        if self.training and self.attention_dropout.p > 0:
+            unsupported.append(f"attention dropout {self.attention_dropout.p}")
+        if unsupported:
+            raise ValueError("PackedSequenceAttention does not support " + ", ".join(unsupported))
+
+
+def local_layer_spec(rotary: RotarySettings):
+    """megatron's local GPT layer spec (RMSNorm) with :class:`PackedSequenceAttention` as the core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=PackedSequenceAttention, params={"rotary": rotary})
+    return spec

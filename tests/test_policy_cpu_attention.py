@@ -1,0 +1,190 @@
+"""The CPU attention path (policy/cpu_attention.py + policy/segment_layout.py) against the dense computation.
+
+The "segments" layout (attention per sample, each prompt once per row, responses without their last token) must give
+the same per-token log-probs and the same parameter gradients as the dense block-diagonal masked square ("mask"
+layout, megatron's own DotProductAttention path) and as each sample run alone, up to float rounding: for samples with
+distinct prompts and for groups sharing a prompt, in one row or cut into several padded rows, at TP=1 and TP=2. And
+the local spec with RoPE moved into the core attention computes exactly what megatron's stock local model computes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from actor_harness import TINY_VOCAB, actor_settings, build_test_actor, random_samples, write_tiny_qwen2
+from spawn_ranks import run_distributed
+
+from dapo_megatron.policy.packing import PolicySample
+
+
+def grouped_samples(seed: int) -> list[PolicySample]:
+    """3 prompts x 4 responses, interleaved (the packer regroups them); a group's first response has one token, so
+    the view owning that prompt holds no response token of its own."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, TINY_VOCAB, (length,), generator=generator) for length in (5, 1, 8)]
+    samples = []
+    for j in range(4):
+        for p, prompt in enumerate(prompts):
+            length = 1 if (j, p) == (0, 2) else int(torch.randint(1, 13, (1,), generator=generator))
+            samples.append(PolicySample(prompt, torch.randint(0, TINY_VOCAB, (length,), generator=generator),
+                                        advantage=float(j - 1.5)))
+    return samples
+
+
+CASES = {"distinct prompts": lambda: random_samples(7, seed=3, prompt_lengths=(1, 9), response_lengths=(1, 25)),
+         "shared prompts": lambda: grouped_samples(seed=4)}
+
+
+def layouts_job(hf_dir: str, tensor_parallel: int):
+    """Per case and layout: per-sample log-probs and this rank's parameter gradients of Σ w·log p."""
+    from dapo_megatron.policy.batch_plan import PackedBatching, PaddedBatching
+
+    actor, _ = build_test_actor(hf_dir, tensor_parallel, 1, actor_settings())
+    assert actor.layout == "segments"
+    layouts = {"segments, rows of 24": ("segments", PackedBatching(token_budget=24, pad_to_multiple=4)),
+               "segments, one row": ("segments", PackedBatching(token_budget=4096)),
+               "mask": ("mask", PackedBatching(token_budget=64, pad_to_multiple=4)),
+               "alone": ("segments", PaddedBatching(samples_per_micro_batch=1))}
+    results = {}
+    for case, make in CASES.items():
+        samples = make()
+        weights = [torch.rand(s.response_length, generator=torch.Generator().manual_seed(i)) + 0.5
+                   for i, s in enumerate(samples)]
+        for name, (layout, batching) in layouts.items():
+            actor.layout = layout
+            plan = actor._plan(samples, batching)
+            actor.model.zero_grad_buffer()
+            logprobs = [None] * len(samples)
+            for mb in plan.micro_batches:
+                logits = actor.model(mb.tokens, mb.position_ids, mb.attention_mask,
+                                     packed_seq_params=mb.packed_seq_params)
+                rows, _ = actor._response_logprobs(mb, logits, temperature=1.0)
+                loss = logits.sum() * 0.0
+                for row, index in enumerate(mb.sample_indices):
+                    length = samples[index].response_length
+                    logprobs[index] = rows[row, :length].detach()
+                    loss = loss + (rows[row, :length] * weights[index]).sum()
+                loss.backward()
+            grads = {name: param.main_grad.clone() for name, param in actor.model.named_parameters()}
+            results[case, name] = dict(logprobs=logprobs, grads=grads,
+                                       micro_batches=len(plan.micro_batches),
+                                       tokens=sum(mb.num_processed_tokens for mb in plan.micro_batches),
+                                       classes=max(len(getattr(mb.packed_seq_params, "classes", ()))
+                                                   for mb in plan.micro_batches))
+    results["leaky"] = leaky_logprobs(actor, CASES["shared prompts"]())
+    return results
+
+
+def leaky_logprobs(actor, samples):
+    """Control: the one-row segments micro-batch with ONE view spanning the row, i.e. causal attention across sample
+    boundaries (what a broken segment index would compute); per-sample log-probs."""
+    from dataclasses import replace
+
+    from dapo_megatron.policy.batch_plan import PackedBatching
+
+    actor.layout = "segments"
+    (mb,) = actor._plan(samples, PackedBatching(token_budget=4096)).micro_batches
+    row = mb.packed_seq_params
+    length = row.slot.numel()
+    leaky = replace(row, classes=((1, length),), gather=torch.arange(length), slot=torch.arange(length))
+    with torch.no_grad():
+        logits = actor.model(mb.tokens, mb.position_ids, None, packed_seq_params=leaky)
+        rows, _ = actor._response_logprobs(mb, logits, temperature=1.0)
+    logprobs = [None] * len(samples)
+    for row_number, index in enumerate(mb.sample_indices):
+        logprobs[index] = rows[row_number, :samples[index].response_length]
+    return logprobs
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return str(write_tiny_qwen2(tmp_path_factory.mktemp("cpu_attention") / "hf"))
+
+
+def assert_layouts_agree(results: dict) -> None:
+    for case in CASES:
+        alone = results[case, "alone"]
+        for name in ("segments, rows of 24", "segments, one row", "mask"):
+            run = results[case, name]
+            for got, want in zip(run["logprobs"], alone["logprobs"], strict=True):
+                torch.testing.assert_close(got, want, atol=2e-5, rtol=0, msg=f"{case}, {name}: log-probs")
+            for param, grad in alone["grads"].items():
+                torch.testing.assert_close(run["grads"][param], grad, atol=2e-5, rtol=1e-4,
+                                           msg=f"{case}, {name}: gradient of {param}")
+        assert results[case, "segments, rows of 24"]["micro_batches"] > 1
+        assert results[case, "segments, one row"]["micro_batches"] == 1
+    assert results["distinct prompts", "segments, one row"]["classes"] > 1  # views of several length classes
+
+
+def test_segments_layout_matches_the_dense_mask_and_each_sample_alone(hf_dir):
+    results = run_distributed(layouts_job, 1, hf_dir, 1)[0]
+    assert_layouts_agree(results)
+    shared = results["shared prompts", "segments, one row"]
+    samples = grouped_samples(seed=4)
+    # each prompt once, every response without its last token
+    assert shared["tokens"] == 5 + 1 + 8 + sum(s.response_length - 1 for s in samples)
+    # control: attention leaking across sample boundaries is caught by the same comparison
+    alone = results["shared prompts", "alone"]["logprobs"]
+    assert max(float((got - want).abs().max()) for got, want in zip(results["leaky"], alone)) > 1e-3
+
+
+@pytest.mark.slow  # two processes, every layout twice
+def test_segments_layout_matches_the_dense_mask_at_tp2(hf_dir):
+    for rank_results in run_distributed(layouts_job, 2, hf_dir, 2):
+        assert_layouts_agree(rank_results)
+
+
+def stock_megatron_job(hf_dir: str):
+    """Logits of the local spec (RoPE inside the core attention) and of megatron's stock local GPTModel (its own
+    RoPE and DotProductAttention) with the same weights, on right-padded rows."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    actor, spec = build_test_actor(hf_dir, 1, 1, actor_settings())
+    ours = actor.model.module
+    stock = GPTModel(config=ours.config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=ours.vocab_size, max_sequence_length=spec.max_position_embeddings,
+                     share_embeddings_and_output_weights=spec.tie_embeddings, position_embedding_type="rope",
+                     rotary_base=spec.rope_theta)
+    stock.load_state_dict(ours.state_dict(), strict=True)
+    tokens = torch.randint(0, TINY_VOCAB, (3, 17), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(17).expand(3, 17)
+    with torch.no_grad():
+        return ours(tokens, positions, None), stock(tokens, positions, None)
+
+
+def test_rope_inside_the_core_attention_is_megatrons_rope(hf_dir):
+    ours, stock = run_distributed(stock_megatron_job, 1, hf_dir)[0]
+    assert torch.equal(ours, stock)
+
+
+def test_segmented_row_layout():
+    from dapo_megatron.policy import segment_layout
+    from dapo_megatron.policy.segment_layout import segment_bins, segmented_row
+
+    prompt = torch.tensor([1, 2, 3])
+    samples = [PolicySample(prompt, torch.tensor([4, 5])), PolicySample(torch.tensor([9]), torch.tensor([8, 7, 6])),
+               PolicySample(prompt, torch.tensor([6])), PolicySample(prompt, torch.tensor([7, 8, 9]))]
+    (members,) = segment_bins(samples, range(4), token_budget=64)
+    assert members == [0, 2, 3, 1]  # grouped by prompt, first appearance first
+    mb = segmented_row(samples, members, pad_to_multiple=4)
+    # prompt once, responses without their last token, then the other prompt, then padding to 12
+    assert mb.tokens[0].tolist() == [1, 2, 3, 4, 7, 8, 9, 8, 7, 0, 0, 0]
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 3, 4, 0, 1, 2, 0, 1, 2]
+    row = mb.packed_seq_params
+    # views: sample 0 (prompt + 1), sample 3 (prompt + 2), the other prompt + 2, padding; sample 2 (one token, not
+    # the prompt's owner) needs none. Length classes: the views of 5, 4 and 3 tokens, then padding (3 tokens too)
+    assert row.classes == ((4, 5),)
+    assert segment_layout.length_classes([9, 4, 5, 2, 8]) == [([0, 4, 2], 9), ([1, 3], 4)]
+    assert torch.equal(row.gather[row.slot], torch.arange(12))  # each position's output slot reads that position
+    assert len(set(row.slot.tolist())) == 12
+    valid = mb.response_valid
+    assert mb.response_ids[valid].tolist() == [4, 5, 6, 7, 8, 9, 8, 7, 6]
+    # response token t is predicted at the prompt's end (t = 0) or at its own previous token
+    assert mb.response_index[valid].tolist() == [2, 3, 2, 2, 4, 5, 6, 7, 8]
+    assert mb.num_real_tokens == 9
+
+    assert mb.labels[0, mb.response_index[valid]].tolist()[:2] == [4, 5]  # a shared prompt's end: its owner's token
+
+    # a group over the budget is cut into units that each repeat the prompt: [0, 2] (3 + 1 + 0 tokens), [3] (3 + 2)
+    assert segment_bins(samples, range(4), token_budget=5) == [[3], [0, 2], [1]]
