@@ -9,7 +9,9 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
 4. filter and buffer: keep groups with mixed outcomes until the batch is full or the generation-round cap is hit
    (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank;
 5. group-normalized advantages, overlong-filtering masks (:mod:`.samples`, :mod:`dapo_megatron.algorithm.advantages`);
-6. π_old's log-probs of the sampled tokens, recomputed by the policy, forward only;
+6. π_old's log-probs of the sampled tokens, recomputed by the policy, forward only; then the rollout correction of
+   tokens the policy did not sample itself — importance-weighted, masked, or (sync ``surplus_policy: keep``) trained
+   as they are (:func:`.samples.corrected_samples`, :mod:`dapo_megatron.algorithm.rollout_correction`);
 7. ``train_batch_size / mini_batch_size`` optimizer updates on shuffled mini-batches with the DAPO loss
    (:meth:`dapo_megatron.policy.actor.Actor.train_minibatch`, :mod:`dapo_megatron.algorithm.loss`);
 8. the new weights go to the engine (Megatron shards → HF tensors → ``engine.update_weights``; :mod:`.weight_sync`);
@@ -17,6 +19,10 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
 
 The trainer starts from an HF folder (:mod:`.model_source`); making the CPU demo's model is a step of its own
 (:mod:`dapo_megatron.tiny_model`).
+
+``rollout.mode: async`` changes only where steps 1–4 come from: :mod:`.async_collector` generates in a background
+thread during the other steps, so ``collect`` mostly hands over groups sampled by the previous weights; the weight
+version is the policy's step count, and staleness is counted against it (:mod:`dapo_megatron.algorithm.staleness`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.trainer.evaluate import evaluate
 from dapo_megatron.trainer.metrics import MetricsWriter
 from dapo_megatron.trainer.model_source import load_tokenizer
-from dapo_megatron.trainer.samples import mini_batches, training_samples, with_old_logprobs
+from dapo_megatron.trainer.samples import corrected_samples, mini_batches, training_samples, with_old_logprobs
 from dapo_megatron.trainer.step_metrics import StepTimer, policy_metrics, step_metrics, summary_line
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
@@ -84,6 +90,7 @@ class DAPOTrainer:
     def _start_rollout_side(self) -> None:
         from dapo_megatron.data.sampler import PromptSampler
         from dapo_megatron.rollout.factory import build_rollout_engine
+        from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
         from dapo_megatron.trainer.rollout_collector import RolloutCollector
         from dapo_megatron.trainer.task import eval_prompts, train_prompts
 
@@ -92,7 +99,8 @@ class DAPOTrainer:
                                 seed=c.trainer.seed)
         self.eval_prompts = eval_prompts(c, self.tokenizer)
         self.engine = build_rollout_engine(c, self.model_dir, self.run_dir)
-        self.collector = RolloutCollector(self.engine, sampler, self.tokenizer, c)
+        collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
+        self.collector = collector(self.engine, sampler, self.tokenizer, c)
 
     # ------------------------------------------------------------------------------------------------ one step
 
@@ -103,18 +111,21 @@ class DAPOTrainer:
             with timer.phase("gen"):  # 1-4: prompts → G responses each → rewards → dynamic-sampling filter/buffer
                 groups, rollout = run_on_rank0(lambda: self.collector.collect(step), what=f"step {done} rollouts")
             samples = training_samples(groups, c)  # 5: group-normalized advantages, overlong-filtering masks
-            old, updates = None, []
+            old, updates, correction = None, [], {}
             if samples:
                 with timer.phase("old_logprob"):  # 6: π_old's log-probs of the sampled tokens (forward only)
                     old = self.actor.compute_logprobs(samples)
-                samples = with_old_logprobs(samples, old.logprobs)
+                # ... and tokens sampled by other weights than π_old's: importance-weighted or masked
+                samples, correction = corrected_samples(with_old_logprobs(samples, old.logprobs), groups, c,
+                                                        policy_version=step)
                 with timer.phase("update"):  # 7: one optimizer update per mini-batch, with the DAPO loss
                     updates = [self.actor.train_minibatch(mini_batch)
                                for mini_batch in self._progress(mini_batches(samples, c, step), done)]
             with timer.phase("handoff"):  # 8: the new weights → the rollout engine
                 self.hand_off_weights(version=done)
         # 9: metrics (+ validation on schedule) to TensorBoard and metrics.jsonl; a checkpoint on schedule.
-        metrics = step_metrics(rollout, policy_metrics(groups, samples, old, updates), timer,
+        metrics = step_metrics(rollout, {**policy_metrics(groups, samples, old, updates, policy_version=step),
+                                         **correction}, timer,
                                weight_version=self.engine.weight_version if self.engine else done)
         last = done == c.trainer.total_steps
         if last or (c.eval.every and done % c.eval.every == 0):
@@ -155,6 +166,8 @@ class DAPOTrainer:
         return {"first_eval": self.first_eval or {}, "last_eval": self.last_eval or {}, "steps": step}
 
     def shutdown(self) -> None:
+        if self.collector is not None:
+            self.collector.close()  # async mode: the driver thread stops before its engine does
         if self.engine is not None:
             self.engine.shutdown()
 
