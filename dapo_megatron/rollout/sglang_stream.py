@@ -96,6 +96,8 @@ class SGLangStreams:
                 outputs = slot.client.generate(payload)
             except ServerFailure as error:
                 self._stop_tracking(request.request_id, slot)
+                if self.book.closed:  # the engine is shutting down and stopped the server: nothing to recover
+                    return aborted_samples(request, engine.weight_version)
                 if engine.pool.recover(slot, generation, error, version=engine.weight_version,
                                        restart_path=engine._restart_model_path()):
                     engine.transport.reset()
@@ -106,5 +108,4 @@ class SGLangStreams:
     def _stop_tracking(self, request_id: str, slot: "ServerSlot") -> None:
         with self._lock:
             self._running_on.pop(request_id, None)
-        engine_pool = self.engine.pool
-        engine_pool.release(slot)
+        self.engine.pool.release(slot)
