@@ -108,7 +108,8 @@ def table(summary: dict, steps: int) -> str:
              f"held-out acc step 0 → {steps} | mean staleness | whole run s |", "|---|---|---|---|---|---|---|"]
     for mode, s in summary["modes"].items():
         lines.append(f"| {mode} | {s['step_s']:.2f} | {s['gen_wait_s']:.2f} | {s['train_cpu_s']:.2f} | "
-                     f"{s['acc_start']:.3f} → {s['acc_end']:.3f} | {s['staleness_mean']:.2f} | {s['run_wall_s']:.0f} |")
+                     f"{s['acc_start']:.3f} → {s['acc_end']:.3f} | {s['staleness_mean']:.2f} | "
+                     f"{s['run_wall_s']:.0f} |")
     if "speedup" in summary:
         lines.append(f"\nsync / async wall time per step: **{summary['speedup']:.2f}×**")
     return "\n".join(lines)

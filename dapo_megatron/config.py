@@ -230,7 +230,8 @@ class DAPOConfig:
         _require(a.max_gen_rounds >= 1, "algorithm.max_gen_rounds", "must be >= 1")
         _require(r.temperature > 0, "rollout.temperature", "must be > 0 for RL sampling")
         _require(r.max_staleness >= 1 or r.mode == "sync", "rollout.max_staleness",
-                 f"must be >= 1 in async mode (what it generates during a step trains in the next), got {r.max_staleness}")
+                 f"must be >= 1 in async mode (what is generated during a step trains in the next), "
+                 f"got {r.max_staleness}")
         _require(a.tis_cap > 0, "algorithm.tis_cap", f"must be > 0, got {a.tis_cap}")
         _require(a.mis_threshold > 1, "algorithm.mis_threshold", f"must be > 1, got {a.mis_threshold}")
         s = r.sglang

@@ -28,7 +28,8 @@ def test_token_tis_weights_are_the_ratio_truncated_at_the_cap():
     assert all(bool(k.all()) for k in correction.keep)  # TIS weights, never masks
     m = correction.metrics
     assert m["rollout_corr/tis_truncated_fraction"] == pytest.approx(1 / 5)
-    assert m["rollout_corr/is_weight_mean"] == pytest.approx((1.1 + math.exp(-1) + 1 + math.exp(-2) + math.exp(-1.5)) / 5)
+    expected_mean = (1.1 + math.exp(-1) + 1 + math.exp(-2) + math.exp(-1.5)) / 5
+    assert m["rollout_corr/is_weight_mean"] == pytest.approx(expected_mean)
 
 
 def test_seq_mis_drops_the_response_whose_geometric_mean_ratio_leaves_the_band():

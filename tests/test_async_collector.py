@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_rollout_streaming import WAIT_S, HoldAtStep
+from test_rollout_streaming import (  # noqa: F401 - one_thread is an autouse fixture
+    WAIT_S,
+    HoldAtStep,
+    one_thread,
+    update_while_held,
+)
 from tiny_models import build_tiny_qwen2, perturbed_state_dict, sample_prompts
 
 from dapo_megatron.config import load_config
@@ -22,14 +27,6 @@ from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
 BATCH = 4
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +103,7 @@ def test_requests_in_flight_at_an_update_continue_or_restart_per_partial_rollout
     engine._gate = gate = HoldAtStep(hold_at=2 + 5)  # the first chunk's rows stop after 5 tokens
     try:
         collector._start()
-        assert gate.reached.wait(WAIT_S)
-        updater = threading.Thread(target=update, args=(engine, model_dir, 1))
-        updater.start()
-        gate.wait_for_update(engine, 1)
-        gate.release.set()
-        updater.join(WAIT_S)
+        update_while_held(engine, gate, perturbed_state_dict(model_dir, scale=0.05, seed=1), 1)
         groups, metrics = collector.collect(1)
         spans = [g.token_versions is not None for g in groups]
         if partial:  # continued on the new weights: each response holds tokens of both versions
@@ -149,7 +141,7 @@ def test_checkpoints_taken_with_requests_in_flight_lose_no_prompt(model_dir, rec
             regenerated = len(state["pending_prompts"])
             batch, metrics = resumed.collect(len(trained) // BATCH)
             trained += [tuple(g.prompt_ids) for g in batch]
-            assert metrics.get("async/regenerated_prompts", 0) == regenerated and balanced(metrics)
+            assert metrics["async/regenerated_prompts"] == regenerated and balanced(metrics)
             time.sleep(0.2)  # let the driver get ahead
             state = resumed.state_dict()
         finally:

@@ -12,20 +12,20 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from test_rollout_embedded import PROMPTS, hf_greedy, loaded_engine, qwen2_config, recomputed_logprobs, reference_model
+from test_rollout_embedded import (  # noqa: F401 - one_thread is an autouse fixture
+    PROMPTS,
+    hf_greedy,
+    loaded_engine,
+    one_thread,
+    qwen2_config,
+    recomputed_logprobs,
+    reference_model,
+)
 
 from dapo_megatron.rollout.embedded_stream import WeightGate
 from dapo_megatron.rollout.engine import GenerationRequest, SamplingParams
 
 WAIT_S = 60.0
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 class HoldAtStep(WeightGate):
@@ -54,6 +54,16 @@ class HoldAtStep(WeightGate):
         while not (self._updating or engine.weight_version == version):
             assert time.monotonic() < deadline, "update_weights never reached the gate"
             time.sleep(0.01)
+
+
+def update_while_held(engine, gate: HoldAtStep, state: dict, version: int) -> None:
+    """Push ``state`` as ``version`` while the decode loop is held, then let it go: it continues on the new weights."""
+    assert gate.reached.wait(WAIT_S)
+    updater = threading.Thread(target=engine.update_weights, args=([list(state.items())], version))
+    updater.start()
+    gate.wait_for_update(engine, version)
+    gate.release.set()
+    updater.join(WAIT_S)
 
 
 def poll_all(engine, count: int):
@@ -91,12 +101,7 @@ def test_partial_rollout_continues_on_the_new_weights_with_per_token_versions():
     engine._gate = gate = HoldAtStep(hold_at=2 + 6)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=20)
     engine.submit([GenerationRequest(f"r{i}", tuple(p), params) for i, p in enumerate(PROMPTS)])
-    assert gate.reached.wait(WAIT_S)
-    updater = threading.Thread(target=engine.update_weights, args=([list(new_model.state_dict().items())], 1))
-    updater.start()
-    gate.wait_for_update(engine, 1)
-    gate.release.set()
-    updater.join(WAIT_S)
+    update_while_held(engine, gate, new_model.state_dict(), 1)
     finished = poll_all(engine, len(PROMPTS))
     for i, prompt in enumerate(PROMPTS):
         (sample,) = finished[f"r{i}"].samples
@@ -123,12 +128,7 @@ def test_rows_finished_before_an_update_leave_and_the_others_are_re_prefilled_in
     engine._gate = gate = HoldAtStep(hold_at=2 + 6)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=20, stop_token_ids=(stop,))
     engine.submit([GenerationRequest(f"r{i}", tuple(p), params) for i, p in enumerate(PROMPTS)])
-    assert gate.reached.wait(WAIT_S)
-    updater = threading.Thread(target=engine.update_weights, args=([list(new_model.state_dict().items())], 1))
-    updater.start()
-    gate.wait_for_update(engine, 1)
-    gate.release.set()
-    updater.join(WAIT_S)
+    update_while_held(engine, gate, new_model.state_dict(), 1)
     finished = poll_all(engine, len(PROMPTS))
     (stopped,) = finished["r1"].samples
     assert stopped.token_ids == old_greedy[1][:length] and stopped.token_versions == [0] * length

@@ -17,9 +17,10 @@ behaviour policies, ρ_t = π_old(t) / π_rollout(t) = exp(logp_old − logp_rol
 * ``none`` — no weights; tokens listed as stale (``stale`` argument) are masked out of the loss instead, which is
   what the trainer asks for in async mode without a correction (never trained as if they were on-policy).
 
-How a weight enters the DAPO loss: for w ≥ 0 the clipped token loss satisfies w·ℓ(A) = ℓ(w·A) — max(−rA, −clip(r)A)
-and the dual clip min(·, −cA) are positively homogeneous in A, and w·A has the sign of A — so a weighted token is
-a token with advantage w_t·A (per-token advantages, :func:`weighted_advantage`), and a masked one has loss mask 0.
+How a weight enters the DAPO loss: for w ≥ 0 the clipped token loss satisfies w·ℓ(A) = ℓ(w·A) —
+max(−rA, −clip(r)A) and the dual clip min(·, −cA) are positively homogeneous in A, and w·A has the sign of A — so a
+weighted token is a token with advantage w_t·A (per-token advantages, :func:`weighted_advantage`), and a masked one
+has loss mask 0.
 Masked tokens leave the token-mean normalizer too, as the overlong filter's do.
 
 :func:`rollout_correction` returns the per-token weights and keep-masks plus the diagnostics, all computed over the
@@ -130,7 +131,7 @@ def _metrics(log_ratios: list[Tensor], weights: list[Tensor], keep: list[Tensor]
 
 
 def weighted_advantage(advantage: float, weight: Tensor) -> Tensor:
-    """Per-token advantages ``weight · advantage`` (``[R]`` float32): a token with IS weight w_t as the loss sees it."""
+    """Per-token advantages ``weight · advantage`` (``[R]`` float32): a token of IS weight w_t as the loss sees it."""
     return weight.to(torch.float32) * float(advantage)
 
 

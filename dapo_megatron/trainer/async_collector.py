@@ -1,4 +1,4 @@
-"""Steps 1–4 in async mode (``rollout.mode: async``): a driver thread on rank 0 keeps generating while the policy trains.
+"""Steps 1–4 in async mode (``rollout.mode: async``): a driver thread on rank 0 generates while the policy trains.
 
 The trainer's step reads as in sync mode — ``groups, metrics = collector.collect(step)`` — but here the groups were
 mostly generated during the previous step(s) by the weights of then:
@@ -9,7 +9,9 @@ mostly generated during the previous step(s) by the weights of then:
   ``algorithm.dynamic_sampling`` says so) as soon as its G samples are back.
 * **How far ahead.** It keeps ``buffered groups + in-flight prompts × observed keep rate`` at
   ``train_batch_size × rollout.max_staleness`` (at most ``max_gen_rounds`` chunks in flight), so what it generates
-  during step s is trained in steps s+1 … s+max_staleness. ``collect(step)`` takes a batch from the buffer, waiting
+  during step s is trained in steps s+1 … s+max_staleness. A chunk is sized to the expected shortfall (at least a
+  quarter of a full one): a full chunk submitted for a shortfall of a few groups would overshoot by most of a batch,
+  whose groups then age past the bound and are dropped. ``collect(step)`` takes a batch from the buffer, waiting
   while it is short; after ``max_gen_rounds`` chunks' worth of finished groups since the last batch it trains on
   what it has (``train/hit_gen_round_cap``), as sync mode does.
 * **Weight updates.** ``rollout.partial_rollouts: true``: requests in flight at an update are paused by the engine
@@ -32,6 +34,7 @@ mostly generated during the previous step(s) by the weights of then:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -101,7 +104,7 @@ class AsyncRolloutCollector:
         self._since = _SinceLastBatch()
         self._kept_finished = [0, 0]  # groups kept, groups finished: the observed keep rate
         self._next_request = 0
-        self._regenerated = 0  # prompts restored from a checkpoint, to report once
+        self._regenerated: int | None = None  # prompts a resumed run generates again, reported once
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -151,8 +154,8 @@ class AsyncRolloutCollector:
             "rollout/wasted_tokens/filtered": float(since.filtered_tokens),
             **self.ledger.metrics(held),
         }
-        if self._regenerated:
-            metrics["async/regenerated_prompts"], self._regenerated = float(self._regenerated), 0
+        if self._regenerated is not None:
+            metrics["async/regenerated_prompts"], self._regenerated = float(self._regenerated), None
         return metrics
 
     def close(self) -> None:
@@ -228,13 +231,15 @@ class AsyncRolloutCollector:
     def _next_chunk(self, version: int) -> list[GenerationRequest]:
         """A chunk of prompts to submit when the buffer and what is in flight will not cover ``target_groups``."""
         kept, finished = self._kept_finished
-        keep_rate = max(kept / finished, 0.05) if finished else self.config.trainer.train_batch_size / self.chunk_size
-        expected = len(self.buffer) + len(self._in_flight) * min(keep_rate, 1.0)
-        if expected >= self.target_groups or len(self._in_flight) + self.chunk_size > self.max_in_flight:
+        keep_rate = kept / finished if finished else self.config.trainer.train_batch_size / self.chunk_size
+        keep_rate = min(max(keep_rate, 0.05), 1.0)
+        shortfall = self.target_groups - len(self.buffer) - len(self._in_flight) * keep_rate
+        size = min(self.chunk_size, max(math.ceil(shortfall / keep_rate), math.ceil(self.chunk_size / 4)))
+        if shortfall <= 0 or len(self._in_flight) + size > self.max_in_flight:
             return []
-        records = [self._pending.popleft() for _ in range(min(len(self._pending), self.chunk_size))]
-        if len(records) < self.chunk_size:
-            drawn = self.sampler.next_batch(self.chunk_size - len(records))
+        records = [self._pending.popleft() for _ in range(min(len(self._pending), size))]
+        if len(records) < size:
+            drawn = self.sampler.next_batch(size - len(records))
             self.ledger.drawn += len(drawn)
             records += drawn
         self._since.chunks += 1
