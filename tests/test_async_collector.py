@@ -136,10 +136,13 @@ def test_checkpoints_taken_with_requests_in_flight_lose_no_prompt(model_dir, rec
     trained = []
     for _ in range(2):  # resume, train a step, checkpoint with whatever is buffered or in flight, resume again
         resumed, engine = make(model_dir, records)
+        step = len(trained) // BATCH
+        if step:
+            update(engine, model_dir, step)  # as the trainer does: the engine serves the policy's version
         try:
             resumed.load_state_dict(state)
             regenerated = len(state["pending_prompts"])
-            batch, metrics = resumed.collect(len(trained) // BATCH)
+            batch, metrics = resumed.collect(step)
             trained += [tuple(g.prompt_ids) for g in batch]
             assert metrics["async/regenerated_prompts"] == regenerated and balanced(metrics)
             time.sleep(0.2)  # let the driver get ahead

@@ -18,9 +18,11 @@ mostly generated during the previous step(s) by the weights of then:
   and continue on the new weights (per-token versions recorded). ``false``: the driver aborts them as soon as it
   sees the new version and regenerates their prompts from scratch; a response that still came back spanning two
   versions is discarded the same way.
-* **Staleness bound.** A group whose oldest token is more than ``max_staleness`` versions older than the policy
-  (``engine version − oldest``; the trainer collects right after each handoff, so the two are equal then) is
-  dropped from the buffer and counted; an in-flight request submitted that long ago is aborted and regenerated.
+* **Staleness bound.** The next ``collect`` trains at policy version ``N`` (the step after the last one collected;
+  the trainer hands version ``N`` to the engine just before). A buffered group whose oldest token is older than
+  ``N − max_staleness`` can never train: it is dropped and counted as soon as that is known, and an in-flight
+  request submitted before that version (its first tokens are at least that old) is aborted and its prompt
+  regenerated. Only what the next batch can use counts towards how far ahead the driver is.
   The loss then treats the remaining stale tokens per ``algorithm.rollout_correction``
   (:func:`dapo_megatron.trainer.samples.corrected_samples`).
 * **Nothing lost.** Aborted requests' prompts go back to the front of the queue. The checkpoint holds the sampler,
@@ -102,6 +104,7 @@ class AsyncRolloutCollector:
         self._in_flight: dict[str, tuple[PromptRecord, int]] = {}  # request id → (prompt, engine version at submit)
         self._aborted: set[str] = set()
         self._since = _SinceLastBatch()
+        self._next_collect: int | None = None  # the policy version of the next batch; None: the engine's
         self._kept_finished = [0, 0]  # groups kept, groups finished: the observed keep rate
         self._next_request = 0
         self._regenerated: int | None = None  # prompts a resumed run generates again, reported once
@@ -124,7 +127,7 @@ class AsyncRolloutCollector:
             hit_cap = False
             while True:
                 self._raise_driver_error()
-                self._evict_stale(policy_version=step)
+                self._evict_stale(oldest_usable=step - self.max_staleness)
                 if self.buffer.is_full:
                     batch = self.buffer.pop()
                     break
@@ -133,6 +136,7 @@ class AsyncRolloutCollector:
                     break
                 self._cond.wait(COLLECT_CHECK_S)
             self.ledger.trained += len(batch)
+            self._next_collect = step + 1
             since, self._since = self._since, _SinceLastBatch()
             metrics = rollout_metrics(batch, since.generated, since.stats, since.chunks, hit_cap,
                                       self.config.rollout.max_response_length)
@@ -211,8 +215,9 @@ class AsyncRolloutCollector:
                     if self._stop:
                         return
                     version = self.engine.weight_version
-                    self._evict_stale(policy_version=version)
-                    self._abort_unusable(version)
+                    next_collect = version if self._next_collect is None else self._next_collect
+                    self._evict_stale(oldest_usable=next_collect - self.max_staleness)
+                    self._abort_unusable(version, oldest_usable=next_collect - self.max_staleness)
                     requests = self._next_chunk(version)
                 if requests:
                     self.engine.submit(requests)
@@ -254,12 +259,12 @@ class AsyncRolloutCollector:
             self._in_flight[request_id] = (record, version)
         return requests
 
-    def _abort_unusable(self, version: int) -> None:
-        """Abort (and queue again) requests that can no longer make a trainable group: submitted more than
-        ``max_staleness`` versions ago, or — without partial rollouts — before the current version."""
-        limit = 0 if not self.config.rollout.partial_rollouts else self.max_staleness
+    def _abort_unusable(self, version: int, oldest_usable: int) -> None:
+        """Abort (and queue again) requests that can no longer make a trainable group: submitted before
+        ``oldest_usable``, or — without partial rollouts — before the current version."""
+        limit = oldest_usable if self.config.rollout.partial_rollouts else version
         doomed = [rid for rid, (_, submitted) in self._in_flight.items()
-                  if version - submitted > limit and rid not in self._aborted]
+                  if submitted < limit and rid not in self._aborted]
         if doomed:
             self._aborted.update(doomed)
             self.engine.abort(doomed)
@@ -303,8 +308,8 @@ class AsyncRolloutCollector:
         self._since.dropped_groups += groups
         self._since.dropped_tokens += tokens
 
-    def _evict_stale(self, policy_version: int) -> None:
-        """Drop buffered groups older than the staleness bound allows at ``policy_version``."""
-        evicted = self.buffer.remove_if(lambda g: policy_version - g.weight_version > self.max_staleness)
+    def _evict_stale(self, oldest_usable: int) -> None:
+        """Drop buffered groups with a token older than ``oldest_usable``: no batch may train them any more."""
+        evicted = self.buffer.remove_if(lambda g: g.weight_version < oldest_usable)
         if evicted:
             self._drop(len(evicted), sum(len(r) for g in evicted for r in g.responses))
