@@ -9,9 +9,9 @@ mostly generated during the previous step(s) by the weights of then:
   ``algorithm.dynamic_sampling`` says so) as soon as its G samples are back.
 * **How far ahead.** It keeps ``buffered groups + in-flight prompts × observed keep rate`` at
   ``train_batch_size × rollout.max_staleness`` (at most ``max_gen_rounds`` chunks in flight), so what it generates
-  during step s is trained in steps s+1 … s+max_staleness. A chunk is sized to the expected shortfall (at least a
-  quarter of a full one): a full chunk submitted for a shortfall of a few groups would overshoot by most of a batch,
-  whose groups then age past the bound and are dropped. ``collect(step)`` takes a batch from the buffer, waiting
+  during step s is trained in steps s+1 … s+max_staleness. A chunk is sized to the expected shortfall: a full
+  chunk submitted for a shortfall of a few groups would overshoot by most of a batch, whose groups then age past the
+  bound and are dropped. ``collect(step)`` takes a batch from the buffer, waiting
   while it is short; after ``max_gen_rounds`` chunks' worth of finished groups since the last batch it trains on
   what it has (``train/hit_gen_round_cap``), as sync mode does.
 * **Weight updates.** ``rollout.partial_rollouts: true``: requests in flight at an update are paused by the engine
@@ -238,8 +238,9 @@ class AsyncRolloutCollector:
         kept, finished = self._kept_finished
         keep_rate = kept / finished if finished else self.config.trainer.train_batch_size / self.chunk_size
         keep_rate = min(max(keep_rate, 0.05), 1.0)
-        shortfall = self.target_groups - len(self.buffer) - len(self._in_flight) * keep_rate
-        size = min(self.chunk_size, max(math.ceil(shortfall / keep_rate), math.ceil(self.chunk_size / 4)))
+        live = len(self._in_flight) - len(self._aborted)  # aborted requests are still on their way back
+        shortfall = self.target_groups - len(self.buffer) - live * keep_rate
+        size = min(self.chunk_size, math.ceil(shortfall / keep_rate))
         if shortfall <= 0 or len(self._in_flight) + size > self.max_in_flight:
             return []
         records = [self._pending.popleft() for _ in range(min(len(self._pending), size))]
