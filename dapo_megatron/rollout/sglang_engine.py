@@ -38,15 +38,7 @@ import torch
 from tqdm import tqdm
 
 from dapo_megatron.hf_format import CONFIG_FILE, Bucket
-from dapo_megatron.rollout.engine import (
-    EngineHealth,
-    FinishedRequest,
-    GenerationRequest,
-    RolloutEngine,
-    RolloutError,
-    Sample,
-    SamplingParams,
-)
+from dapo_megatron.rollout.engine import EngineHealth, RolloutEngine, RolloutError, Sample, SamplingParams
 from dapo_megatron.rollout.sglang_client import ServerFailure
 from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
@@ -62,6 +54,7 @@ from dapo_megatron.rollout.sglang_transports import (
 
 if TYPE_CHECKING:
     from dapo_megatron.config import SGLangConfig
+    from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
