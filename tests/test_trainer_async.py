@@ -55,8 +55,9 @@ def test_async_steps_train_within_the_staleness_bound(tmp_path):
 
 
 def _cli(run_dir: Path, *extra: str) -> list[str]:
+    # Two batches ahead (max_staleness=2): whenever the step-2 checkpoint is written, the driver holds work.
     return [sys.executable, "-m", "dapo_megatron.cli", "train", str(REPO / "examples" / "tiny_cpu.yaml"),
-            *_tiny(run_dir, "trainer.total_steps=4", "trainer.save_every=2"), *extra]
+            *_tiny(run_dir, "trainer.total_steps=4", "trainer.save_every=2", "rollout.max_staleness=2"), *extra]
 
 
 def _env() -> dict:
