@@ -133,6 +133,11 @@ class RolloutConfig:
     max_response_length: int = 20480
     handoff_bucket_mb: float = 512  # MiB per weight-handoff bucket (a larger tensor travels alone)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    # sync: generate → train → hand off, one after the other (the paper). async: a background driver on rank 0 keeps
+    # generating the next steps' groups while the policy trains (dapo_megatron/trainer/async_collector.py).
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = 1  # async: a group trains only while policy version − its oldest token's version <= this
+    partial_rollouts: bool = True  # async: generations in flight at a weight update continue on the new weights
 
 
 @dataclass
@@ -149,8 +154,25 @@ class AlgorithmConfig:
     dynamic_sampling: bool = True
     gen_batch_size: int = 1536  # prompts per generation round
     max_gen_rounds: int = 10  # at the cap the step trains on what it has (and logs it)
-    surplus_policy: Literal["keep", "drop"] = "keep"  # kept groups beyond the batch: next step, or discarded
+    # Groups collected beyond the batch (sync mode): "drop" them (the reference recipe), or "keep" them for the next
+    # step, where they are off-policy by one version. "auto": keep when rollout_correction corrects them, else drop.
+    surplus_policy: Literal["auto", "keep", "drop"] = "auto"
     use_math_verify: bool = False  # symbolic fallback after the DAPO exact match
+    # Correction of the gap between the engine that sampled a token and the policy (different kernels, older
+    # weights): token-level truncated IS, sequence-level masked IS, or both (dapo_megatron/algorithm/
+    # rollout_correction.py). "none" trains tokens as sampled, except tokens of older weight versions in async mode,
+    # which are masked out of the loss.
+    rollout_correction: Literal["none", "token_tis", "seq_mis", "both"] = "none"
+    tis_cap: float = 2.0  # token_tis: weight = min(π_old / π_rollout, tis_cap)
+    mis_threshold: float = 2.0  # seq_mis: drop a response whose geometric-mean ratio leaves [1/τ, τ]
+
+    @property
+    def resolved_surplus_policy(self) -> Literal["keep", "drop"]:
+        """``surplus_policy`` with "auto" resolved: surplus groups are kept only when the rollout correction will
+        correct them as the stale samples they are."""
+        if self.surplus_policy != "auto":
+            return self.surplus_policy
+        return "drop" if self.rollout_correction == "none" else "keep"
 
 
 @dataclass
@@ -229,6 +251,11 @@ class DAPOConfig:
         _require(a.gen_batch_size >= 1, "algorithm.gen_batch_size", "must be >= 1")
         _require(a.max_gen_rounds >= 1, "algorithm.max_gen_rounds", "must be >= 1")
         _require(r.temperature > 0, "rollout.temperature", "must be > 0 for RL sampling")
+        _require(r.max_staleness >= 1 or r.mode == "sync", "rollout.max_staleness",
+                 f"must be >= 1 in async mode (what is generated during a step trains in the next), "
+                 f"got {r.max_staleness}")
+        _require(a.tis_cap > 0, "algorithm.tis_cap", f"must be > 0, got {a.tis_cap}")
+        _require(a.mis_threshold > 1, "algorithm.mis_threshold", f"must be > 1, got {a.mis_threshold}")
         s = r.sglang
         _require(s.num_servers >= 1 or bool(s.urls), "rollout.sglang.num_servers", "must be >= 1")
         _require(s.tp_per_server >= 1, "rollout.sglang.tp_per_server", "must be >= 1")

@@ -159,8 +159,12 @@ node_lines() {  # node_lines HOST REAL_MEM_MB: the NodeName and PartitionName li
     return
   fi
   # The nodes share the machine's memory: each gets its part, so that together they stay below MemTotal.
+  # Each node offers all the machine's CPUs. `nproc` alone would honour OMP_NUM_THREADS (the test script sets it
+  # to 1), which left one CPU per node and refused every two-task job.
+  local cpus
+  cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
   for i in $(node_indices); do
-    echo "NodeName=node$i NodeAddr=$(node_addr "$i") CPUs=$(nproc) RealMemory=$((real_mem_mb / NODE_COUNT))" \
+    echo "NodeName=node$i NodeAddr=$(node_addr "$i") CPUs=${cpus} RealMemory=$((real_mem_mb / NODE_COUNT))" \
       "State=UNKNOWN"
   done
   echo "PartitionName=debug Nodes=node[1-$NODE_COUNT] Default=YES MaxTime=INFINITE State=UP"

@@ -36,7 +36,9 @@ def make_batch(seed: int, num_groups: int = 5) -> tuple[list[RolloutGroup], dict
             accs=[rng.random() < 0.5 for _ in responses],
             scores=[rng.choice([1.0, -1.0]) + p for p in penalties],
             overlong_penalties=penalties,
-            weight_version=rng.randint(0, 3)))
+            weight_version=rng.randint(0, 3),
+            # partial rollouts: per-token versions on some groups (e.g. [2, 2, 3]), none on others
+            token_versions=[sorted(rng.randint(0, 3) for _ in r) for r in responses] if g % 2 else None))
     return groups, {"train/num_gen_batches": 2, "rollout/acc/mean": 0.3125}
 
 
@@ -63,6 +65,10 @@ def test_inconsistent_groups_and_unknown_fields_are_refused(monkeypatch):
     groups, metrics = make_batch(4)
     groups[2].scores.append(0.0)
     with pytest.raises(ValueError, match="group 2 has per-response lists of different lengths"):
+        pack_rollout_batch(groups, metrics)
+    groups, metrics = make_batch(4)
+    groups[1].token_versions[0].append(0)
+    with pytest.raises(ValueError, match="group 1's token_versions do not match"):
         pack_rollout_batch(groups, metrics)
 
     @dataclasses.dataclass

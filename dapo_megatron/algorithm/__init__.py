@@ -5,6 +5,9 @@
 - ``dynamic_sampling.py``: keep groups with 0 < #correct < G until the batch is full
 - ``advantages.py``: group-normalized advantages (R − mean) / (std + eps)
 - ``loss.py``: decoupled-clip (Clip-Higher) policy loss, token-mean aggregation, optional dual clip
+- ``staleness.py``: weight versions per token; staleness counted against the policy's version
+- ``rollout_correction.py``: token-level truncated / sequence-level masked importance sampling of tokens the policy
+  did not sample itself (engine numerics, older weights)
 """
 
 from dapo_megatron.algorithm.advantages import group_advantages

@@ -13,10 +13,11 @@ The buffer is generic: a group is any object the trainer defines, exposing its p
 attribute ``accs`` (a sequence of bool: list, tuple or bool tensor) or, for plain dict groups, a key ``"accs"``.
 Groups are stored as they are and returned in arrival order.
 
-Surplus: one generation round usually overshoots the target. ``surplus_policy="keep"`` (default) holds the extra
-groups for the next step — no generation is wasted, but those groups were sampled by the policy one step older
-(their old log-probs must be recomputed by the trainer, as it does for every batch). ``"drop"`` discards them,
-which is what verl's DAPO trainer does (it truncates the batch to the target).
+Surplus: one generation round usually overshoots the target. ``surplus_policy="drop"`` discards the extra groups,
+which is what verl's DAPO trainer does (it truncates the batch to the target) and the trainer's default unless a
+rollout correction is on. ``"keep"`` holds them for the next step — no generation is wasted, but those groups were
+sampled by weights one version older than the policy that trains on them: off-policy samples, which the trainer
+counts as stale (``train/stale_group_fraction``) and corrects when ``algorithm.rollout_correction`` is on.
 
 ``filter_groups=False`` turns dynamic sampling off (the ablation): every group is kept, and the statistics still
 count all-correct / all-wrong groups.
@@ -24,7 +25,7 @@ count all-correct / all-wrong groups.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,13 @@ class DynamicSamplingBuffer:
         batch = self._groups[: self.target_groups]
         self._groups = self._groups[self.target_groups :] if self.surplus_policy == "keep" else []
         return batch
+
+    def remove_if(self, predicate: Callable[[Any], bool]) -> list[Any]:
+        """Remove and return the held groups for which ``predicate`` is true (e.g. groups too stale to train)."""
+        removed = [group for group in self._groups if predicate(group)]
+        if removed:
+            self._groups = [group for group in self._groups if not predicate(group)]
+        return removed
 
     def state_dict(self) -> dict[str, Any]:
         """Plain state: config and the held groups (a new list; the group objects themselves are not copied)."""

@@ -5,6 +5,15 @@ importing this package never pulls in SGLang or its HTTP stack.
 """
 
 from dapo_megatron.rollout.embedded import EmbeddedEngine
-from dapo_megatron.rollout.engine import EngineHealth, RolloutEngine, RolloutError, Sample, SamplingParams
+from dapo_megatron.rollout.engine import (
+    EngineHealth,
+    FinishedRequest,
+    GenerationRequest,
+    RolloutEngine,
+    RolloutError,
+    Sample,
+    SamplingParams,
+)
 
-__all__ = ["RolloutEngine", "SamplingParams", "Sample", "EngineHealth", "RolloutError", "EmbeddedEngine"]
+__all__ = ["RolloutEngine", "SamplingParams", "Sample", "EngineHealth", "RolloutError", "EmbeddedEngine",
+           "GenerationRequest", "FinishedRequest"]

@@ -96,13 +96,42 @@ class LeftPaddedBatch:
 
     def prompt_position_ids(self) -> torch.Tensor:
         """``[B, P]``: real tokens numbered from 0 (cumulative count of real tokens minus one), pads at 0."""
-        real = self.key_valid[:, : self.padded_length].long()
-        return (real.cumsum(dim=-1) - 1).clamp_(min=0)
+        return prefix_position_ids(self.key_valid[:, : self.padded_length])
 
     def prompt_attention_mask(self) -> torch.Tensor:
         """``[B, 1, P, P]`` bool: causal among real tokens; a pad query sees only itself (keeps SDPA finite)."""
-        length = self.padded_length
-        causal = torch.ones(length, length, dtype=torch.bool).tril_()
-        real_keys = self.key_valid[:, None, None, :length]
-        diagonal = torch.eye(length, dtype=torch.bool)
-        return (causal & real_keys) | diagonal
+        return prefix_attention_mask(self.key_valid[:, : self.padded_length])
+
+
+def prefix_position_ids(key_valid: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` positions of a left-padded prefix whose real slots are ``key_valid [B, S]``: real tokens numbered
+    from 0, pads at 0. The prompt, or (re-prefilling after a weight update) the prompt and the tokens so far."""
+    return (key_valid.long().cumsum(dim=-1) - 1).clamp_(min=0)
+
+
+def prefix_attention_mask(key_valid: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, S, S]`` bool for the prefix of :func:`prefix_position_ids`: causal among real tokens; a pad query
+    sees only itself."""
+    length = key_valid.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril_()
+    diagonal = torch.eye(length, dtype=torch.bool)
+    return (causal & key_valid[:, None, None, :]) | diagonal
+
+
+def reprefill(model: torch.nn.Module, prompt_ids: torch.Tensor, generated: torch.Tensor, key_valid: torch.Tensor,
+              cache: Cache) -> tuple[Cache, torch.Tensor]:
+    """Fill the empty ``cache`` with the rows' left-padded prompts ``[B, P]`` and tokens so far ``[B, t]`` under the
+    model's current weights; returns it and the logits of the next token ``[B, V]``. After a weight update, every
+    position the next decode steps attend to then comes from the new weights (``key_valid`` is the rows' ``[B, ≥P+t]``
+    slot mask of :class:`LeftPaddedBatch`)."""
+    input_ids = torch.cat([prompt_ids, generated], dim=1)
+    prefix_valid = key_valid[:, : input_ids.shape[1]]
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=prefix_attention_mask(prefix_valid),
+        position_ids=prefix_position_ids(prefix_valid),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
+    return cache, logits

@@ -19,13 +19,15 @@ Generation (:meth:`EmbeddedEngine.generate`) is a custom decode loop rather than
 Log-probs and the sampling rule are documented in :mod:`dapo_megatron.rollout.sampling`: ``Sample.logprobs`` holds
 ``log_softmax(logits / T)`` of the chosen token before top-k/top-p truncation (the untempered distribution when
 ``T == 0``, i.e. greedy).
+
+Streaming (:meth:`EmbeddedEngine.submit` / ``poll`` / ``abort``) runs the same decode loop in a background thread
+(:mod:`dapo_megatron.rollout.embedded_stream`); a weight update waits for the decode step in progress, and the loops
+re-prefill with the new weights before their next step (per-token versions in ``Sample.token_versions``).
 """
 
 from __future__ import annotations
 
 import copy
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -33,17 +35,28 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from dapo_megatron import cpu_compat
-from dapo_megatron.hf_format import Bucket, TensorMismatch, WrongShape, bucketed, iter_tensors, load_hf_config
-from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache
+from dapo_megatron.hf_format import Bucket, bucketed, iter_tensors, load_hf_config
+from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache, reprefill
+from dapo_megatron.rollout.embedded_stream import (
+    ChunkListener,
+    GeneratedRow,
+    StreamedRows,
+    StreamWorker,
+    WeightGate,
+    row_result,
+)
 from dapo_megatron.rollout.engine import (
     EngineHealth,
-    FinishReason,
+    FinishedRequest,
+    GenerationRequest,
     RolloutEngine,
     RolloutError,
     Sample,
     SamplingParams,
 )
 from dapo_megatron.rollout.lean_decode import LeanDecoder
+from dapo_megatron.rollout.named_tensors import load_named_tensors
+from dapo_megatron.rollout.request_book import RequestBook
 from dapo_megatron.rollout.sampling import (
     TokenSampler,
     per_sample_seeds,
@@ -56,89 +69,8 @@ NO_WEIGHTS_VERSION = -1
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
-_MAX_NAMES_IN_ERROR = 20
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Weight handoff
-
-
-def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy full HF-named tensors into ``model``'s parameters, checking that they match it exactly.
-
-    Every parameter must be provided once, with its exact shape, as a finite floating-point tensor. A parameter
-    shared under several names (``lm_head.weight`` tied to ``model.embed_tokens.weight``) needs only one of them; if
-    several are sent they must be equal. Tensors are copied (cast to the parameter's dtype) one at a time as the
-    iterator yields them, so memory stays at what the producer holds beyond the model. All problems are collected
-    and raised together as one ``ValueError`` naming the tensors; the model is then partially overwritten and must
-    not serve.
-    """
-    name_to_param = dict(model.named_parameters(remove_duplicate=False))
-    aliases: dict[int, list[str]] = {}
-    for name, param in name_to_param.items():
-        aliases.setdefault(id(param), []).append(name)
-
-    received: set[str] = set()
-    provided_twice: list[str] = []
-    unexpected: list[str] = []
-    wrong_shape: list[WrongShape] = []
-    bad_values: list[str] = []
-    tied_disagree: list[str] = []
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            if name in received:
-                provided_twice.append(name)
-                continue
-            received.add(name)
-            param = name_to_param.get(name)
-            if param is None:
-                unexpected.append(f"{name} {tuple(tensor.shape)}")
-                continue
-            if tuple(tensor.shape) != tuple(param.shape):
-                wrong_shape.append(WrongShape(name, tuple(tensor.shape), tuple(param.shape)))
-                continue
-            if not tensor.is_floating_point():
-                bad_values.append(f"{name}: dtype {tensor.dtype} is not floating point")
-                continue
-            if not _all_finite(tensor):
-                bad_values.append(f"{name}: contains NaN or inf")
-                continue
-            already_loaded = [alias for alias in aliases[id(param)] if alias != name and alias in received]
-            if already_loaded and not torch.equal(param, tensor.to(param.dtype)):
-                tied_disagree.append(f"{name} differs from {already_loaded[0]} (the model ties them)")
-                continue
-            param.copy_(tensor)
-
-    mismatch = TensorMismatch(
-        missing=[" / ".join(names) for names in aliases.values() if not any(name in received for name in names)],
-        unexpected=unexpected,
-        wrong_shape=wrong_shape,
-        other={"provided more than once": provided_twice, "bad values": bad_values,
-               "tied weights disagree": tied_disagree},
-    )
-    if mismatch:
-        raise ValueError(mismatch.report(f"the tensors do not match {type(model).__name__}",
-                                         max_names=_MAX_NAMES_IN_ERROR))
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """NaN and ±inf reach the minimum or maximum: one read pass, no temporary the size of the tensor (which
-    ``isfinite(t).all()`` makes, at several times the cost of the copy into the parameter)."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return math.isfinite(float(low)) and math.isfinite(float(high))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Engine
-
-
-@dataclass(frozen=True)
-class GeneratedRow:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -167,12 +99,15 @@ class EmbeddedEngine(RolloutEngine):
         config = copy.deepcopy(hf_config)
         self._model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         self._model.eval().requires_grad_(False)
-        self._config = self._model.config
         self._decode_step = LeanDecoder(self._model)  # the model's decode step without its per-call machinery
+        self._config = self._model.config
         self._max_batch_rows = max_batch_rows
         self._max_kv_cache_bytes = max_kv_cache_bytes
         self._drop_finished_fraction = drop_finished_fraction
         self._version = NO_WEIGHTS_VERSION
+        self._gate = WeightGate()  # decode steps vs. weight updates
+        self._book = RequestBook("EmbeddedEngine")  # streamed requests
+        self._worker: StreamWorker | None = None
 
     @classmethod
     def from_hf_directory(cls, directory: str | Path, *, version: int = 0, **engine_kwargs) -> "EmbeddedEngine":
@@ -196,24 +131,45 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(
                 f"EmbeddedEngine.update_weights: version {version} is older than the served version {self._version}"
             )
-        self._version = NO_WEIGHTS_VERSION  # until the new set is fully and correctly loaded
-        try:
-            load_named_tensors(model, (named for bucket in buckets for named in bucket))
-        except ValueError as error:
-            raise ValueError(f"EmbeddedEngine.update_weights(version={version}): {error}") from None
-        self._version = version
+        with self._gate.exclusive():  # between two decode steps of every generation in flight
+            self._version = NO_WEIGHTS_VERSION  # until the new set is fully and correctly loaded
+            try:
+                load_named_tensors(model, (named for bucket in buckets for named in bucket))
+            except ValueError as error:
+                raise ValueError(f"EmbeddedEngine.update_weights(version={version}): {error}") from None
+            self._version = version
 
     # -- generation ------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Sample]]:
-        model = self._require_model()
-        if self._version == NO_WEIGHTS_VERSION:
-            raise RolloutError("EmbeddedEngine.generate: no weights loaded; call update_weights first")
+        self._require_model()
+        self._require_weights("EmbeddedEngine.generate")
         self._check_generate_inputs(prompts, params)
         if not prompts:
             return []
 
         seeds = per_sample_seeds(resolve_call_seed(params.seed), len(prompts), params.n)
+        results = self._decode_rows(prompts, seeds, params)
+        return [
+            [
+                Sample(
+                    prompt_index=prompt_index,
+                    token_ids=results[prompt_index, sample_index].token_ids,
+                    logprobs=results[prompt_index, sample_index].logprobs,
+                    finish_reason=results[prompt_index, sample_index].finish_reason,
+                    weight_version=(results[prompt_index, sample_index].token_versions or [self._version])[0],
+                    token_versions=results[prompt_index, sample_index].token_versions,
+                )
+                for sample_index in range(params.n)
+            ]
+            for prompt_index in range(len(prompts))
+        ]
+
+    def _decode_rows(self, prompts: Sequence[Sequence[int]], seeds: torch.Tensor, params: SamplingParams,
+                     streamed: StreamedRows | None = None) -> dict[tuple[int, int], GeneratedRow]:
+        """Every (prompt, sample) row, sorted by prompt length and decoded in chunks; ``seeds[i, j]`` seeds sample
+        ``j`` of prompt ``i``. ``streamed``: rows go to their requests as they finish (and aborted ones stop)."""
+        model = self._require_model()
         sampler = TokenSampler.from_params(params)
         rows = sorted(
             ((prompt_index, sample_index) for prompt_index in range(len(prompts)) for sample_index in range(params.n)),
@@ -224,6 +180,10 @@ class EmbeddedEngine(RolloutEngine):
         with cpu_compat.suspended():  # HF generation never names CUDA: the device redirect would only slow it down
             for start in range(0, len(rows), rows_per_chunk):
                 chunk_rows = rows[start : start + rows_per_chunk]
+                if streamed is not None:
+                    chunk_rows = streamed.live_rows(chunk_rows)
+                    if not chunk_rows:
+                        continue
                 chunk_index = torch.tensor(chunk_rows)  # [rows, 2]: (prompt index, sample index)
                 generated = self._generate_chunk(
                     model,
@@ -231,22 +191,10 @@ class EmbeddedEngine(RolloutEngine):
                     seeds[chunk_index[:, 0], chunk_index[:, 1]],
                     params,
                     sampler,
+                    streamed.for_chunk(chunk_rows) if streamed is not None else None,
                 )
                 results.update(zip(chunk_rows, generated))
-
-        return [
-            [
-                Sample(
-                    prompt_index=prompt_index,
-                    token_ids=results[prompt_index, sample_index].token_ids,
-                    logprobs=results[prompt_index, sample_index].logprobs,
-                    finish_reason=results[prompt_index, sample_index].finish_reason,
-                    weight_version=self._version,
-                )
-                for sample_index in range(params.n)
-            ]
-            for prompt_index in range(len(prompts))
-        ]
+        return results
 
     def _generate_chunk(
         self,
@@ -255,8 +203,12 @@ class EmbeddedEngine(RolloutEngine):
         seeds: torch.Tensor,
         params: SamplingParams,
         sampler: TokenSampler,
+        listener: ChunkListener | None = None,
     ) -> list[GeneratedRow]:
-        """Decode one chunk of rows; see the module docstring for the padding, mask and cache layout."""
+        """Decode one chunk of rows; see the module docstring for the padding, mask and cache layout.
+
+        Each step runs inside the weight gate; a step that finds new weights re-prefills the prompt and the tokens
+        so far with them first. ``listener`` (streaming) stops aborted rows and receives rows as they finish."""
         steps = params.max_new_tokens
         batch = LeftPaddedBatch.build(prompts, steps, pad_token_id=0)
         num_rows, padded = batch.input_ids.shape
@@ -267,6 +219,15 @@ class EmbeddedEngine(RolloutEngine):
         out_logprobs = torch.zeros(num_rows, steps, dtype=torch.float32)
         lengths = torch.full((num_rows,), steps, dtype=torch.int64)
         stopped = torch.zeros(num_rows, dtype=torch.bool)
+        aborted = torch.zeros(num_rows, dtype=torch.bool)
+        step_versions: list[int] = []  # the weight version that sampled step t's tokens
+        emitted: set[int] = set()
+
+        def emit(done_rows: torch.Tensor) -> None:  # streaming: hand finished rows over now
+            for row in done_rows.tolist():
+                emitted.add(row)
+                listener.finished(row, row_result(out_tokens, out_logprobs, row, int(lengths[row]),
+                                                         bool(stopped[row]), bool(aborted[row]), step_versions))
 
         # The state below shrinks when finished rows leave; `rows` maps batch rows to chunk rows.
         rows = torch.arange(num_rows)
@@ -276,48 +237,89 @@ class EmbeddedEngine(RolloutEngine):
         cache = preallocated_kv_cache(self._config.num_hidden_layers, padded + steps - 1)
 
         with torch.inference_mode():
-            logits = model(
-                input_ids=batch.input_ids,
-                attention_mask=batch.prompt_attention_mask(),
-                position_ids=batch.prompt_position_ids(),
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
+            with self._gate.step():
+                version = self._version
+                logits = model(
+                    input_ids=batch.input_ids,
+                    attention_mask=batch.prompt_attention_mask(),
+                    position_ids=batch.prompt_position_ids(),
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1]
             for step in range(steps):
-                step_uniforms = uniforms[rows, step] if uniforms is not None else None
-                tokens, logprobs = sampler(logits, step_uniforms)
-                out_tokens[rows, step] = tokens
-                out_logprobs[rows, step] = logprobs
-                if stop_ids is not None:
-                    newly_stopped = torch.isin(tokens, stop_ids) & ~finished
-                    if bool(newly_stopped.any()):
-                        lengths[rows[newly_stopped]] = step + 1
-                        stopped[rows[newly_stopped]] = True
-                        finished |= newly_stopped
-                if step == steps - 1 or bool(finished.all()):
-                    break
-                num_finished = int(finished.sum())
-                if num_finished and num_finished >= self._drop_finished_fraction * len(rows):
-                    keep = (~finished).nonzero().squeeze(-1)
-                    for layer in cache.layers:
-                        layer.batch_select_indices(keep)
-                    rows, key_valid, prompt_lengths = rows[keep], key_valid[keep], prompt_lengths[keep]
-                    tokens, finished = tokens[keep], finished[keep]
-                logits = self._decode_step(
-                    tokens, key_valid[:, None, None, : padded + step + 1], (prompt_lengths + step)[:, None], cache
-                )
+                with self._gate.step():
+                    if listener is not None:
+                        newly_aborted = listener.aborted(rows) & ~finished
+                        if bool(newly_aborted.any()):
+                            lengths[rows[newly_aborted]] = step
+                            aborted[rows[newly_aborted]] = True
+                            finished |= newly_aborted
+                            emit(rows[newly_aborted])
+                            if bool(finished.all()):
+                                break
+                    if self._version != version:  # new weights since the last step: the cache holds the old ones'
+                        version = self._version
+                        if version == NO_WEIGHTS_VERSION:
+                            raise RolloutError("a generation in flight lost its weights: the last update failed")
+                        cache, logits = reprefill(model, batch.input_ids[rows], out_tokens[rows, :step], key_valid,
+                                                  preallocated_kv_cache(self._config.num_hidden_layers,
+                                                                        padded + steps - 1))
+                    step_versions.append(version)
+                    step_uniforms = uniforms[rows, step] if uniforms is not None else None
+                    tokens, logprobs = sampler(logits, step_uniforms)
+                    out_tokens[rows, step] = tokens
+                    out_logprobs[rows, step] = logprobs
+                    if stop_ids is not None:
+                        newly_stopped = torch.isin(tokens, stop_ids) & ~finished
+                        if bool(newly_stopped.any()):
+                            lengths[rows[newly_stopped]] = step + 1
+                            stopped[rows[newly_stopped]] = True
+                            finished |= newly_stopped
+                            if listener is not None:
+                                emit(rows[newly_stopped])
+                    if step == steps - 1 or bool(finished.all()):
+                        break
+                    num_finished = int(finished.sum())
+                    if num_finished and num_finished >= self._drop_finished_fraction * len(rows):
+                        keep = (~finished).nonzero().squeeze(-1)
+                        for layer in cache.layers:
+                            layer.batch_select_indices(keep)
+                        rows, key_valid, prompt_lengths = rows[keep], key_valid[keep], prompt_lengths[keep]
+                        tokens, finished = tokens[keep], finished[keep]
+                    logits = self._decode_step(
+                        tokens, key_valid[:, None, None, : padded + step + 1], (prompt_lengths + step)[:, None], cache
+                    )
 
-        token_lists = out_tokens.tolist()
-        logprob_lists = out_logprobs.tolist()
-        return [
-            GeneratedRow(
-                token_ids=token_lists[row][:length],
-                logprobs=logprob_lists[row][:length],
-                finish_reason="stop" if is_stopped else "length",
-            )
-            for row, (length, is_stopped) in enumerate(zip(lengths.tolist(), stopped.tolist()))
-        ]
+        results = [row_result(out_tokens, out_logprobs, row, length, is_stopped, is_aborted, step_versions)
+                   for row, (length, is_stopped, is_aborted)
+                   in enumerate(zip(lengths.tolist(), stopped.tolist(), aborted.tolist()))]
+        if listener is not None:
+            for row, result in enumerate(results):
+                if row not in emitted:
+                    listener.finished(row, result)
+        return results
+
+    # -- streaming -------------------------------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        self._require_model()
+        self._require_weights("EmbeddedEngine.submit")
+        for request in requests:
+            self._check_generate_inputs([request.prompt], request.params)
+        self._book.add(requests)
+        if self._worker is None:
+            self._worker = StreamWorker(self, self._book)
+
+    def poll(self, timeout_s: float = 0.0) -> list[FinishedRequest]:
+        return self._book.poll(timeout_s)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self._book.abort(request_ids, self._version)  # running rows stop at their next decode step
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._book.num_in_flight
 
     def _chunk_size(self, prompt_length: int, max_new_tokens: int) -> int:
         """Rows per chunk: ``max_batch_rows``, lowered so the chunk's KV cache fits ``max_kv_cache_bytes``."""
@@ -357,7 +359,18 @@ class EmbeddedEngine(RolloutEngine):
         return EngineHealth(healthy=True, weight_version=self._version, detail="embedded, in-process")
 
     def shutdown(self) -> None:
+        self._book.close(self._version)
+        if self._worker is not None:
+            self._worker.join(timeout_s=60.0)  # it stops at its next decode step
         self._model = None
+
+    def _require_weights(self, what: str) -> int:
+        """The served version; waits out an update in progress, raises when no valid weights are loaded."""
+        version = self._gate.when_settled(lambda: self._version)
+        if version == NO_WEIGHTS_VERSION:
+            raise RolloutError(f"{what}: no weights loaded (none yet, or the last update failed); "
+                               "call update_weights first")
+        return version
 
     def _require_model(self) -> torch.nn.Module:
         if self._model is None:

@@ -10,6 +10,23 @@ Two engines implement it:
 Both receive new weights the same way: the buckets of ``(hf_name, tensor)`` pairs the Megatron-side exporter
 (:mod:`dapo_megatron.handoff.exporter`) makes, consumed as they come (never re-bucketed), tagged with a monotonically
 increasing version number.
+
+Two ways to generate, both offered by both engines:
+
+* :meth:`RolloutEngine.generate` — blocking: a list of prompts in, all their samples out (sync mode, validation).
+* streaming — :meth:`~RolloutEngine.submit` requests (one prompt, ``n`` samples, an id each), which run in the
+  background; :meth:`~RolloutEngine.poll` returns requests as soon as all their samples are done;
+  :meth:`~RolloutEngine.abort` stops requests at their next token (they come back from ``poll`` with
+  ``finish_reason == "abort"`` and the tokens generated so far, which the caller counts as wasted). The async
+  rollout driver (:mod:`dapo_megatron.trainer.async_collector`) is built on it.
+
+Weight updates and versions. :meth:`~RolloutEngine.update_weights` may be called while streamed requests are in
+flight (from another thread than the one polling). They are paused between two tokens, the engine swaps the
+weights, the KV cache of each request's prompt and tokens so far is recomputed with the new weights, and decoding
+continues — a partial rollout. Every token records the version of the weights that sampled it
+(``Sample.token_versions``, non-decreasing along a response); ``Sample.weight_version`` is the first (oldest) one.
+Which tokens the trainer may train, and how, is decided from those versions
+(:mod:`dapo_megatron.algorithm.staleness`, :mod:`dapo_megatron.algorithm.rollout_correction`).
 """
 
 from __future__ import annotations
@@ -65,7 +82,38 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-    weight_version: int = 0
+    weight_version: int = 0  # the version that sampled the first (oldest) token
+    token_versions: list[int] = field(default_factory=list)  # per token; empty: all weight_version
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One streamed request: ``params.n`` samples of ``prompt``. ``request_id`` must be unique among the requests
+    in flight; ``params.seed`` seeds this request alone (its samples get per-sample seeds derived from it)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError(f"GenerationRequest {self.request_id!r}: the prompt is empty")
+
+
+@dataclass
+class FinishedRequest:
+    """A streamed request whose ``n`` samples are all done (``prompt_index`` is 0 in each)."""
+
+    request_id: str
+    samples: list[Sample]
+
+    @property
+    def aborted(self) -> bool:
+        return any(sample.finish_reason == "abort" for sample in self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(sample.token_ids) for sample in self.samples)
 
 
 @dataclass
@@ -84,11 +132,31 @@ class RolloutEngine(abc.ABC):
         """Return, for each prompt in order, its ``params.n`` samples."""
 
     @abc.abstractmethod
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        """Start ``requests`` in the background and return at once."""
+
+    @abc.abstractmethod
+    def poll(self, timeout_s: float = 0.0) -> list[FinishedRequest]:
+        """The streamed requests finished (or aborted) since the last call, waiting up to ``timeout_s`` for one.
+
+        Raises :class:`RolloutError` if the engine failed in the background (a server lost past its restarts)."""
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop these streamed requests at their next token; ids already finished or unknown are ignored."""
+
+    @property
+    @abc.abstractmethod
+    def num_in_flight(self) -> int:
+        """Streamed requests submitted and not yet returned by :meth:`poll`."""
+
+    @abc.abstractmethod
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None:
         """Replace the served weights with the full, HF-named tensors of ``buckets`` and tag them ``version``.
 
         A bucket is consumed entirely before the next is pulled (the producer may reuse its memory). Must fail
-        loudly if afterwards the engine does not serve ``version``.
+        loudly if afterwards the engine does not serve ``version``. Streamed requests in flight continue on the new
+        weights (see the module docstring).
         """
 
     def stage_stream_receiver(self):
@@ -111,7 +179,8 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None:
-        """Release every resource (servers, processes, memory). Safe to call twice."""
+        """Abort streamed requests in flight and release every resource (servers, processes, memory). Safe to call
+        twice."""
 
     def __enter__(self) -> "RolloutEngine":
         return self

@@ -106,12 +106,24 @@ class SGLangClient:
                                 f"is an SGLang server listening there?")
 
     # ---- control ------------------------------------------------------------------------------------------------
-    def pause_generation(self) -> None:
-        """Stop scheduling new work (running requests are aborted; the engine never pauses mid-generate)."""
-        self._call("POST", "/pause_generation", {"mode": "abort"})
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop scheduling work until :meth:`continue_generation`. ``mode``: "abort" returns running requests as
+        aborted; "retract" moves them back to the waiting queue (their KV cache is freed, so a flush and a weight
+        update may follow, and recomputed by the weights served at continue); "in_place" keeps them and their KV."""
+        self._call("POST", "/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> None:
         self._call("POST", "/continue_generation", {})
+
+    def abort_request(self, rid: str) -> None:
+        """Abort the request with this ``rid`` (it returns at once with what it generated); unknown rids are
+        ignored by the server."""
+        self._call("POST", "/abort_request", {"rid": rid})
+
+    def loads(self) -> list[dict[str, Any]]:
+        """``GET /v1/loads``: per scheduler, ``num_running_reqs``, ``num_waiting_reqs`` and token usage."""
+        reply = self._call("GET", "/v1/loads")
+        return reply.get("loads", reply) if isinstance(reply, dict) else reply
 
     def flush_cache(self) -> None:
         self._call("POST", "/flush_cache")

@@ -14,7 +14,10 @@ initial model for version 0, otherwise the disk transport's latest snapshot; the
 keep no copy, so with them a server that dies after the first update cannot be restored and is taken out of
 rotation instead. ``request_timeout_s`` must therefore exceed the longest legitimate generation of one prompt.
 
-Weights: :meth:`SGLangEngine.update_weights` pauses every server, flushes its cache, pushes the buckets through the
+Streaming (submit / poll / abort, requests in flight across weight updates): :mod:`dapo_megatron.rollout.sglang_stream`.
+
+Weights: :meth:`SGLangEngine.update_weights` pauses every server (``mode="retract"``: streamed requests in flight
+wait in the server's queue and resume on the new weights), flushes its cache, pushes the buckets through the
 configured transport (:mod:`dapo_megatron.rollout.sglang_transports`), continues generation, and reads back each
 server's ``weight_version`` (``/model_info``), raising :class:`RolloutError` on any mismatch. Every generated
 sample's reported ``weight_version`` is checked as well.
@@ -41,6 +44,7 @@ from dapo_megatron.rollout.sglang_client import ServerFailure
 from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess
+from dapo_megatron.rollout.sglang_stream import SGLangStreams
 from dapo_megatron.rollout.sglang_transports import (
     DiskTransport,
     DistributedTransport,
@@ -51,6 +55,7 @@ from dapo_megatron.rollout.sglang_transports import (
 
 if TYPE_CHECKING:
     from dapo_megatron.config import SGLangConfig
+    from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +89,8 @@ class SGLangEngine(RolloutEngine):
         self.pool = ServerPool(config, model_path=self.model_path, run_dir=self.run_dir, device=self.device,
                                dtype=dtype)
         self.transport: WeightTransport | None = None
+        self._weight_version = 0  # until the pool reports the servers' version; shutdown reads it on a failed start
+        self.streams = SGLangStreams(self)
         atexit.register(self.shutdown)
         try:
             self._weight_version = self.pool.start()
@@ -170,6 +177,21 @@ class SGLangEngine(RolloutEngine):
             self.pool.release(slot)
             return samples_from_outputs(outputs, index, params.n, self._weight_version, slot.client.base_url)
 
+    # ---- streaming -------------------------------------------------------------------------------------------------
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        self._check_open()
+        self.streams.submit(requests)
+
+    def poll(self, timeout_s: float = 0.0) -> list[FinishedRequest]:
+        return self.streams.poll(timeout_s)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self.streams.abort(request_ids)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.streams.book.num_in_flight
+
     def _restart_model_path(self) -> str | None:
         """A model directory holding the served version's weights, to relaunch a failed server from."""
         if self._weight_version == 0:
@@ -191,7 +213,7 @@ class SGLangEngine(RolloutEngine):
             targets = _targets(slots)
             started = time.monotonic()
             for target in targets:
-                target.client.pause_generation()
+                target.client.pause_generation(mode="retract")
                 target.client.flush_cache()
             try:
                 self.transport.push(targets, buckets, version)
@@ -232,6 +254,7 @@ class SGLangEngine(RolloutEngine):
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        self.streams.close()
         transport = self.transport
         if transport is not None:
             try:

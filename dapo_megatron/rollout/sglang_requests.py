@@ -14,6 +14,12 @@ One payload per prompt, carrying all ``n`` samples of that prompt:
   and 0.5.23 allows deterministic inference only with GPU attention backends (fa3/flashinfer/triton), so on CPU a
   seed cannot make SGLang samples reproducible (see :func:`build_generate_payload`'s ``seeded``).
 
+Streamed requests (:func:`build_stream_payload`) always send the ``n`` copies with one ``rid`` each
+(``<request id>.<j>``): SGLang's ``/abort_request`` finds a request by its rid, and the sub-requests of an
+``n > 1`` request get random ones. A streamed sample's per-token weight versions come from
+``meta_info.weight_versions`` (spans ``{"version", "start", "end"}`` over the output tokens, recorded by the
+scheduler when the version changes while the request is live; :func:`token_versions_from_meta`).
+
 Log-probabilities (``return_logprob``): SGLang 0.5.23's sampler returns ``log_softmax(logits / T)`` of the sampled
 token, i.e. after temperature and before top-p/top-k truncation (``Sampler.forward``: ``logits.div_(temperatures)``,
 ``probs = softmax``, ``logprobs = log(probs)``; the top-k/top-p sampler sorts a copy), which is what
@@ -27,7 +33,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Sequence
 
-from dapo_megatron.rollout.engine import FinishReason, RolloutError, Sample, SamplingParams
+from dapo_megatron.rollout.engine import FinishReason, GenerationRequest, RolloutError, Sample, SamplingParams
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -67,6 +73,41 @@ def build_generate_payload(prompt: Sequence[int], prompt_index: int, params: Sam
     return {"input_ids": [list(prompt)], "sampling_params": dict(base, n=params.n), "return_logprob": True}
 
 
+def sample_rid(request_id: str, sample_index: int) -> str:
+    return f"{request_id}.{sample_index}"
+
+
+def build_stream_payload(request: GenerationRequest, *, seeded: bool) -> dict[str, Any]:
+    """The ``/generate`` body of a streamed request: its ``n`` samples as copies of the prompt, one rid each."""
+    params = request.params
+    base = dict(_sglang_sampling_params(params), n=1)
+    sampling = [dict(base, sampling_seed=per_sample_seed(params.seed, 0, j)) if seeded and params.seed is not None
+                else base for j in range(params.n)]
+    return {"input_ids": [list(request.prompt)] * params.n, "sampling_params": sampling, "return_logprob": True,
+            "rid": [sample_rid(request.request_id, j) for j in range(params.n)]}
+
+
+def token_versions_from_meta(meta_info: dict[str, Any], num_tokens: int, server: str) -> list[int]:
+    """The weight version of each output token, from ``meta_info.weight_versions`` (else ``weight_version``)."""
+    spans = meta_info.get("weight_versions")
+    if not spans:
+        return [_version_number(meta_info.get("weight_version"), server)] * num_tokens
+    versions: list[int] = []
+    for span in spans:
+        if span["start"] != len(versions):
+            raise RolloutError(f"{server}: weight-version spans {spans} do not tile the {num_tokens} output tokens")
+        versions.extend([_version_number(span["version"], server)] * (span["end"] - span["start"]))
+    if len(versions) != num_tokens:
+        raise RolloutError(f"{server}: weight-version spans {spans} cover {len(versions)} of {num_tokens} tokens")
+    return versions
+
+
+def _version_number(version: Any, server: str) -> int:
+    if not str(version).isdigit():
+        raise RolloutError(f"{server} reports weight version {version!r}; the engine tags versions 0, 1, 2, ...")
+    return int(version)
+
+
 def finish_reason_from_sglang(meta_info: dict[str, Any]) -> FinishReason:
     """SGLang's ``meta_info.finish_reason`` (``{"type": "stop"|"length"|"abort", ...}``) as ours."""
     reason = meta_info.get("finish_reason")
@@ -87,11 +128,33 @@ def samples_from_outputs(outputs: list[dict[str, Any]], prompt_index: int, expec
         if served != str(expected_version):
             raise RolloutError(f"{server} generated prompt {prompt_index} with weight_version {served!r}, "
                                f"but the engine pushed version {expected_version}")
-        token_ids = [int(t) for t in output["output_ids"]]
-        logprob_entries = meta.get("output_token_logprobs") or []
-        logprobs = [float(entry[0]) for entry in logprob_entries]
-        if [int(entry[1]) for entry in logprob_entries] != token_ids:
-            raise RolloutError(f"{server}: log-prob token ids disagree with output_ids for prompt {prompt_index}")
+        token_ids, logprobs = _tokens_and_logprobs(output, meta, f"prompt {prompt_index}", server)
         samples.append(Sample(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs,
-                              finish_reason=finish_reason_from_sglang(meta), weight_version=expected_version))
+                              finish_reason=finish_reason_from_sglang(meta), weight_version=expected_version,
+                              token_versions=[expected_version] * len(token_ids)))
     return samples
+
+
+def streamed_samples(outputs: list[dict[str, Any]], request: GenerationRequest, server: str) -> list[Sample]:
+    """The samples of a streamed request's reply, with per-token weight versions (they may span updates)."""
+    if len(outputs) != request.params.n:
+        raise RolloutError(f"{server} returned {len(outputs)} outputs for request {request.request_id}, "
+                           f"expected {request.params.n}")
+    samples = []
+    for output in outputs:
+        meta = output.get("meta_info", {})
+        token_ids, logprobs = _tokens_and_logprobs(output, meta, request.request_id, server)
+        versions = token_versions_from_meta(meta, len(token_ids), server)
+        first = versions[0] if versions else _version_number(meta.get("weight_version"), server)
+        samples.append(Sample(prompt_index=0, token_ids=token_ids, logprobs=logprobs,
+                              finish_reason=finish_reason_from_sglang(meta), weight_version=first,
+                              token_versions=versions))
+    return samples
+
+
+def _tokens_and_logprobs(output: dict[str, Any], meta: dict[str, Any], what: Any, server: str):
+    token_ids = [int(t) for t in output["output_ids"]]
+    logprob_entries = meta.get("output_token_logprobs") or []
+    if [int(entry[1]) for entry in logprob_entries] != token_ids:
+        raise RolloutError(f"{server}: log-prob token ids disagree with output_ids for {what}")
+    return token_ids, [float(entry[0]) for entry in logprob_entries]

@@ -12,7 +12,9 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
 5. group-normalized advantages, overlong-filtering masks (:mod:`.samples`, :mod:`dapo_megatron.algorithm.advantages`);
 6. π_old's log-probs of the sampled tokens, recomputed by the policy, forward only — except for the first
    mini-batch's samples of the current weights, whose π_old the first update's own forward gives
-   (:mod:`.policy_update`);
+   (:mod:`.policy_update`); then the rollout correction of tokens the policy did not sample itself —
+   importance-weighted, masked, or (sync ``surplus_policy: keep``) trained as they are
+   (:func:`.samples.corrected_samples`, :mod:`dapo_megatron.algorithm.rollout_correction`);
 7. ``train_batch_size / mini_batch_size`` optimizer updates on shuffled mini-batches with the DAPO loss
    (:meth:`dapo_megatron.policy.actor.Actor.train_minibatch`, :mod:`dapo_megatron.algorithm.loss`);
 8. the new weights go to the engine (Megatron shards → HF tensors → ``engine.update_weights``; :mod:`.weight_sync`);
@@ -20,6 +22,10 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
 
 The trainer starts from an HF folder (:mod:`.model_source`); making the CPU demo's model is a step of its own
 (:mod:`dapo_megatron.tiny_model`).
+
+``rollout.mode: async`` changes only where steps 1–4 come from: :mod:`.async_collector` generates in a background
+thread during the other steps, so ``collect`` mostly hands over groups sampled by the previous weights; the weight
+version is the policy's step count, and staleness is counted against it (:mod:`dapo_megatron.algorithm.staleness`).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from dapo_megatron.trainer.metrics import MetricsWriter
 from dapo_megatron.trainer.model_source import load_tokenizer
 from dapo_megatron.trainer.policy_update import forward_only_old_logprobs, optimizer_updates, plan_updates
 from dapo_megatron.trainer.rollout_batch import hand_over_rollouts
-from dapo_megatron.trainer.samples import training_samples
+from dapo_megatron.trainer.samples import corrected_samples, corrects_before_update, training_samples, with_old_logprobs
 from dapo_megatron.trainer.step_metrics import StepTimer, policy_metrics, step_metrics, summary_line
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
@@ -89,6 +95,7 @@ class DAPOTrainer:
     def _start_rollout_side(self) -> None:
         from dapo_megatron.data.sampler import PromptSampler
         from dapo_megatron.rollout.factory import build_rollout_engine
+        from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
         from dapo_megatron.trainer.rollout_collector import RolloutCollector
         from dapo_megatron.trainer.task import eval_prompts, train_prompts
 
@@ -97,7 +104,8 @@ class DAPOTrainer:
                                 seed=c.trainer.seed)
         self.eval_prompts = eval_prompts(c, self.tokenizer)
         self.engine = build_rollout_engine(c, self.model_dir, self.run_dir)
-        self.collector = RolloutCollector(self.engine, sampler, self.tokenizer, c)
+        collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
+        self.collector = collector(self.engine, sampler, self.tokenizer, c)
 
     # ------------------------------------------------------------------------------------------------ one step
 
@@ -109,18 +117,24 @@ class DAPOTrainer:
                 groups, rollout = hand_over_rollouts(lambda: self.collector.collect(step),
                                                      what=f"step {done} rollouts")
             samples = training_samples(groups, c)  # 5: group-normalized advantages, overlong-filtering masks
-            old, updates = None, []
+            old, updates, correction = None, [], {}
             if samples:
                 plan = plan_updates(groups, c, step, policy_version=step)  # the policy holds version `step` now
                 with timer.phase("old_logprob"):  # 6: π_old's log-probs, forward only, where 7 cannot reuse its own
                     samples, forward_only = forward_only_old_logprobs(self.actor, samples, plan)
+                if corrects_before_update(c):  # 6b: tokens other weights sampled, importance-weighted or masked
+                    samples, correction = corrected_samples(samples, groups, c, policy_version=step)
                 with timer.phase("update"):  # 7: one optimizer update per mini-batch, with the DAPO loss
                     updates, old = optimizer_updates(self.actor, samples, plan, forward_only,
                                                      lambda batches: self._progress(batches, done))
+                if not corrects_before_update(c):  # 6b's diagnostics only: the loss took the samples as they are
+                    _, correction = corrected_samples(with_old_logprobs(samples, old.logprobs), groups, c,
+                                                      policy_version=step)
             with timer.phase("handoff"):  # 8: the new weights → the rollout engine
                 self.hand_off_weights(version=done)
         # 9: metrics (+ validation on schedule) to TensorBoard and metrics.jsonl; a checkpoint on schedule.
-        metrics = step_metrics(rollout, policy_metrics(groups, samples, old, updates), timer,
+        metrics = step_metrics(rollout, {**policy_metrics(groups, samples, old, updates, policy_version=step),
+                                         **correction}, timer,
                                weight_version=self.engine.weight_version if self.engine else done)
         last = done == c.trainer.total_steps
         if last or (c.eval.every and done % c.eval.every == 0):
@@ -163,6 +177,8 @@ class DAPOTrainer:
         return {"first_eval": self.first_eval or {}, "last_eval": self.last_eval or {}, "steps": step}
 
     def shutdown(self) -> None:
+        if self.collector is not None:
+            self.collector.close()  # async mode: the driver thread stops before its engine does
         if self.engine is not None:
             self.engine.shutdown()
 

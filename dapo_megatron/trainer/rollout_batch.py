@@ -24,6 +24,7 @@ RolloutBatch = tuple[list[RolloutGroup], dict[str, float]]  # the scored groups 
 # How each RolloutGroup field travels; a field added to RolloutGroup must be added here (pack refuses otherwise).
 _PER_GROUP = ("prompt_ids", "weight_version", "ground_truth", "data_source")
 _PER_RESPONSE = ("responses", "engine_logprobs", "finish_reasons", "accs", "scores", "overlong_penalties")
+_OPTIONAL_PER_TOKEN = ("token_versions",)  # None, or one list per response, as long as the response
 
 
 def hand_over_rollouts(collect: Callable[[], RolloutBatch], *, what: str) -> RolloutBatch:
@@ -33,13 +34,17 @@ def hand_over_rollouts(collect: Callable[[], RolloutBatch], *, what: str) -> Rol
 
 def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) -> Packed:
     fields = {f.name for f in dataclasses.fields(RolloutGroup)}
-    if fields != set(_PER_GROUP + _PER_RESPONSE):
-        raise TypeError(f"pack_rollout_batch does not know RolloutGroup field(s) "
-                        f"{sorted(fields.symmetric_difference(_PER_GROUP + _PER_RESPONSE))}")
+    known = set(_PER_GROUP + _PER_RESPONSE + _OPTIONAL_PER_TOKEN)
+    if fields != known:
+        raise TypeError(f"pack_rollout_batch does not know RolloutGroup field(s) {sorted(fields ^ known)}")
     for index, group in enumerate(groups):
         counts = {name: len(getattr(group, name)) for name in _PER_RESPONSE}
         if len(set(counts.values())) != 1:
             raise ValueError(f"pack_rollout_batch: group {index} has per-response lists of different lengths {counts}")
+        if group.token_versions is not None and [len(v) for v in group.token_versions] != [
+                len(r) for r in group.responses]:
+            raise ValueError(f"pack_rollout_batch: group {index}'s token_versions do not match its responses' lengths")
+    versioned = [g.token_versions is not None for g in groups]
     responses = [response for g in groups for response in g.responses]
     logprobs = [lps for g in groups for lps in g.engine_logprobs]
     reasons = [reason for g in groups for reason in g.finish_reasons]
@@ -57,6 +62,9 @@ def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) ->
         "accs": torch.tensor([acc for g in groups for acc in g.accs], dtype=torch.bool),
         "scores": torch.tensor([s for g in groups for s in g.scores], dtype=torch.float64),
         "overlong_penalties": torch.tensor([p for g in groups for p in g.overlong_penalties], dtype=torch.float64),
+        "has_token_versions": torch.tensor(versioned, dtype=torch.bool),
+        "token_versions": _flat([v for g in groups if g.token_versions is not None for v in g.token_versions],
+                                torch.int64),
     }
     meta = {"ground_truths": [g.ground_truth for g in groups], "data_sources": [g.data_source for g in groups],
             "finish_reason_names": reason_names, "metrics": metrics}
@@ -77,11 +85,17 @@ def unpack_rollout_batch(packed: Packed) -> RolloutBatch:
     }
     sizes = t["group_sizes"].tolist()
     by_group = {name: _split(values, sizes) for name, values in per_response.items()}
+    versioned = t["has_token_versions"].tolist()
+    versioned_lengths = [len(r) for responses, has in zip(by_group["responses"], versioned) if has for r in responses]
+    token_versions = iter(_split(_split(t["token_versions"].tolist(), versioned_lengths),
+                                 [size for size, has in zip(sizes, versioned) if has]))
     groups = [
         RolloutGroup(prompt_ids=prompt, ground_truth=truth, data_source=source, weight_version=version,
+                     token_versions=next(token_versions) if has else None,
                      **{name: by_group[name][i] for name in _PER_RESPONSE})
-        for i, (prompt, truth, source, version) in enumerate(zip(
-            prompts, meta["ground_truths"], meta["data_sources"], t["weight_versions"].tolist(), strict=True))
+        for i, (prompt, truth, source, version, has) in enumerate(zip(
+            prompts, meta["ground_truths"], meta["data_sources"], t["weight_versions"].tolist(), versioned,
+            strict=True))
     ]
     return groups, meta["metrics"]
 

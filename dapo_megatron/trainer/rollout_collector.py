@@ -29,7 +29,14 @@ from dapo_megatron.trainer.step_metrics import rollout_metrics
 @dataclass
 class RolloutGroup:
     """The G responses to one prompt, scored. ``accs`` (exact-match correctness) drives dynamic sampling;
-    ``scores`` (±1 plus the overlong penalty) drive the advantages."""
+    ``scores`` (±1 plus the overlong penalty) drive the advantages.
+
+    ``weight_version`` is the OLDEST weight version that sampled a token of the group, so ``weight_version == V``
+    means the policy at version V sampled every token (the group is on-policy for V); staleness is counted from it
+    (:mod:`dapo_megatron.algorithm.staleness`). ``token_versions`` gives each response's per-token versions when
+    they differ from ``weight_version`` (a partial rollout continued across a weight update); None when every
+    token was sampled by ``weight_version``.
+    """
 
     prompt_ids: list[int]
     ground_truth: str
@@ -41,14 +48,28 @@ class RolloutGroup:
     scores: list[float]
     overlong_penalties: list[float]
     weight_version: int
+    token_versions: list[list[int]] | None = None
 
     @property
     def truncated(self) -> list[bool]:
         return [reason == "length" for reason in self.finish_reasons]
 
+    def response_versions(self, index: int) -> list[int]:
+        """The weight version that sampled each token of response ``index``."""
+        if self.token_versions is not None:
+            return self.token_versions[index]
+        return [self.weight_version] * len(self.responses[index])
+
 
 def generation_seed(run_seed: int, step: int, round_index: int) -> int:
     return (run_seed * 1_000_003 + step * 1_009 + round_index) % (2**31 - 1)
+
+
+def sampling_params(config: DAPOConfig, tokenizer, seed: int | None) -> SamplingParams:
+    """The rollout's sampling parameters (G samples per prompt) with ``seed``."""
+    r = config.rollout
+    return SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_response_length, stop_token_ids=(tokenizer.eos_token_id,), seed=seed)
 
 
 def score_group(record: PromptRecord, samples: list[Sample], tokenizer, config: DAPOConfig) -> RolloutGroup:
@@ -75,8 +96,19 @@ def score_group(record: PromptRecord, samples: list[Sample], tokenizer, config: 
         accs=accs,
         scores=[b + p for b, p in zip(base_scores, penalties)],
         overlong_penalties=penalties,
-        weight_version=samples[0].weight_version if samples else -1,
+        **_versions(samples),
     )
+
+
+def _versions(samples: list[Sample]) -> dict:
+    """``weight_version`` (the oldest) and, only when some token differs from it, ``token_versions``."""
+    if not samples:
+        return {"weight_version": -1}
+    per_token = [list(s.token_versions) if s.token_versions else [s.weight_version] * len(s.token_ids)
+                 for s in samples]
+    oldest = min([s.weight_version for s in samples] + [v for versions in per_token for v in versions])
+    mixed = any(v != oldest for versions in per_token for v in versions)
+    return {"weight_version": oldest, "token_versions": per_token if mixed else None}
 
 
 class RolloutCollector:
@@ -86,14 +118,8 @@ class RolloutCollector:
         self.tokenizer = tokenizer
         self.config = config
         a = config.algorithm
-        self.buffer = DynamicSamplingBuffer(config.trainer.train_batch_size, surplus_policy=a.surplus_policy,
-                                            filter_groups=a.dynamic_sampling)
-
-    def sampling_params(self, seed: int) -> SamplingParams:
-        r = self.config.rollout
-        return SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_response_length,
-                              stop_token_ids=(self.tokenizer.eos_token_id,), seed=seed)
+        self.buffer = DynamicSamplingBuffer(config.trainer.train_batch_size,
+                                            surplus_policy=a.resolved_surplus_policy, filter_groups=a.dynamic_sampling)
 
     def collect(self, step: int) -> tuple[list[RolloutGroup], dict[str, float]]:
         a, t = self.config.algorithm, self.config.trainer
@@ -108,7 +134,8 @@ class RolloutCollector:
         while not self.buffer.is_full and rounds < a.max_gen_rounds:
             records = self.sampler.next_batch(prompts_per_round)
             outputs = self.engine.generate([r.prompt_ids for r in records],
-                                           self.sampling_params(generation_seed(t.seed, step, rounds)))
+                                           sampling_params(self.config, self.tokenizer,
+                                                           generation_seed(t.seed, step, rounds)))
             groups = [score_group(rec, samples, self.tokenizer, self.config) for rec, samples in zip(records, outputs)]
             generated.extend(groups)
             stats = stats + self.buffer.add(groups)
@@ -120,9 +147,15 @@ class RolloutCollector:
         batch = self.buffer.drain() if hit_cap else self.buffer.pop()
         return batch, rollout_metrics(batch, generated, stats, rounds, hit_cap, self.config.rollout.max_response_length)
 
+    def close(self) -> None:
+        """Nothing runs in the background in sync mode."""
+
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("pending_prompts"):
+            raise ValueError(f"the checkpoint was written in rollout.mode=async with {len(state['pending_prompts'])} "
+                             "prompts queued or in flight, which sync mode would lose: resume with rollout.mode=async")
         self.sampler.load_state_dict(state["sampler"])
         self.buffer.load_state_dict(state["buffer"])

@@ -1,5 +1,6 @@
 """Steps 5–7 of a DAPO step, the data side: scored groups → policy samples with advantages (and overlong-filtering
-masks), π_old's log-probs attached, and the seeded split into the mini-batches of the optimizer updates."""
+masks), π_old's log-probs attached, the rollout correction of tokens the policy did not sample itself, and the
+seeded split into the mini-batches of the optimizer updates."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import dataclasses
 import torch
 
 from dapo_megatron.algorithm import group_advantages
+from dapo_megatron.algorithm.rollout_correction import rollout_correction, weighted_advantage
+from dapo_megatron.algorithm.staleness import stale_token_mask
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.policy.packing import PolicySample
 from dapo_megatron.trainer.rollout_collector import RolloutGroup
@@ -32,6 +35,41 @@ def training_samples(groups: list[RolloutGroup], config: DAPOConfig) -> list[Pol
 def with_old_logprobs(samples: list[PolicySample], old_logprobs: list[torch.Tensor]) -> list[PolicySample]:
     """The samples with π_old's per-token log-probs (the denominators of the importance ratios) attached."""
     return [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, old_logprobs, strict=True)]
+
+
+def corrects_before_update(config: DAPOConfig) -> bool:
+    """Whether :func:`corrected_samples` changes what the loss sees, and so needs π_old's log-probs of every sample
+    before the first update (a rollout correction, or async mode's masking of stale tokens); otherwise the samples
+    go to the loss as they are and the correction's diagnostics can wait for π_old until after the updates."""
+    return config.algorithm.rollout_correction != "none" or config.rollout.mode == "async"
+
+
+def corrected_samples(samples: list[PolicySample], groups: list[RolloutGroup], config: DAPOConfig, *,
+                      policy_version: int) -> tuple[list[PolicySample], dict[str, float]]:
+    """Step 6b: the samples (π_old attached, in ``training_samples`` order) as the loss must see them, and the
+    engine–policy diagnostics (``rollout_corr/*``).
+
+    ``algorithm.rollout_correction`` token_tis / seq_mis / both: every token is importance-weighted (per-token
+    advantage w·A) and/or its response masked, stale or not (:mod:`dapo_megatron.algorithm.rollout_correction`).
+    "none": in async mode tokens sampled by older weights than ``policy_version`` are masked out of the loss; in
+    sync mode the samples are returned unchanged — stale tokens there come only from ``surplus_policy: keep``,
+    which is the explicit choice to train the surplus as it is (off-policy by one version)."""
+    a = config.algorithm
+    mask_stale = a.rollout_correction == "none" and config.rollout.mode == "async"
+    versions = [g.response_versions(i) for g in groups for i in range(len(g.responses))]
+    correction = rollout_correction(
+        [s.old_logprobs for s in samples], [torch.tensor(lps) for g in groups for lps in g.engine_logprobs],
+        mode=a.rollout_correction, tis_cap=a.tis_cap, mis_threshold=a.mis_threshold,
+        stale=[stale_token_mask(v, policy_version) for v in versions] if mask_stale else None)
+    if a.rollout_correction == "none" and not mask_stale:
+        return samples, correction.metrics
+    weighted = a.rollout_correction in ("token_tis", "both")
+    corrected = []
+    for sample, weight, keep in zip(samples, correction.weights, correction.keep, strict=True):
+        mask = sample.response_tensors()[0] * keep
+        advantage = weighted_advantage(sample.advantage, weight) if weighted else sample.advantage
+        corrected.append(dataclasses.replace(sample, advantage=advantage, loss_mask=mask))
+    return corrected, correction.metrics
 
 
 def mini_batch_indices(count: int, config: DAPOConfig, step: int) -> list[list[int]]:

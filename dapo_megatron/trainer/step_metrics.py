@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dapo_megatron.algorithm import FilterStats
+from dapo_megatron.algorithm.staleness import response_staleness, staleness_metrics
 
 if TYPE_CHECKING:
     from dapo_megatron.policy.actor import PolicyLogProbs
@@ -41,7 +42,8 @@ class StepTimer:
 
 def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], stats: FilterStats, rounds: int,
                     hit_cap: bool, max_response_length: int) -> dict[str, float]:
-    """The collection's numbers: filter statistics over everything generated, scores and lengths of the batch."""
+    """The collection's numbers: filter statistics over everything generated, scores and lengths of the batch.
+    A step that generated nothing (its batch came from earlier steps' groups) has no ``rollout/acc/mean``."""
     all_accs = [acc for g in generated for acc in g.accs]
     metrics = {
         "train/num_gen_batches": rounds,
@@ -50,9 +52,10 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
         "train/filter/kept_fraction": stats.kept_fraction,
         "train/filter/all_correct_fraction": stats.all_correct_fraction,
         "train/filter/all_wrong_fraction": stats.all_wrong_fraction,
-        "rollout/acc/mean": sum(all_accs) / max(len(all_accs), 1),  # over everything generated this step
         "rollout/num_samples": len(all_accs),
     }
+    if all_accs:
+        metrics["rollout/acc/mean"] = sum(all_accs) / len(all_accs)  # over everything generated this step
     if not batch:
         return metrics
     scores = [s for g in batch for s in g.scores]
@@ -76,19 +79,30 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
     return metrics
 
 
+def staleness_of_batch(groups: list[RolloutGroup], policy_version: int) -> dict[str, float]:
+    """How off-policy the batch is, counted against the policy's version: the fraction of groups with a token
+    sampled by older weights (``train/stale_group_fraction``) and the per-response staleness histogram."""
+    if not groups:
+        return {}
+    staleness = [response_staleness(g.response_versions(i), policy_version)
+                 for g in groups for i in range(len(g.responses))]
+    return {"train/stale_group_fraction": sum(g.weight_version < policy_version for g in groups) / len(groups),
+            **staleness_metrics(staleness)}
+
+
 def policy_metrics(groups: list[RolloutGroup], samples: list[PolicySample], old: PolicyLogProbs | None,
-                   updates: list[dict]) -> dict[str, float]:
-    """The policy side: loss, clip fractions, KL, entropy, gradient norm over the applied updates, and the gap between
-    the engine's and the policy's log-probs of the sampled tokens."""
+                   updates: list[dict], *, policy_version: int) -> dict[str, float]:
+    """The policy side: loss, clip fractions, KL, entropy, gradient norm over the applied updates, staleness against
+    ``policy_version``, and the gap between the engine's and the policy's log-probs of the sampled tokens."""
     if not samples:
-        return {"train/skipped_empty_batch": 1.0}
-    # Engine vs policy log-probs of the same tokens, over responses sampled by the weights the policy has now
-    # (surplus groups kept from an earlier step were sampled by older weights and differ by design).
-    current = max(g.weight_version for g in groups)
-    sample_versions = [g.weight_version for g in groups for _ in g.responses]
-    fresh = [i for i, version in enumerate(sample_versions) if version == current]
+        return {"train/skipped_empty_batch": 1.0, **staleness_of_batch(groups, policy_version)}
+    # Engine vs policy log-probs of the same tokens, over responses every token of which the policy's current
+    # weights sampled (stale ones differ by the updates since, not by the engine's numerics).
+    fresh = [g.weight_version == policy_version for g in groups for _ in g.responses]
     flat_engine = [lps for g in groups for lps in g.engine_logprobs]
-    gap = torch.cat([(torch.tensor(flat_engine[i], dtype=torch.float32) - old.logprobs[i]).abs() for i in fresh])
+    gaps = [(torch.tensor(flat_engine[i], dtype=torch.float32) - old.logprobs[i]).abs()
+            for i, is_fresh in enumerate(fresh) if is_fresh]
+    gap = torch.cat(gaps) if gaps else torch.empty(0)
     entropy = torch.cat(old.entropy)
     applied = [u for u in updates if not u["skipped"]]
 
@@ -109,9 +123,9 @@ def policy_metrics(groups: list[RolloutGroup], samples: list[PolicySample], old:
         "actor/num_updates": float(len(applied)),
         "actor/skipped_updates": float(len(updates) - len(applied)),
         "actor/packing_efficiency": mean("packing_efficiency"),
-        "train/stale_group_fraction": sum(g.weight_version != current for g in groups) / len(groups),
-        "rollout/logprob_diff/mean_abs": float(gap.mean()),
-        "rollout/logprob_diff/max_abs": float(gap.max()),
+        **staleness_of_batch(groups, policy_version),
+        **({"rollout/logprob_diff/mean_abs": float(gap.mean()), "rollout/logprob_diff/max_abs": float(gap.max())}
+           if gap.numel() else {}),
         "perf/num_tokens": float(sum(s.length for s in samples)),
     }
 

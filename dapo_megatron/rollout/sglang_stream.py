@@ -1,0 +1,111 @@
+"""Streamed requests on the SGLang engine's servers (the streaming half of the :class:`RolloutEngine` API).
+
+Each request is one ``/generate`` call (its ``n`` samples as prompt copies with one rid each,
+:func:`~dapo_megatron.rollout.sglang_requests.build_stream_payload`) sent by a thread of a pool of at most
+``max_concurrent_requests``, to the least-loaded server. Requests beyond that wait here, not on a server.
+
+* Abort: flagged in the :class:`RequestBook`; a request still waiting here never starts, a running one gets
+  ``POST /abort_request`` for each of its rids on the server it runs on, which returns it at once with the tokens
+  generated so far (``finish_reason`` "abort") — the server keeps nothing of it.
+* Weight updates: :meth:`SGLangEngine.update_weights` pauses the servers with ``mode="retract"`` — running requests
+  go back to the server's waiting queue and their KV cache is freed — pushes the weights and continues; the
+  requests then resume, their prompt and tokens so far re-prefilled by the new weights. The server records the
+  version change on every live request, and the reply's ``meta_info.weight_versions`` gives each token's version.
+* Failures: a server that stops answering is restarted or taken out of rotation by the pool
+  (:meth:`ServerPool.recover`), and the request is re-sent from its prompt; when no server is left, the error
+  reaches the caller's next :meth:`poll`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, Sample
+from dapo_megatron.rollout.request_book import RequestBook, aborted_samples
+from dapo_megatron.rollout.sglang_client import ServerFailure
+from dapo_megatron.rollout.sglang_requests import build_stream_payload, sample_rid, streamed_samples
+
+if TYPE_CHECKING:
+    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.sglang_pool import ServerSlot
+
+logger = logging.getLogger(__name__)
+
+
+class SGLangStreams:
+    def __init__(self, engine: "SGLangEngine") -> None:
+        self.engine = engine
+        self.book = RequestBook("SGLangEngine")
+        self._workers = ThreadPoolExecutor(max_workers=engine.config.max_concurrent_requests,
+                                           thread_name_prefix="sglang-stream")
+        self._lock = threading.Lock()
+        self._running_on: dict[str, tuple["ServerSlot", GenerationRequest]] = {}
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        self.book.add(requests)
+        for request in requests:
+            self._workers.submit(self._run, request.request_id)
+
+    def poll(self, timeout_s: float) -> list[FinishedRequest]:
+        return self.book.poll(timeout_s)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self._abort_on_servers(self.book.abort(request_ids, self.engine.weight_version))
+
+    def close(self) -> None:
+        self._abort_on_servers(self.book.close(self.engine.weight_version))
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    def _abort_on_servers(self, running_ids: list[str]) -> None:
+        for request_id in running_ids:
+            with self._lock:
+                slot, request = self._running_on.get(request_id, (None, None))
+            if slot is None:
+                continue  # not sent yet: _run sees the flag before sending
+            for j in range(request.params.n):
+                try:
+                    slot.client.abort_request(sample_rid(request_id, j))
+                except Exception as error:  # noqa: BLE001 - a dead server frees the request anyway
+                    logger.warning("aborting %s on %s failed: %s", request_id, slot.client.base_url, error)
+
+    def _run(self, request_id: str) -> None:
+        request = self.book.take(request_id)
+        if request is None:
+            return  # aborted while it waited here
+        try:
+            samples = self._generate(request)
+        except BaseException as error:  # noqa: BLE001 - the caller's next poll() raises it
+            self.book.fail(error)
+            return
+        self.book.finish(request_id, samples)
+
+    def _generate(self, request: GenerationRequest) -> list[Sample]:
+        engine = self.engine
+        payload = build_stream_payload(request, seeded=request.params.seed is not None and engine.pool.deterministic)
+        while True:
+            slot, generation = engine.pool.acquire()
+            with self._lock:
+                self._running_on[request.request_id] = (slot, request)
+            if self.book.is_aborted(request.request_id):  # aborted before it reached a server
+                self._stop_tracking(request.request_id, slot)
+                return aborted_samples(request, engine.weight_version)
+            try:
+                outputs = slot.client.generate(payload)
+            except ServerFailure as error:
+                self._stop_tracking(request.request_id, slot)
+                if self.book.closed:  # the engine is shutting down and stopped the server: nothing to recover
+                    return aborted_samples(request, engine.weight_version)
+                if engine.pool.recover(slot, generation, error, version=engine.weight_version,
+                                       restart_path=engine._restart_model_path()):
+                    engine.transport.reset()
+                continue  # regenerate from the prompt
+            self._stop_tracking(request.request_id, slot)
+            return streamed_samples(outputs, request, slot.client.base_url)
+
+    def _stop_tracking(self, request_id: str, slot: "ServerSlot") -> None:
+        with self._lock:
+            self._running_on.pop(request_id, None)
+        self.engine.pool.release(slot)
