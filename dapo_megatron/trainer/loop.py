@@ -53,8 +53,6 @@ from dapo_megatron.trainer.weight_sync import sync_engine_weights
 logger = logging.getLogger(__name__)
 
 
-
-
 class DAPOTrainer:
     """Every rank builds one, after ``init_distributed``, from the run config and the HF folder the policy starts
     from (:func:`dapo_megatron.trainer.model_source.prepare_initial_model`)."""
