@@ -10,7 +10,6 @@ import threading
 import time
 from contextlib import contextmanager
 
-import pytest
 import torch
 from test_rollout_embedded import (  # noqa: F401 - one_thread is an autouse fixture
     PROMPTS,

@@ -7,7 +7,6 @@ import base64
 import json
 import os
 import pickle
-import signal
 import stat
 import subprocess
 import sys

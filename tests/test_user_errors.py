@@ -142,7 +142,7 @@ def test_weights_that_do_not_fit_the_config(tmp_path, model_dir):
     (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
     result = train(tmp_path / "run", "model.source=hf", f"model.hf_path={folder}")
     assert_one_line_error(result, "model", f"{folder} does not fit its config.json")
-    assert f"  shape mismatches: model.layers.0.mlp.gate_proj.weight" in result.stderr
+    assert "  shape mismatches: model.layers.0.mlp.gate_proj.weight" in result.stderr
     assert f"model.layers.0.mlp.down_proj.weight in {folder / 'model.safetensors'}: shape [64, 128], " \
            f"expected [64, 256]" in result.stderr
 
