@@ -12,7 +12,7 @@ import torch
 from dapo_megatron.config import load_config
 from dapo_megatron.rollout.engine import Sample
 from dapo_megatron.trainer.metrics import read_metrics
-from dapo_megatron.trainer.samples import mini_batches, training_samples
+from dapo_megatron.trainer.samples import mini_batch_indices, training_samples
 from dapo_megatron.trainer.rollout_collector import RolloutGroup, generation_seed, score_group
 from trainer_harness import run_trainer
 
@@ -63,13 +63,13 @@ def test_mini_batches_are_a_seeded_partition():
     config = load_config(TINY, ["trainer.train_batch_size=8", "trainer.mini_batch_size=2", "rollout.n_samples=2"])
     group = _group([1.0, -1.0], [True, False], ["stop", "stop"])
     samples = training_samples([group] * 8, config)
-    first = mini_batches(samples, config, step=3)
-    again = mini_batches(samples, config, step=3)
-    other = mini_batches(samples, config, step=4)
+    first = mini_batch_indices(len(samples), config, step=3)
+    again = mini_batch_indices(len(samples), config, step=3)
+    other = mini_batch_indices(len(samples), config, step=4)
     assert len(first) == 4 and all(len(mb) == 4 for mb in first)
-    assert [[id(s) for s in mb] for mb in first] == [[id(s) for s in mb] for mb in again]
-    assert [[id(s) for s in mb] for mb in first] != [[id(s) for s in mb] for mb in other]
-    assert sorted(id(s) for mb in first for s in mb) == sorted(id(s) for s in samples)
+    assert first == again
+    assert first != other
+    assert sorted(i for mb in first for i in mb) == list(range(len(samples)))
 
 
 def test_generation_seeds_differ_by_step_and_round():

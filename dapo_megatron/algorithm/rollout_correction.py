@@ -133,8 +133,3 @@ def _metrics(log_ratios: list[Tensor], weights: list[Tensor], keep: list[Tensor]
 def weighted_advantage(advantage: float, weight: Tensor) -> Tensor:
     """Per-token advantages ``weight · advantage`` (``[R]`` float32): a token of IS weight w_t as the loss sees it."""
     return weight.to(torch.float32) * float(advantage)
-
-
-def is_active(mode: str, stale_any: bool) -> bool:
-    """Whether a correction changes anything: a mode other than "none", or "none" with stale tokens to mask."""
-    return mode != "none" or stale_any

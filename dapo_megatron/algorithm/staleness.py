@@ -46,11 +46,12 @@ def stale_token_mask(token_versions: Sequence[int], policy_version: int) -> Tens
     return torch.tensor(list(token_versions), dtype=torch.int64) < policy_version
 
 
-def staleness_metrics(staleness: Sequence[int], prefix: str = "rollout/staleness") -> dict[str, float]:
-    """Mean, max and the histogram (``<prefix>/hist/<k>``: fraction of responses with staleness k) of some
+def staleness_metrics(staleness: Sequence[int]) -> dict[str, float]:
+    """Mean, max and the histogram (``rollout/staleness/hist/<k>``: fraction of responses with staleness k) of some
     responses' staleness; nothing for no responses."""
     if not staleness:
         return {}
+    prefix = "rollout/staleness"
     counts = Counter(staleness)
     metrics = {f"{prefix}/mean": sum(staleness) / len(staleness), f"{prefix}/max": float(max(staleness))}
     metrics.update({f"{prefix}/hist/{k}": counts[k] / len(staleness) for k in range(max(staleness) + 1)})

@@ -25,6 +25,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.hf_format.buckets import nbytes
+
 SHM_DIR = "/dev/shm"
 _ALIGN = 64  # every shard starts on a cache line, so any dtype view of it is aligned
 
@@ -33,13 +35,8 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 @dataclass
 class _Mapping:
-    key: tuple
     buffer: torch.Tensor  # uint8 view of the whole file: one region per TP rank except rank 0
     region: int  # bytes per rank
 
@@ -117,8 +114,8 @@ def shared_memory_gather(group, shards: Sequence[torch.Tensor]) -> SharedMemoryG
         return None
     layout, offset = [], 0
     for shard in shards:
-        layout.append((offset, _nbytes(shard)))
-        offset += _aligned(_nbytes(shard))
+        layout.append((offset, nbytes(shard)))
+        offset += _aligned(nbytes(shard))
     region = max(offset, _ALIGN)
     key = (ranks, tuple(layout))
     mapping = _mappings.get(key) or _create_mapping(group, rank, world, key, region)
@@ -151,5 +148,5 @@ def _create_mapping(group, rank: int, world: int, key: tuple, region: int) -> _M
         os.unlink(path)
     for stale in [k for k in _mappings if k[0] == key[0]]:
         del _mappings[stale]  # one mapping per TP group: a new layout replaces the old one
-    _mappings[key] = _Mapping(key, buffer, region)
+    _mappings[key] = _Mapping(buffer, region)
     return _mappings[key]

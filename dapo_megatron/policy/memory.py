@@ -52,12 +52,10 @@ amax histories (Transformer Engine; small next to the above), CPU memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
 
 from dapo_megatron.policy.logprobs import DEFAULT_CHUNK_ELEMENTS
-from dapo_megatron.policy.model import ModelSpec, Recompute, check_parallel_layout, padded_vocab_size
+from dapo_megatron.policy.model import ModelSpec, Precision, Recompute, check_parallel_layout, padded_vocab_size
 
-Precision = Literal["fp32", "bf16", "fp8"]
 GB = 10**9
 FIXED_MARGIN_BYTES = 3 * GB
 FRAGMENTATION = 0.10

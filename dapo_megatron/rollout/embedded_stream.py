@@ -138,6 +138,8 @@ class ChunkListener:
 
     def aborted(self, batch_rows: torch.Tensor) -> torch.Tensor:
         """bool ``[len(batch_rows)]``: the chunk rows (indices into the chunk) whose request was aborted."""
+        if not self.rows.book.has_aborted():  # every decode step asks; almost always nothing was aborted
+            return torch.zeros(len(batch_rows), dtype=torch.bool)
         flags = {rid: self.rows.book.is_aborted(rid) for rid in set(self._request_ids[r] for r in batch_rows.tolist())}
         return torch.tensor([flags[self._request_ids[r]] for r in batch_rows.tolist()], dtype=torch.bool)
 

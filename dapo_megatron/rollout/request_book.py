@@ -80,10 +80,6 @@ class RequestBook:
         with self._cond:
             return len(self._queued) + len(self._running) + len(self._finished)
 
-    def running_ids(self) -> list[str]:
-        with self._cond:
-            return list(self._running)
-
     def close(self, version: int) -> list[str]:
         """No more submissions; queued requests finish as aborted; returns the running ids (to abort)."""
         with self._cond:
@@ -113,6 +109,11 @@ class RequestBook:
             if request is not None:
                 self._running[request_id] = request
             return request
+
+    def has_aborted(self) -> bool:
+        """Whether any request is flagged aborted and not finished yet."""
+        with self._cond:
+            return bool(self._aborted)
 
     def is_aborted(self, request_id: str) -> bool:
         with self._cond:

@@ -152,17 +152,15 @@ class TensorTransport(WeightTransport):
 
     def send(self, servers, buckets, version):
         held: list[BucketPayloads] = []  # buckets sent as CUDA handles: servers copy from them until the session ends
-        try:
-            with weight_update_session(servers):
-                for bucket in buckets:
-                    payloads = BucketPayloads(bucket, servers)
-                    if payloads.by_reference:
-                        held.append(payloads)
-                    on_all_servers(servers, lambda server: server.client.update_weights_from_tensor(
-                        payloads.for_server(server), version=None, flush_cache=False))
-                    del payloads  # a bucket sent by value is released here: the trainer holds one at a time
-        finally:
-            held.clear()
+        with weight_update_session(servers):
+            for bucket in buckets:
+                payloads = BucketPayloads(bucket, servers)
+                if payloads.by_reference:
+                    held.append(payloads)
+                on_all_servers(servers, lambda server, sent=payloads: server.client.update_weights_from_tensor(
+                    sent.for_server(server), version=None, flush_cache=False))
+                del payloads  # a bucket sent by value is released here: the trainer holds one at a time
+        held.clear()
         tag_version(servers, version)
 
 

@@ -43,7 +43,6 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from dapo_megatron.algorithm import DynamicSamplingBuffer, FilterStats
-from dapo_megatron.algorithm.staleness import version_span
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
@@ -282,7 +281,7 @@ class AsyncRolloutCollector:
             self._aborted.discard(finished.request_id)
             self._requeue(record, finished.num_tokens)
             return
-        spans = [version_span(group.response_versions(i)) for i in range(len(group.responses))]
+        spans = [group.response_span(i) for i in range(len(group.responses))]
         if not self.config.rollout.partial_rollouts and max(spans) > 0:
             self._requeue(record, finished.num_tokens)  # came back across an update before the abort reached it
             return

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from dapo_megatron.algorithm import DynamicSamplingBuffer, FilterStats, math_reward, overlong_penalty
+from dapo_megatron.algorithm.staleness import response_staleness, version_span
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
@@ -59,6 +60,20 @@ class RolloutGroup:
         if self.token_versions is not None:
             return self.token_versions[index]
         return [self.weight_version] * len(self.responses[index])
+
+    def response_staleness(self, index: int, policy_version: int) -> int:
+        """:func:`~dapo_megatron.algorithm.staleness.response_staleness` of response ``index``; a response of one
+        version is not expanded per token (the per-step metrics read every response of the batch)."""
+        return response_staleness(self._distinct_versions(index), policy_version)
+
+    def response_span(self, index: int) -> int:
+        """:func:`~dapo_megatron.algorithm.staleness.version_span` of response ``index``, as cheaply."""
+        return version_span(self._distinct_versions(index))
+
+    def _distinct_versions(self, index: int) -> list[int]:
+        if self.token_versions is not None:
+            return self.token_versions[index]
+        return [self.weight_version] if self.responses[index] else []
 
 
 def generation_seed(run_seed: int, step: int, round_index: int) -> int:

@@ -56,12 +56,12 @@ def corrected_samples(samples: list[PolicySample], groups: list[RolloutGroup], c
     which is the explicit choice to train the surplus as it is (off-policy by one version)."""
     a = config.algorithm
     mask_stale = a.rollout_correction == "none" and config.rollout.mode == "async"
-    versions = [g.response_versions(i) for g in groups for i in range(len(g.responses))]
+    stale = ([stale_token_mask(g.response_versions(i), policy_version) for g in groups for i in range(len(g.responses))]
+             if mask_stale else None)
     correction = rollout_correction(
         [s.old_logprobs for s in samples], [torch.tensor(lps) for g in groups for lps in g.engine_logprobs],
-        mode=a.rollout_correction, tis_cap=a.tis_cap, mis_threshold=a.mis_threshold,
-        stale=[stale_token_mask(v, policy_version) for v in versions] if mask_stale else None)
-    if a.rollout_correction == "none" and not mask_stale:
+        mode=a.rollout_correction, tis_cap=a.tis_cap, mis_threshold=a.mis_threshold, stale=stale)
+    if not corrects_before_update(config):  # diagnostics only: the loss takes the samples as they are
         return samples, correction.metrics
     weighted = a.rollout_correction in ("token_tis", "both")
     corrected = []
@@ -79,8 +79,3 @@ def mini_batch_indices(count: int, config: DAPOConfig, step: int) -> list[list[i
     generator = torch.Generator().manual_seed(config.trainer.seed * 7_919 + step)
     order = torch.randperm(count, generator=generator).tolist()
     return [order[i:i + per_mini_batch] for i in range(0, count, per_mini_batch)]
-
-
-def mini_batches(samples: list[PolicySample], config: DAPOConfig, step: int) -> list[list[PolicySample]]:
-    """The samples of each mini-batch (:func:`mini_batch_indices`)."""
-    return [[samples[i] for i in indices] for indices in mini_batch_indices(len(samples), config, step)]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dapo_megatron.algorithm import FilterStats
-from dapo_megatron.algorithm.staleness import response_staleness, staleness_metrics
+from dapo_megatron.algorithm.staleness import staleness_metrics
 
 if TYPE_CHECKING:
     from dapo_megatron.policy.actor import PolicyLogProbs
@@ -84,8 +84,7 @@ def staleness_of_batch(groups: list[RolloutGroup], policy_version: int) -> dict[
     sampled by older weights (``train/stale_group_fraction``) and the per-response staleness histogram."""
     if not groups:
         return {}
-    staleness = [response_staleness(g.response_versions(i), policy_version)
-                 for g in groups for i in range(len(g.responses))]
+    staleness = [g.response_staleness(i, policy_version) for g in groups for i in range(len(g.responses))]
     return {"train/stale_group_fraction": sum(g.weight_version < policy_version for g in groups) / len(groups),
             **staleness_metrics(staleness)}
 
