@@ -31,9 +31,21 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from slurm_harness import (REPO, RunningJob, assert_nothing_left, cluster_unavailable, job_env,
-                           processes_on_nodes, rendezvous_line, sglang_job_env, start_job, submit)
+from cli_runs import read_run_metrics
+from sglang_fixtures import hf_greedy
+from slurm_harness import (
+    REPO,
+    RunningJob,
+    assert_nothing_left,
+    cluster_unavailable,
+    job_env,
+    processes_on_nodes,
+    rendezvous_line,
+    sglang_job_env,
+    start_job,
+    submit,
+)
+from tiny_models import load_hf_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm,
               pytest.mark.skipif((why := cluster_unavailable(min_nodes=3)) is not None, reason=why or "")]
@@ -45,21 +57,12 @@ RUN = [f"trainer.total_steps={STEPS}", "trainer.save_every=1", f"trainer.keep_ch
        "warm_start.enabled=false", "trainer.train_batch_size=4", "trainer.mini_batch_size=2", "rollout.n_samples=4",
        "algorithm.dynamic_sampling=false", "data.synthetic.num_train=200", "data.synthetic.num_heldout=8",
        "rollout.max_response_length=24", "algorithm.overlong_buffer_len=4"]
-NOT_COMPARED = ("timing_s/", "timing_cpu_s/", "perf/throughput")  # clock readings differ between runs
 
 REQUEST_TIMEOUT_S = 90  # rollout.sglang.request_timeout_s of the SGLang jobs: the bound a failure must meet
 HEALTH_DEADLINE_S = 600  # a CPU SGLang server starts in 30-80 s here, more when the machine is busy
 SGLANG_JOB_DEADLINE_S = HEALTH_DEADLINE_S + 6 * REQUEST_TIMEOUT_S + 300
 GREEDY_TOKENS = 12
 LOOPBACK_TIMEOUT_S = 30  # the request timeout of (c): how long the trainer waits for servers that never join
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)} for row in rows]
 
 
 def _watch(job: RunningJob, probe, poll_s: float = 0.5) -> list:
@@ -96,7 +99,7 @@ def test_dp2_across_two_nodes_trains_checkpoints_and_resumes_exactly_after_scanc
     rendezvous = rendezvous_line(job.output)
     assert rendezvous and rendezvous.group(1) == "2", job.output[-3000:]
     assert not rendezvous.group(3).startswith("127."), f"rendezvous on a loopback address: {rendezvous.group(0)}"
-    expected = _metrics(tmp_path / "reference")
+    expected = read_run_metrics(tmp_path / "reference")
     assert [row["step"] for row in expected] == list(range(steps + 1))
     assert (tmp_path / "reference" / "checkpoints" / f"step_{steps:06d}" / "COMPLETE").exists()
 
@@ -118,8 +121,8 @@ def test_dp2_across_two_nodes_trains_checkpoints_and_resumes_exactly_after_scanc
     assert resumed.returncode == 0, resumed.output[-6000:]
     match = re.search(r"resumed from \S+step_(\d+) \(step (\d+)\)", resumed.output)
     assert match and 1 <= int(match.group(2)) < steps, resumed.output[-3000:]
-    print(f"resumed at step {match.group(2)} of {steps}; comparing {len(_comparable(expected)[-1])} metrics per step")
-    assert _comparable(_metrics(run_dir)) == _comparable(expected)
+    print(f"resumed at step {match.group(2)} of {steps}; comparing {len(expected[-1])} metrics per step")
+    assert read_run_metrics(run_dir) == expected
 
 
 # ------------------------------------------------------------------------------------------------------- (b)
@@ -193,15 +196,6 @@ class ServerProbe:
         return (before, outputs) if self.version() == before else None
 
 
-def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from tiny_models import load_hf_model
-
-    model = load_hf_model(model_dir)
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=GREEDY_TOKENS, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
-
-
 def _export(checkpoint: Path, out: Path) -> Path:
     result = subprocess.run([sys.executable, "-m", "checkpoint_tools.megatron_to_hf", "--ckpt", str(checkpoint),
                              "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=600,
@@ -232,7 +226,7 @@ def test_sglang_server_on_another_node_serves_the_trained_weights(tmp_path, tiny
     assert "stopping the sglang-servers step" in done.output, done.output[-3000:]
     assert_nothing_left(done.job_id)
 
-    rows = _metrics(run_dir)
+    rows = read_run_metrics(run_dir, timings=True)
     assert [row["step"] for row in rows] == list(range(STEPS + 1))
     for row in rows[1:]:
         assert row["rollout/weight_version"] == row["step"]
@@ -248,8 +242,10 @@ def test_sglang_server_on_another_node_serves_the_trained_weights(tmp_path, tiny
     print(f"caught the server's greedy output at weight versions {sorted({v for v, _ in served})}")
     version, server_greedy = served[-1]
     hf_dir = _export(run_dir / "checkpoints" / f"step_{version:06d}", tmp_path / "export")
-    assert server_greedy == _hf_greedy(hf_dir, prompts), f"server at weight version {version} != HF greedy"
-    assert server_greedy != _hf_greedy(model_dir, prompts), "control: the initial model gives the same output"
+    assert server_greedy == hf_greedy(load_hf_model(hf_dir), prompts, GREEDY_TOKENS), \
+        f"server at weight version {version} != HF greedy"
+    assert server_greedy != hf_greedy(load_hf_model(model_dir), prompts, GREEDY_TOKENS), \
+        "control: the initial model gives the same output"
 
 
 # ------------------------------------------------------------------------------------------------------- (c)
