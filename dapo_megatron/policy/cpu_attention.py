@@ -14,10 +14,11 @@ queries and keys (RoPE) by their position in the row, not in their sample.
 * each token is rotated by its position in its sample (``positions``), as the rollout engine rotates it;
 * attention gathers the views into right-padded batches ``[views, heads, longest, head_dim]`` — one per length
   class (views at least half as long as the class's longest), so a short response is not padded to the longest
-  one in the row — runs causal ``scaled_dot_product_attention`` on each (``longest²`` per view instead of
-  ``row²``) and takes each row position's output from the one view that owns it (``slot``). Right padding is never
-  seen by a real query (causal), padded queries see real keys only (so every value stays finite) and are dropped;
-  a prompt shared by several views gets its key/value gradient from all of them through the gather.
+  one in the row — runs causal attention on each (``longest²`` per view instead of ``row²``; explicit scores for a
+  small class, SDPA's flash kernel for a large one) and takes each row position's output from the one view that
+  owns it (``slot``). Right padding is never seen by a real query (causal), padded queries see real keys only (so
+  every value stays finite) and are dropped; a prompt shared by several views gets its key/value gradient from all
+  of them through the gather.
 
 The result equals the dense masked computation of each sample alone up to float rounding
 (tests/test_policy_cpu_attention.py). Without ``packed_seq_params`` (right-padded rows, the dense-mask layout) the
@@ -31,7 +32,7 @@ holds no weights, so the checkpoint layout is the same.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +66,50 @@ class SegmentedRow(PackedSeqParams):
     positions: Tensor | None = None
     gather: Tensor | None = None
     slot: Tensor | None = None
+    _head_rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.qkv_format = "sbhd"
+
+    def head_rows(self, heads: int, kv_heads: int) -> "_HeadRows":
+        """The gathers of :class:`_HeadRows` for this row and these head counts (built once, shared by every layer)."""
+        if (heads, kv_heads) not in self._head_rows:
+            self._head_rows[heads, kv_heads] = _HeadRows.build(self, heads, kv_heads)
+        return self._head_rows[heads, kv_heads]
+
+
+@dataclass(frozen=True)
+class _HeadRows:
+    """Flat-row gathers that build each length class's batch straight in SDPA's ``[views, heads, longest, d]``
+    layout from the row's ``[S·heads, d]`` queries and ``[S·kv_heads, d]`` keys/values, and take each row position's
+    output back from the classes' concatenated contexts: one gather each way, no transposes.
+
+    ``queries[c]`` / ``keys[c]``: for class ``c``, the flat query / key-value row of each (view, head, slot);
+    ``outputs [S·heads]``: the flat context row of each (row position, head)."""
+
+    queries: tuple[Tensor, ...]
+    keys: tuple[Tensor, ...]
+    outputs: Tensor
+
+    @classmethod
+    def build(cls, row: SegmentedRow, heads: int, kv_heads: int) -> "_HeadRows":
+        device = row.gather.device
+        head, kv_head = torch.arange(heads, device=device), torch.arange(kv_heads, device=device)
+        queries, keys, output_base, output_stride = [], [], [], []
+        slot_start = context_start = 0
+        for views, longest in row.classes:
+            tokens = row.gather[slot_start:slot_start + views * longest].view(views, 1, longest)
+            queries.append((tokens * heads + head[:, None]).reshape(-1))
+            keys.append((tokens * kv_heads + kv_head[:, None]).reshape(-1))
+            # slot (view v, position l) of this class: head h's context row is base + h·longest
+            view_and_position = torch.arange(views * longest, device=device)
+            view, position = view_and_position // longest, view_and_position % longest
+            output_base.append(context_start + view * heads * longest + position)
+            output_stride.append(torch.full((views * longest,), longest, device=device))
+            slot_start += views * longest
+            context_start += views * heads * longest
+        base, stride = torch.cat(output_base)[row.slot], torch.cat(output_stride)[row.slot]
+        return cls(tuple(queries), tuple(keys), (base[:, None] + head[None, :] * stride[:, None]).reshape(-1))
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -99,6 +141,32 @@ class _Rotation:
         return self.row_tables
 
 
+# Largest score matrix (views × heads × longest², fp32 elements: 16 MiB) a length class computes explicitly; larger
+# classes take SDPA's flash kernel, which never holds the scores.
+EXPLICIT_SCORES_MAX = 1 << 22
+
+
+def causal_attention_flash(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """:func:`causal_attention_explicit` through SDPA's flash kernel (no score matrix held)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def causal_attention_explicit(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal attention of ``q [n, h, L, d]`` over ``k``, ``v [n, g, L, d]`` (query head ``i`` reads key/value head
+    ``i // (h / g)``) as two batched matmuls and a softmax, each key/value head's query heads stacked into one
+    matrix: on short views torch's CPU flash kernel costs ~1.6× this, forward and backward. Returns ``[n, h, L, d]``."""
+    n, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
+    causal_bias = torch.zeros(length, length, dtype=q.dtype, device=q.device).masked_fill_(future, float("-inf"))
+    scores = torch.baddbmm(causal_bias.repeat(group, 1).expand(n * kv_heads, -1, -1),
+                           q.reshape(n * kv_heads, group * length, dim),
+                           k.reshape(n * kv_heads, length, dim).transpose(1, 2), alpha=scale)
+    context = torch.bmm(torch.softmax(scores, dim=-1), v.reshape(n * kv_heads, length, dim))
+    return context.view(n, heads, length, dim)
+
+
 class PackedSequenceAttention(DotProductAttention):
     """megatron's ``DotProductAttention`` with RoPE inside it and the ``"segments"`` packed layout (see the module
     docstring)."""
@@ -125,19 +193,20 @@ class PackedSequenceAttention(DotProductAttention):
         self._check_packed(row, query, attention_bias)
         cos, sin = self._rotation.for_row(row, query.dtype)
         query, key, value = _rotate(query[:, 0], cos, sin), _rotate(key[:, 0], cos, sin), value[:, 0]
-        heads, head_dim = query.shape[1], query.shape[2]
+        tokens, heads, head_dim = query.shape
+        kv_heads = key.shape[1]
+        rows = row.head_rows(heads, kv_heads)
+        query, key, value = (x.reshape(-1, head_dim) for x in (query, key, value))  # [S·heads, d], [S·kv_heads, d]
 
-        contexts, start = [], 0
-        for views, longest in row.classes:
-            gather = row.gather[start:start + views * longest]
-            start += views * longest
-            q, k, v = (x.index_select(0, gather).view(views, longest, x.shape[1], head_dim).transpose(1, 2)
-                       for x in (query, key, value))  # [S, h, d] -> [views, h, longest, d]
-            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.packed_scale,
-                                                     enable_gqa=key.shape[1] != heads)
-            contexts.append(context.transpose(1, 2).reshape(views * longest, heads * head_dim))
+        contexts = []
+        for (views, longest), query_rows, key_rows in zip(row.classes, rows.queries, rows.keys):
+            q = query.index_select(0, query_rows).view(views, heads, longest, head_dim)
+            k, v = (x.index_select(0, key_rows).view(views, kv_heads, longest, head_dim) for x in (key, value))
+            attention = (causal_attention_explicit if views * heads * longest * longest <= EXPLICIT_SCORES_MAX
+                         else causal_attention_flash)
+            contexts.append(attention(q, k, v, self.packed_scale).reshape(-1, head_dim))
         context = contexts[0] if len(contexts) == 1 else torch.cat(contexts)
-        return context.index_select(0, row.slot)[:, None]  # [S, 1, hp]
+        return context.index_select(0, rows.outputs).view(tokens, 1, heads * head_dim)  # [S, 1, hp]
 
     def _check_packed(self, row, query: Tensor, attention_bias) -> None:
         unsupported = []

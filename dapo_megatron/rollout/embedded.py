@@ -10,8 +10,9 @@ Generation (:meth:`EmbeddedEngine.generate`) is a custom decode loop rather than
   cut into chunks bounded by a row count and a KV-cache byte budget;
 * a chunk is left-padded, masked and cached as :mod:`dapo_megatron.rollout.decode_batch` describes (positions that
   ignore the padding, masks that keep pad slots finite, a KV cache preallocated for the whole decode);
-* the prompt goes through the HF model; every decode step after it through :mod:`dapo_megatron.rollout.lean_decode`
-  (the same operations without transformers' per-call machinery, bit-identical logits);
+* the prompt goes through the HF model, once per distinct prompt (its ``n`` rows copy the cache and logits); every
+  decode step after it through :mod:`dapo_megatron.rollout.lean_decode` (the model's operations without
+  transformers' per-call machinery, and an attention written for one query per row; logits equal up to rounding);
 * a row finishes on a stop token (kept in its ``token_ids``, reason ``"stop"``) or after ``max_new_tokens``
   (``"length"``); finished rows are dropped from the batch once they are a large enough share of it, which
   shrinks every later forward at the cost of one copy of the cache.
@@ -36,7 +37,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from dapo_megatron import cpu_compat
 from dapo_megatron.hf_format import Bucket, bucketed, iter_tensors, load_hf_config
-from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache, reprefill
+from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, prefill, preallocated_kv_cache
 from dapo_megatron.rollout.embedded_stream import (
     ChunkListener,
     GeneratedRow,
@@ -239,14 +240,7 @@ class EmbeddedEngine(RolloutEngine):
         with torch.inference_mode():
             with self._gate.step():
                 version = self._version
-                logits = model(
-                    input_ids=batch.input_ids,
-                    attention_mask=batch.prompt_attention_mask(),
-                    position_ids=batch.prompt_position_ids(),
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                ).logits[:, -1]
+                cache, logits = prefill(model, batch.input_ids, key_valid, cache)
             for step in range(steps):
                 with self._gate.step():
                     if listener is not None:
@@ -262,9 +256,9 @@ class EmbeddedEngine(RolloutEngine):
                         version = self._version
                         if version == NO_WEIGHTS_VERSION:
                             raise RolloutError("a generation in flight lost its weights: the last update failed")
-                        cache, logits = reprefill(model, batch.input_ids[rows], out_tokens[rows, :step], key_valid,
-                                                  preallocated_kv_cache(self._config.num_hidden_layers,
-                                                                        padded + steps - 1))
+                        cache, logits = prefill(model, torch.cat([batch.input_ids[rows], out_tokens[rows, :step]], 1),
+                                                key_valid, preallocated_kv_cache(self._config.num_hidden_layers,
+                                                                                 padded + steps - 1))
                     step_versions.append(version)
                     step_uniforms = uniforms[rows, step] if uniforms is not None else None
                     tokens, logprobs = sampler(logits, step_uniforms)

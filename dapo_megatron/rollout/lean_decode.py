@@ -2,11 +2,16 @@
 
 A decode step runs the model on one token per row. Through ``model(...)`` that is about 150 module calls and
 transformers' per-call machinery (output capturing, kwargs merging, mask preparation, cache bookkeeping), which on
-the CPU demo's ~1M-parameter model costs more than the arithmetic. :class:`LeanDecoder` performs the same
-operations in the same order on the same tensors — embedding, RMSNorm, q/k/v projections, RoPE from the model's own
-rotary module, the cache write, transformers' own SDPA attention function, o-projection, SwiGLU MLP, final norm,
-LM head — so its logits are bit-identical to the model's (tests/test_rollout_embedded.py checks it), for the
-Qwen2 / Llama decoder layout :func:`dapo_megatron.rollout.embedded.check_supported_config` admits.
+the CPU demo's ~1M-parameter model costs more than the arithmetic. :class:`LeanDecoder` performs the model's
+operations in the model's order on the same tensors — embedding, RMSNorm, q/k/v projections, RoPE from the model's
+own rotary module, the cache write, attention, o-projection, SwiGLU MLP, final norm, LM head — for the Qwen2 /
+Llama decoder layout :func:`dapo_megatron.rollout.embedded.check_supported_config` admits.
+
+Three steps are written differently, each to cut the number of small torch calls a step makes: q/k/v are one
+projection and gate/up another (their weights concatenated once and rebuilt when a weight update writes them), RoPE
+rotates queries and keys in one call, and attention with one query per row is two small matmuls and a softmax over
+the row's keys, each query head grouped with its key/value head (about half the cost of torch's CPU SDPA kernel
+under a mask). The logits equal the model's up to float rounding (tests/test_rollout_embedded.py compares them).
 
 The prompt (prefill) still goes through ``model(...)``: it is one call per chunk, and it fills the same KV cache.
 """
@@ -16,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,6 +41,35 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_bias: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+    """Attention of ``query [B, Hq, 1, D]`` over ``key``/``value [B, Hkv, L, D]`` with ``key_bias [B, 1, 1, L]`` (0 or
+    -inf) added to the scores; query head ``h`` reads key/value head ``h // (Hq / Hkv)`` (transformers' GQA layout).
+    Returns ``[B, Hkv, Hq / Hkv, D]``, heads in query order."""
+    batch, kv_heads = key.shape[0], key.shape[1]
+    grouped = query.reshape(batch, kv_heads, -1, query.shape[-1])  # [B, Hkv, group, D]
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scaling + key_bias
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+class _Concatenated:
+    """``torch.cat(parts)`` of some parameters (None: no such parameter), rebuilt when one of them was written since
+    the last build: an in-place write (a weight update's ``copy_``) moves a tensor's version counter."""
+
+    def __init__(self, parts: list[torch.Tensor | None]) -> None:
+        self.parts = parts if all(part is not None for part in parts) else None
+        self.stamp: tuple | None = None
+        self.value: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor | None:
+        if self.parts is None:
+            return None
+        stamp = tuple((part.data_ptr(), part._version) for part in self.parts)
+        if stamp != self.stamp:
+            self.stamp, self.value = stamp, torch.cat(self.parts)
+        return self.value
+
+
 class LeanDecoder:
     """Decode steps of ``model`` (a Qwen2ForCausalLM / LlamaForCausalLM with SDPA attention), reading its
     parameters as they are at each call (weight updates need no rebuild)."""
@@ -47,6 +80,12 @@ class LeanDecoder:
                              f"{model.config._attn_implementation!r}")
         self.model = model
         self.base = model.model
+        self.fused = []  # per layer: q/k/v weight and bias, gate/up weight and bias
+        for layer in self.base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+            self.fused.append([_Concatenated([getattr(linear, name) for linear in group])
+                               for group in projections for name in ("weight", "bias")])
 
     def __call__(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  cache: Cache) -> torch.Tensor:
@@ -57,26 +96,25 @@ class LeanDecoder:
         cos, sin = base.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         batch = hidden.shape[0]
+        key_bias = torch.zeros(attention_mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(
+            ~attention_mask, float("-inf"))
         for index, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            qkv_weight, qkv_bias, gate_up_weight, gate_up_bias = (part.get() for part in self.fused[index])
             residual = hidden
             hidden = _rms_norm(hidden, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            shape = (batch, 1, -1, attn.head_dim)
-            query = F.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape).transpose(1, 2)
-            key = F.linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape).transpose(1, 2)
-            value = F.linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
-            query = (query * cos) + (_rotate_half(query) * sin)
-            key = (key * cos) + (_rotate_half(key) * sin)
-            key, value = cache.layers[index].update(key, value)
-            context, _ = sdpa_attention_forward(attn, query, key, value, attention_mask, dropout=0.0,
-                                                scaling=attn.scaling, sliding_window=None)
-            context = context.reshape(batch, 1, -1).contiguous()
-            hidden = residual + F.linear(context, attn.o_proj.weight, attn.o_proj.bias)
+            qkv = F.linear(hidden, qkv_weight, qkv_bias).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
+            query_heads = attn.q_proj.weight.shape[0] // attn.head_dim
+            rotated = query_heads + attn.k_proj.weight.shape[0] // attn.head_dim  # queries, then keys
+            query_key = qkv[:, :rotated]
+            query_key = (query_key * cos) + (_rotate_half(query_key) * sin)
+            key, value = cache.layers[index].update(query_key[:, query_heads:], qkv[:, rotated:])
+            context = _one_query_attention(query_key[:, :query_heads], key, value, key_bias, attn.scaling)
+            hidden = residual + F.linear(context.reshape(batch, 1, -1), attn.o_proj.weight, attn.o_proj.bias)
             residual = hidden
             hidden = _rms_norm(hidden, layer.post_attention_layernorm.weight,
                                layer.post_attention_layernorm.variance_epsilon)
-            gate = mlp.act_fn(F.linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias))
-            hidden = residual + F.linear(gate * F.linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias),
-                                         mlp.down_proj.weight, mlp.down_proj.bias)
+            gate, up = F.linear(hidden, gate_up_weight, gate_up_bias).chunk(2, dim=-1)
+            hidden = residual + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         hidden = _rms_norm(hidden, base.norm.weight, base.norm.variance_epsilon)
         return F.linear(hidden[:, -1], self.model.lm_head.weight, self.model.lm_head.bias)
