@@ -81,6 +81,9 @@ class LeanDecoder:
         self.model = model
         self.base = model.model
         self.fused = []  # per layer: q/k/v weight and bias, gate/up weight and bias
+        attn = self.base.layers[0].self_attn
+        self.query_heads = attn.q_proj.weight.shape[0] // attn.head_dim
+        self.rotated_heads = self.query_heads + attn.k_proj.weight.shape[0] // attn.head_dim  # queries, then keys
         for layer in self.base.layers:
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
@@ -104,8 +107,7 @@ class LeanDecoder:
             residual = hidden
             hidden = _rms_norm(hidden, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
             qkv = F.linear(hidden, qkv_weight, qkv_bias).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
-            query_heads = attn.q_proj.weight.shape[0] // attn.head_dim
-            rotated = query_heads + attn.k_proj.weight.shape[0] // attn.head_dim  # queries, then keys
+            query_heads, rotated = self.query_heads, self.rotated_heads
             query_key = qkv[:, :rotated]
             query_key = (query_key * cos) + (_rotate_half(query_key) * sin)
             key, value = cache.layers[index].update(query_key[:, query_heads:], qkv[:, rotated:])
