@@ -27,7 +27,7 @@ from dapo_megatron.rollout.sglang_requests import (
     samples_from_outputs,
 )
 from dapo_megatron.hf_format import bucketed
-from dapo_megatron.rollout.sglang_server import SGLangServerProcess, require_sglang
+from dapo_megatron.rollout.sglang_server import SGLangServerProcess, new_api_key, require_sglang
 from dapo_megatron.rollout.sglang_transports import DiskTransport
 from dapo_megatron.rollout.tensor_payloads import serialize_by_value
 
@@ -184,6 +184,37 @@ def test_server_that_exits_during_startup_reports_its_log_tail(tmp_path):
     assert not server.is_running()
     config_file = tmp_path / "run" / "server0.yaml"
     assert stat.S_IMODE(config_file.stat().st_mode) == 0o600 and "api-key" in config_file.read_text()
+
+
+def test_sglang_parses_the_launch_command_and_reads_back_the_key(tmp_path):
+    """The launch command and its 0600 config file through SGLang's own argument parser (the stand-in interpreter
+    runs ``prepare_server_args`` on what the server would get and stops there)."""
+    from sglang_fixtures import SERVER_PYTHON
+
+    require_sglang(SERVER_PYTHON)
+    probe = tmp_path / "parse_server_args.py"
+    probe.write_text(textwrap.dedent("""
+        import sys
+        from sglang.srt.server_args import prepare_server_args
+        args = prepare_server_args(sys.argv[3:])  # after "-m sglang.launch_server"
+        print("parsed api key", args.api_key, flush=True)
+        raise SystemExit(3)
+    """))
+    wrapper = tmp_path / "sglang-python"
+    wrapper.write_text(f'#!/bin/sh\nexec {SERVER_PYTHON} {probe} "$@"\n')
+    wrapper.chmod(0o755)
+    server = _server(tmp_path, SGLangConfig(python=str(wrapper), base_port=0))
+    server.start()
+    with pytest.raises(RolloutError, match=r"exited with code 3"):
+        server.wait_until_ready(timeout_s=120)
+    assert f"parsed api key {server.api_key}\n" in server.log_tail()
+    # Control: a key that starts with "-" (what token_urlsafe gave one launch in 64) is lost by SGLang's parser.
+    config_file = tmp_path / "run" / "server0.yaml"
+    command = server.command(config_file)
+    config_file.write_text(f'api-key: "-{server.api_key}"\n')
+    refused = subprocess.run([str(wrapper), *command[1:]], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--api-key: expected one argument" in refused.stderr
+    assert not any(new_api_key().startswith("-") for _ in range(2000))
 
 
 def test_server_that_never_gets_healthy_is_stopped_at_the_deadline(tmp_path):

@@ -12,7 +12,7 @@ processes it forks form one process group that :meth:`SGLangServerProcess.stop` 
 short grace period, then SIGKILL to the group and to every descendant recorded before the kill).
 
 Security: the server binds to ``127.0.0.1`` unless told otherwise, and always starts with an API key generated
-per launch (``secrets.token_urlsafe``). SGLang then refuses every endpoint except ``/health*``/``/ready``/
+per launch (:func:`new_api_key`). SGLang then refuses every endpoint except ``/health*``/``/ready``/
 ``/metrics`` without ``Authorization: Bearer <key>``, in particular ``/update_weights_*``. The key travels in a
 0600 YAML file passed with ``--config``, not on the command line, so other local users cannot read it from
 ``ps``.
@@ -99,6 +99,13 @@ def find_free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def new_api_key() -> str:
+    """A fresh 256-bit key in hex. Not ``token_urlsafe``: SGLang turns the config file into the argv words
+    ``--api-key <key>``, and argparse takes a word starting with ``-`` for an option, so one launch in 64 died with
+    "--api-key: expected one argument"."""
+    return secrets.token_hex(32)
+
+
 class SGLangServerProcess:
     """One ``sglang.launch_server`` process group serving ``model_path`` at ``url``, protected by ``api_key``.
 
@@ -182,7 +189,7 @@ class SGLangServerProcess:
         """Start the process (returns at once; see :meth:`wait_until_ready`). A running server is stopped first."""
         self.stop()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.api_key = secrets.token_urlsafe(32)
+        self.api_key = new_api_key()
         base_port = self.config.base_port
         self.port = base_port + self.index if base_port else find_free_port(self.config.host)
         config_file = self.run_dir / f"server{self.index}.yaml"
