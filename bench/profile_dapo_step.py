@@ -13,7 +13,9 @@ median of ``--reps``; CPU time does not count waiting for a core on a shared mac
    512/4096/16384 tokens (attention per sample, each prompt once), the dense block-diagonal masked square it
    replaced ("mask", 512-token rows), and right-padded rows; with the share of the forward spent in core attention;
 3. the fixed cost of one micro-batch (megatron's per-layer Python work) and the planner's and optimizer's shares of
-   an update.
+   an update;
+4. the local spec's hand-written RMSNorm/SwiGLU/RoPE forward and backward (:mod:`dapo_megatron.policy.local_layers`)
+   against the same layers run op by op under autograd, as megatron's modules run them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import argparse
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -55,6 +57,26 @@ def counting_mode_calls(counter: list[int]):
         yield
     finally:
         CudaToCpuMode.__torch_function__ = real
+
+
+@contextmanager
+def op_by_op_local_layers():
+    """The local spec's RMSNorm, MLP and RoPE as megatron's modules compute them, op by op under autograd."""
+    from megatron.core.transformer.mlp import MLP
+
+    from dapo_megatron.policy import cpu_attention
+    from dapo_megatron.policy.local_layers import LocalRMSNorm, SwiGLUMLP
+
+    def rotate(x, cos, sin):
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    saved = LocalRMSNorm.forward, SwiGLUMLP.forward, cpu_attention._rotate
+    LocalRMSNorm.forward, SwiGLUMLP.forward, cpu_attention._rotate = torch.nn.RMSNorm.forward, MLP.forward, rotate
+    try:
+        yield
+    finally:
+        LocalRMSNorm.forward, SwiGLUMLP.forward, cpu_attention._rotate = saved
 
 
 @contextmanager
@@ -205,6 +227,14 @@ def main() -> None:
         update = cpu_ms(phases["update"], reps)
     print(f"  update {update:.1f} ms, of which (per update) " + ", ".join(
         f"{name} {seconds / reps * 1e3:.1f} ms" for name, seconds in totals.items()))
+
+    print("\n4. the local spec's hand-written RMSNorm, SwiGLU and RoPE against the same layers op by op under autograd")
+    for label, context in (("hand-written", nullcontext), ("op by op", op_by_op_local_layers),
+                           ("hand-written", nullcontext), ("op by op", op_by_op_local_layers)):
+        with context():
+            forward = cpu_ms(phases["forward-only"], reps)
+            update = cpu_ms(phases["update"], reps)
+        print(f"  {label:<14}forward {forward:7.1f}  update {update:7.1f}")
 
 
 if __name__ == "__main__":

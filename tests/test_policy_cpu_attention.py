@@ -135,27 +135,34 @@ def test_segments_layout_matches_the_dense_mask_at_tp2(hf_dir):
 
 
 def stock_megatron_job(hf_dir: str):
-    """Logits of the local spec (RoPE inside the core attention) and of megatron's stock local GPTModel (its own
-    RoPE and DotProductAttention) with the same weights, on right-padded rows."""
+    """Logits of the local spec (RoPE inside the core attention, hand-written RMSNorm and SwiGLU) and of megatron's
+    stock local GPTModel (its own RoPE, DotProductAttention, torch RMSNorm, MLP) with the same weights, on
+    right-padded rows; and, as the control, of the stock model without RoPE."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     actor, spec = build_test_actor(hf_dir, 1, 1, actor_settings())
     ours = actor.model.module
-    stock = GPTModel(config=ours.config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                     vocab_size=ours.vocab_size, max_sequence_length=spec.max_position_embeddings,
-                     share_embeddings_and_output_weights=spec.tie_embeddings, position_embedding_type="rope",
-                     rotary_base=spec.rope_theta)
-    stock.load_state_dict(ours.state_dict(), strict=True)
+
+    def stock(position_embedding_type: str) -> GPTModel:
+        model = GPTModel(config=ours.config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                         vocab_size=ours.vocab_size, max_sequence_length=spec.max_position_embeddings,
+                         share_embeddings_and_output_weights=spec.tie_embeddings,
+                         position_embedding_type=position_embedding_type, rotary_base=spec.rope_theta)
+        model.load_state_dict(ours.state_dict(), strict=True)
+        return model
+
     tokens = torch.randint(0, TINY_VOCAB, (3, 17), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(17).expand(3, 17)
     with torch.no_grad():
-        return ours(tokens, positions, None), stock(tokens, positions, None)
+        return [model(tokens, positions, None) for model in (ours, stock("rope"), stock("none"))]
 
 
-def test_rope_inside_the_core_attention_is_megatrons_rope(hf_dir):
-    ours, stock = run_distributed(stock_megatron_job, 1, hf_dir)[0]
-    assert torch.equal(ours, stock)
+def test_the_local_spec_is_megatrons_stock_local_model(hf_dir):
+    ours, stock, unrotated = run_distributed(stock_megatron_job, 1, hf_dir)[0]
+    torch.testing.assert_close(ours, stock, atol=1e-5, rtol=0)
+    # control: the same model without its rotation is far outside that tolerance
+    assert (unrotated - stock).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (3, 3)])

@@ -72,17 +72,18 @@ def step_record(actor, spec, updates=1):
 
 def sequence_parallel_job(hf_dir):
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.policy.model import SequenceParallelRMSNorm
+    from dapo_megatron.policy.local_layers import LocalRMSNorm
 
     init_distributed(2, 1)
     results = {}
-    for name, sequence_parallel, marked in (("off", False, True), ("on", True, True), ("unmarked", True, False)):
+    for name, sequence_parallel, marked in (("off", False, False), ("on", True, True), ("unmarked", True, False)):
         actor, spec = manual_actor(hf_dir, tensor_parallel=2, sequence_parallel=sequence_parallel, token_budget=40)
-        norms = [m for m in actor.model.modules() if isinstance(m, SequenceParallelRMSNorm)]
+        norms = [m for m in actor.model.modules() if isinstance(m, LocalRMSNorm)]
+        marked_by_the_spec = sum(norm.weight.sequence_parallel for norm in norms)
         for norm in norms:
             norm.weight.sequence_parallel = marked
         row_lengths = [mb.tokens.shape[1] for mb in actor._plan(samples(), None).micro_batches]
-        results[name] = dict(step_record(actor, spec), norms=len(norms), row_lengths=row_lengths,
+        results[name] = dict(step_record(actor, spec), norms=marked_by_the_spec, row_lengths=row_lengths,
                              sequence_parallel=actor.model.config.sequence_parallel)
     return results
 

@@ -186,12 +186,16 @@ def test_server_that_exits_during_startup_reports_its_log_tail(tmp_path):
     assert stat.S_IMODE(config_file.stat().st_mode) == 0o600 and "api-key" in config_file.read_text()
 
 
+@pytest.mark.sglang
 def test_sglang_parses_the_launch_command_and_reads_back_the_key(tmp_path):
     """The launch command and its 0600 config file through SGLang's own argument parser (the stand-in interpreter
     runs ``prepare_server_args`` on what the server would get and stops there)."""
     from sglang_fixtures import SERVER_PYTHON
 
-    require_sglang(SERVER_PYTHON)
+    try:
+        require_sglang(SERVER_PYTHON)
+    except RolloutError as error:
+        pytest.skip(f"SGLang is not importable by the server python {SERVER_PYTHON}: {error}")
     probe = tmp_path / "parse_server_args.py"
     probe.write_text(textwrap.dedent("""
         import sys

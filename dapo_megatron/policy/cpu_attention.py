@@ -1,4 +1,5 @@
-"""Core attention for megatron's local (non-Transformer-Engine) layer spec: the CPU path, at a cost per sample.
+"""Core attention for megatron's local (non-Transformer-Engine) layer spec (:mod:`dapo_megatron.policy.local_layers`):
+the CPU path, at a cost per sample.
 
 megatron-core's local ``DotProductAttention`` has no packed-sequence support: a row holding several samples had to
 be one dense ``S × S`` score matrix with a block-diagonal causal mask, so attention grew with the square of the row
@@ -22,7 +23,8 @@ queries and keys (RoPE) by their position in the row, not in their sample.
 
 The result equals the dense masked computation of each sample alone up to float rounding
 (tests/test_policy_cpu_attention.py). Without ``packed_seq_params`` (right-padded rows, the dense-mask layout) the
-module rotates by row position and runs megatron's ``DotProductAttention`` unchanged: exactly megatron's own path.
+module rotates by row position and runs megatron's ``DotProductAttention`` unchanged: megatron's own path, up to
+the rounding of the rotation's fused multiply-adds (:class:`_Rotate`).
 
 Models built with this module use ``position_embedding_type="none"`` (:func:`dapo_megatron.policy.model.build_model`):
 megatron's own RoPE would rotate by row position before the core attention sees the tensors. Its rotary embedding
@@ -31,7 +33,6 @@ holds no weights, so the checkpoint layout is the same.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,6 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 
@@ -112,10 +112,32 @@ class _HeadRows:
         return cls(tuple(queries), tuple(keys), (base[:, None] + head[None, :] * stride[:, None]).reshape(-1))
 
 
+class _Rotate(torch.autograd.Function):
+    """megatron's non-interleaved RoPE (``_apply_rotary_pos_emb_bshd``): ``x·cos + [-x₂, x₁]·sin``, halves
+    ``x₁``/``x₂`` of the last dimension. Forward and backward are two passes each (a product, then a multiply-add
+    per half) where autograd's op-by-op version makes about ten (negation, concatenation, their backward)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        grad_x = grad * cos
+        grad_x[..., :half].addcmul_(grad[..., half:], sin[..., half:])
+        grad_x[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1)
+        return grad_x, None, None
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """megatron's non-interleaved RoPE (``_apply_rotary_pos_emb_bshd``), the same operations in the same order."""
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return _Rotate.apply(x, cos, sin)
 
 
 class _Rotation:
@@ -225,12 +247,3 @@ class PackedSequenceAttention(DotProductAttention):
         if unsupported:
             raise ValueError("PackedSequenceAttention does not support " + ", ".join(unsupported))
 
-
-def local_layer_spec(rotary: RotarySettings):
-    """megatron's local GPT layer spec (RMSNorm) with :class:`PackedSequenceAttention` as the core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=PackedSequenceAttention, params={"rotary": rotary})
-    return spec

@@ -195,7 +195,8 @@ def sequence_parallel_enabled(requested: bool, *, tensor_parallel: int, use_tran
     meaningless at TP 1 (megatron refuses it there). megatron's local spec refuses it too: its torch norms
     (``WrappedTorchNorm``) assert ``not sequence_parallel`` because their weights would not carry the
     ``sequence_parallel`` mark that makes ``finalize_model_grads`` all-reduce their gradients over TP. Tests force it
-    on the local spec (``transformer_config(..., sequence_parallel=True)``) with :class:`SequenceParallelRMSNorm`.
+    on the local spec (``transformer_config(..., sequence_parallel=True)``), whose norms carry the mark
+    (:class:`dapo_megatron.policy.local_layers.LocalRMSNorm`).
     """
     return requested and tensor_parallel > 1 and use_transformer_engine
 
@@ -294,7 +295,7 @@ def transformer_config_arguments(
     gradient-accumulation fusion is on where :func:`gradient_accumulation_fusion_available`.
 
     ``sequence_parallel``: None takes :func:`sequence_parallel_enabled` (requested, TP > 1, TE); True forces it
-    (TP > 1 needed; on the local spec :func:`build_model` then uses :class:`SequenceParallelRMSNorm`).
+    (TP > 1 needed; the local spec's norms then carry megatron's ``sequence_parallel`` mark).
     ``recompute``: see :func:`recompute_settings`. ``cuda_available`` (default: ``torch.cuda.is_available()``) is for
     tests of the decisions.
     """
@@ -350,38 +351,21 @@ def transformer_config_arguments(
     )
 
 
-class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm whose weight carries megatron's ``sequence_parallel`` mark when the config has it on, so that
-    ``finalize_model_grads`` all-reduces its gradient over TP (each TP rank saw only its share of the tokens).
-    Built with megatron's norm signature; the local spec uses it in place of ``WrappedTorchNorm`` under SP."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
-        super().__init__(normalized_shape=hidden_size, eps=eps)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
-
-
 def layer_spec(use_transformer_engine: bool, spec: ModelSpec, tconfig=None):
-    """megatron spec: TE modules (fused norm+linear, FP8-capable) or megatron's local torch modules with a core
-    attention that applies ``spec``'s RoPE itself and takes packed rows (:mod:`dapo_megatron.policy.cpu_attention`).
-
-    With the local spec under sequence parallelism (``tconfig.sequence_parallel``), a block spec for this pipeline
-    stage whose three norms are :class:`SequenceParallelRMSNorm` (see :func:`sequence_parallel_enabled`).
-    """
+    """megatron spec: TE modules (fused norm+linear, FP8-capable) or the local spec of
+    :mod:`dapo_megatron.policy.local_layers` (torch modules with hand-written backward passes and a core attention
+    that applies ``spec``'s RoPE itself and takes packed rows), as a block spec for this pipeline stage when
+    ``tconfig`` is given."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    from dapo_megatron.policy.cpu_attention import RotarySettings, local_layer_spec
+    from dapo_megatron.policy.cpu_attention import RotarySettings
+    from dapo_megatron.policy.local_layers import local_layer_spec
 
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
-    layer = local_layer_spec(RotarySettings(spec.rope_theta, spec.rope_llama3_factor))
-    if tconfig is None or not tconfig.sequence_parallel:
-        return layer
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-    layer.submodules.input_layernorm = SequenceParallelRMSNorm
-    layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(tconfig),
-                                      layer_norm=SequenceParallelRMSNorm)
+    return local_layer_spec(RotarySettings(spec.rope_theta, spec.rope_llama3_factor),
+                            None if tconfig is None else get_num_layers_to_build(tconfig))
 
 
 def build_model(spec: ModelSpec, tconfig, *, use_transformer_engine: bool | None = None):
