@@ -25,9 +25,14 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from torch import Tensor
+
+from dapo_megatron.policy.cpu_attention import PackedSequenceAttention, RotarySettings
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -121,17 +126,11 @@ class SwiGLUMLP(MLP):
         return self.linear_fc2(swiglu(intermediate))
 
 
-def local_layer_spec(rotary, num_layers: int | None = None):
+def local_layer_spec(rotary: RotarySettings, num_layers: int | None = None):
     """megatron's local GPT layer spec with :class:`LocalRMSNorm`, :class:`SwiGLUMLP` and the packed-sequence core
-    attention that applies ``rotary`` (:class:`dapo_megatron.policy.cpu_attention.RotarySettings`) itself.
+    attention that applies ``rotary`` itself.
 
     With ``num_layers`` (this pipeline stage's), a block spec whose final norm is a :class:`LocalRMSNorm` too."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    from dapo_megatron.policy.cpu_attention import PackedSequenceAttention
-
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     layer.submodules.input_layernorm = LocalRMSNorm
     layer.submodules.pre_mlp_layernorm = LocalRMSNorm

@@ -126,8 +126,9 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, key_valid: torch.Te
     distinct, row_of = torch.unique(input_ids.masked_fill(~prefix_valid, -1), dim=0, return_inverse=True)
     shared = len(distinct) < len(input_ids)
     if shared:
-        first = torch.empty(len(distinct), dtype=torch.int64).scatter_(0, row_of, torch.arange(len(input_ids)))
-        input_ids, prefix_valid = input_ids[first], prefix_valid[first]
+        # one row of each prefix (which one does not matter: they are equal)
+        representative = torch.empty(len(distinct), dtype=torch.int64).scatter_(0, row_of, torch.arange(len(input_ids)))
+        input_ids, prefix_valid = input_ids[representative], prefix_valid[representative]
     logits = model(
         input_ids=input_ids,
         attention_mask=prefix_attention_mask(prefix_valid),

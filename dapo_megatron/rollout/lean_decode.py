@@ -101,13 +101,13 @@ class LeanDecoder:
         batch = hidden.shape[0]
         key_bias = torch.zeros(attention_mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(
             ~attention_mask, float("-inf"))
+        query_heads, rotated = self.query_heads, self.rotated_heads
         for index, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
             qkv_weight, qkv_bias, gate_up_weight, gate_up_bias = (part.get() for part in self.fused[index])
             residual = hidden
             hidden = _rms_norm(hidden, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
             qkv = F.linear(hidden, qkv_weight, qkv_bias).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
-            query_heads, rotated = self.query_heads, self.rotated_heads
             query_key = qkv[:, :rotated]
             query_key = (query_key * cos) + (_rotate_half(query_key) * sin)
             key, value = cache.layers[index].update(query_key[:, query_heads:], qkv[:, rotated:])
