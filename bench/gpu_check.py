@@ -129,12 +129,14 @@ def random_samples(count: int, vocab: int, prompt: tuple[int, int], response: tu
 
 
 def build_check_actor(spec, precision: str, token_budget: int, hf_dir: Path | None = None, lr: float = 1e-4):
-    """The actor a run builds (``build_actor``) at this precision, with the distributed optimizer."""
+    """The actor a run builds (``build_actor``) at this precision, with the distributed optimizer, on this platform's
+    backend (``model.kernels: auto``)."""
+    from dapo_megatron.backend import select_backend
     from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights
 
-    actor = build_actor(spec, model=ModelConfig(precision=precision), parallel=ParallelConfig(),
+    actor = build_actor(spec, backend=select_backend(), model=ModelConfig(precision=precision), parallel=ParallelConfig(),
                         optim=OptimConfig(lr=lr, warmup_steps=0), algorithm=AlgorithmConfig(),
                         micro_batch_tokens=token_budget, temperature=1.0)
     if hf_dir is not None:
@@ -160,9 +162,10 @@ def matmul_row(shapes: CheckShapes, device: torch.device) -> Row:
 
 def parity_and_updates(shapes: CheckShapes, workdir: Path, device: torch.device) -> tuple[list[Row], object, object]:
     """Rows 2 and 3; returns them, the BF16 actor and the spec (for the handoff rows)."""
-    from dapo_megatron.policy.model import model_spec_from_hf
-    from dapo_megatron.policy.packing import PolicySample
     from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.policy.model_spec import model_spec_from_hf
+    from dapo_megatron.policy.packing import PolicySample
 
     hf_config = _spec(shapes.parity_model)
     torch.manual_seed(0)
@@ -197,17 +200,19 @@ def parity_and_updates(shapes: CheckShapes, workdir: Path, device: torch.device)
 
 def handoff_rows(shapes: CheckShapes, actor, spec, samples_seed: int, device: torch.device) -> list[Row]:
     """Rows 4 and 5: the exporter into the embedded engine's loader on an HF model here, and the log-prob gap."""
+    from transformers import AutoModelForCausalLM
+
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
     from dapo_megatron.hf_format import nbytes
     from dapo_megatron.rollout.embedded import load_named_tensors
-    from transformers import AutoModelForCausalLM
 
     engine_model = AutoModelForCausalLM.from_config(_spec(shapes.parity_model), dtype=torch.bfloat16, attn_implementation="sdpa")
     engine_model = engine_model.to(device).eval().requires_grad_(False)
     delivered = [0]
 
     def stream():
-        for bucket in gather_hf_buckets_to_rank0(actor.model, spec, dtype=torch.bfloat16):
+        for bucket in gather_hf_buckets_to_rank0(actor.model, spec, dtype=torch.bfloat16,
+                                                 tp_gather=actor.backend.tp_gather):
             delivered[0] += sum(nbytes(t) for _, t in bucket)
             yield from bucket
 
@@ -249,7 +254,7 @@ def model_flops(spec, segment_lengths: list[int]) -> float:
 
 
 def mfu_row(shapes: CheckShapes, label: str, shape: dict, peak_tflops: float) -> Row:
-    from dapo_megatron.policy.model import model_spec_from_hf
+    from dapo_megatron.policy.model_spec import model_spec_from_hf
     from dapo_megatron.policy.packing import PolicySample
 
     spec = model_spec_from_hf(_spec(shape))

@@ -71,10 +71,10 @@ def build_test_actor(hf_dir: str | Path, tensor_parallel: int, pipeline_parallel
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 
-    init_distributed(tensor_parallel, pipeline_parallel)
+    backend = init_distributed(tensor_parallel, pipeline_parallel).backend
     seed_everything(seed)
     spec = load_model_spec(hf_dir)
-    actor = build_actor(spec, **settings)
+    actor = build_actor(spec, backend=backend, **settings)
     load_hf_weights(actor.model, spec, hf_dir)
     actor.optimizer.reload_model_params()
     return actor, spec
@@ -87,6 +87,6 @@ def gather_hf_weights(actor, spec) -> dict[str, torch.Tensor] | None:
     from dapo_megatron.handoff.exporter import gather_hf_buckets_to_rank0
 
     weights = {}
-    for bucket in gather_hf_buckets_to_rank0(actor.model, spec):
+    for bucket in gather_hf_buckets_to_rank0(actor.model, spec, tp_gather=actor.backend.tp_gather):
         weights.update({name: tensor.detach().clone().cpu() for name, tensor in bucket})
     return weights if dist.get_rank() == 0 else None

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dapo_megatron.backend import select_backend
 from dapo_megatron.config import ConfigError, SGLangConfig, load_config
 from dapo_megatron.platform import local_world_size
 from dapo_megatron.rollout.engine import RolloutError
@@ -154,7 +155,7 @@ def test_the_trainer_launches_servers_in_its_precision(tmp_path, precision, dtyp
                          [f"model.precision={precision}", f"rollout.sglang.python={_exiting_python(tmp_path)}",
                           "rollout.sglang.base_port=0", "rollout.sglang.launch_timeout_s=60"])
     with pytest.raises(RolloutError, match="exited with code 1"):
-        build_rollout_engine(config, model_dir, tmp_path / "run")
+        build_rollout_engine(config, model_dir, tmp_path / "run", select_backend())
     argv = _launched_argv(tmp_path / "run" / "sglang" / "server0.log")
     assert argv[argv.index("--dtype") + 1] == dtype
 

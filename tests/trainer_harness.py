@@ -16,8 +16,8 @@ def build_trainer(overrides: list[str], config_path: str | Path = REPO / "exampl
 
     config = load_config(config_path, overrides)
     p = config.parallel
-    init_distributed(p.tensor, p.pipeline, p.data, timeout_s=p.collective_timeout_s)
-    return DAPOTrainer(config, prepare_initial_model(config))
+    backend = init_distributed(p.tensor, p.pipeline, p.data, timeout_s=p.collective_timeout_s).backend
+    return DAPOTrainer(config, prepare_initial_model(config), backend)
 
 
 def run_trainer(overrides: list[str], config_path: str | Path = REPO / "examples" / "tiny_cpu.yaml") -> dict:

@@ -12,7 +12,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 from dapo_megatron.checkpoint import layout
 from dapo_megatron.hf_format.folder import copy_side_files
@@ -34,15 +37,7 @@ def _barrier() -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    from megatron.core import tensor_parallel
-
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -51,12 +46,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["python"])
     if "numpy" in state:
-        import numpy as np
-
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -66,7 +57,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_model(model_chunks: list, directory: str | Path) -> None:
     """Distributed checkpoint of the (unwrapped) model chunks; every rank calls it."""
-    from megatron.core import dist_checkpointing
 
     directory = Path(directory)
     if _rank() == 0:
@@ -85,7 +75,6 @@ def model_sharded_state_dict(model_chunks: list) -> dict:
 
 def load_model(model_chunks: list, directory: str | Path) -> None:
     """Load a distributed model checkpoint written at any TP/PP into these chunks."""
-    from megatron.core import dist_checkpointing
 
     directory = Path(directory)
     if not (directory / layout.DIST_CHECKPOINT_MARKER).exists():
@@ -113,7 +102,6 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
                     side_files_from: str | Path | None, keep: int) -> Path:
     """Write checkpoint ``step`` atomically (all ranks call this); ``hf/`` gets the side files (config, tokenizer)
     of the HF folder ``side_files_from``."""
-    from megatron.core import dist_checkpointing
 
     final = layout.step_dir(root, step)
     tmp = final.with_name(final.name + layout.TMP_SUFFIX)
@@ -176,14 +164,12 @@ def _has_stepped(optimizer) -> bool:
 
 def _optimizer_state_saved(directory: Path) -> bool:
     """Whether the optimizer checkpoint holds any sharded state (none: written before the first applied update)."""
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     return bool(load_sharded_metadata(str(directory)))
 
 
 def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG; return the trainer state (all ranks call this)."""
-    from megatron.core import dist_checkpointing
 
     path = Path(path)
     if not (path / layout.COMPLETE_MARKER).exists():

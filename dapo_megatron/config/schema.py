@@ -41,18 +41,27 @@ class TinyModelConfig:
     tie_word_embeddings: bool = True
 
 
+Kernels = Literal["auto", "transformer_engine", "local"]
+Recompute = Literal["selective", "full", "none"]
+Precision = Literal["fp32", "bf16", "fp8"]
+
+
 @dataclass
 class ModelConfig:
     source: Literal["hf", "tiny"] = "hf"
     hf_path: str | None = None  # HF folder: config.json, safetensors, tokenizer files
     tokenizer_path: str | None = None  # defaults to hf_path (tiny: a tokenizer trained locally)
-    precision: Literal["fp32", "bf16", "fp8"] = "bf16"
+    precision: Precision = "bf16"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     # Activation recomputation on GPU (policy/model.py): "selective" recomputes the core attention in backward
     # (megatron's default selective set: the attention scores/softmax are what it would otherwise keep); "full" keeps
     # only each layer's input and recomputes the whole layer; "none" keeps everything. Without CUDA it is off (memory
     # is not the limit there, it would only cost time). `dapo-megatron plan CONFIG` shows the memory per GPU.
-    recompute: Literal["selective", "full", "none"] = "selective"
+    recompute: Recompute = "selective"
+    # The policy's layers on CUDA (dapo_megatron.backend): "auto" takes Transformer Engine when it imports, else
+    # megatron's local layers with torch's SDPA attention, and logs that; "transformer_engine" refuses to start
+    # without it; "local" takes the local layers on purpose. Without CUDA the CPU layers run (dapo_megatron.cpu).
+    kernels: Kernels = "auto"
 
 
 @dataclass

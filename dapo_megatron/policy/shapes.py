@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import Qwen2Config
+
 _QWEN25_COMMON = dict(model_type="qwen2", hidden_act="silu", rope_theta=1000000.0, use_sliding_window=False,
                       bos_token_id=151643, eos_token_id=151643)
 
@@ -35,7 +37,6 @@ def published_name(path: str | Path) -> str | None:
 
 def published_hf_config(name: str, **overrides):
     """A ``transformers`` ``Qwen2Config`` of a published shape; ``overrides`` change fields (e.g. fewer layers)."""
-    from transformers import Qwen2Config
 
     if name not in PUBLISHED_SHAPES:
         raise KeyError(f"unknown model shape {name!r}; known: {', '.join(PUBLISHED_SHAPES)}")

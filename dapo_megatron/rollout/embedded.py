@@ -29,15 +29,15 @@ re-prefill with the new weights before their next step (per-token versions in ``
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from dapo_megatron import cpu_compat
 from dapo_megatron.hf_format import Bucket, bucketed, iter_tensors, load_hf_config
-from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, prefill, preallocated_kv_cache
+from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill
 from dapo_megatron.rollout.embedded_stream import (
     ChunkListener,
     GeneratedRow,
@@ -93,8 +93,10 @@ class EmbeddedEngine(RolloutEngine):
         max_batch_rows: int = 512,
         max_kv_cache_bytes: int = 2 * 2**30,
         drop_finished_fraction: float = 0.25,
+        host_compute: Callable[[], AbstractContextManager] = nullcontext,
     ):
         check_supported_config(hf_config)
+        self._host_compute = host_compute  # the backend's context for tensor work that never names CUDA
         if max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
         config = copy.deepcopy(hf_config)
@@ -178,7 +180,7 @@ class EmbeddedEngine(RolloutEngine):
         )
         rows_per_chunk = self._chunk_size(max(len(prompt) for prompt in prompts), params.max_new_tokens)
         results: dict[tuple[int, int], GeneratedRow] = {}
-        with cpu_compat.suspended():  # HF generation never names CUDA: the device redirect would only slow it down
+        with self._host_compute():  # HF generation never names CUDA (on CPU: no device redirect, which only slows it)
             for start in range(0, len(rows), rows_per_chunk):
                 chunk_rows = rows[start : start + rows_per_chunk]
                 if streamed is not None:

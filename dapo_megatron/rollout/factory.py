@@ -5,18 +5,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dapo_megatron.backend import Backend
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.rollout.engine import RolloutEngine
 
 
-def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | Path) -> RolloutEngine:
+def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | Path, backend: Backend
+                         ) -> RolloutEngine:
+    """``backend``: the platform's (:mod:`dapo_megatron.backend`), for the host-side work of the embedded engine and
+    the environment of SGLang servers."""
     r = config.rollout
+    # Each branch loads only its engine: an SGLang run never imports the in-process engine, nor an embedded run
+    # SGLang's HTTP stack.
     if r.engine == "embedded":
         from transformers import AutoConfig
 
         from dapo_megatron.rollout.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(AutoConfig.from_pretrained(str(hf_dir)))
+        return EmbeddedEngine(AutoConfig.from_pretrained(str(hf_dir)), host_compute=backend.host_compute)
     from dapo_megatron.rollout.sglang_engine import SGLangEngine
     from dapo_megatron.rollout.sglang_server import served_dtype
 

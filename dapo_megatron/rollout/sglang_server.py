@@ -18,7 +18,7 @@ per launch (:func:`new_api_key`). SGLang then refuses every endpoint except ``/h
 ``ps``.
 
 CPU servers get ``SGLANG_USE_CPU_ENGINE=1`` and the ``sgl_kernel`` stand-in of
-:mod:`dapo_megatron.rollout.sglang_cpu` on ``PYTHONPATH``, plus ``--sleep-on-idle`` (otherwise the idle scheduler
+:mod:`dapo_megatron.cpu.sglang` on ``PYTHONPATH``, plus ``--sleep-on-idle`` (otherwise the idle scheduler
 spins a core) and a bounded KV cache (:data:`CPU_KV_CACHE_TOKENS`). Every server runs offline
 (``HF_HUB_OFFLINE=1``): the model directory must hold the tokenizer. Per-request ``sampling_seed`` needs
 ``--enable-deterministic-inference`` in ``extra_server_args`` (SGLang 0.5.23: GPU attention backends only).
@@ -39,8 +39,8 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from dapo_megatron.cpu.sglang import server_pythonpath
 from dapo_megatron.rollout.sglang_client import SGLangServerError
-from dapo_megatron.rollout.sglang_cpu import server_pythonpath
 from dapo_megatron.rollout.sglang_gpus import NCCL_CUMEM_OFF, nccl_carries_weights
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, RolloutEngine, RolloutError
-from dapo_megatron.trainer.rollout_collector import RolloutGroup, generation_seed, sampling_params, score_group
+from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, sampling_params, score_group
 from dapo_megatron.trainer.step_metrics import rollout_metrics
 
 logger = logging.getLogger(__name__)
