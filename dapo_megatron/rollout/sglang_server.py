@@ -37,14 +37,14 @@ import urllib.error
 import urllib.request
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+import psutil
+
+from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.sglang_client import SGLangServerError
 from dapo_megatron.rollout.sglang_cpu import server_pythonpath
 from dapo_megatron.rollout.sglang_gpus import NCCL_CUMEM_OFF, nccl_carries_weights
-
-if TYPE_CHECKING:
-    from dapo_megatron.config import SGLangConfig
 
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (
@@ -69,7 +69,7 @@ def served_dtype(precision: str) -> str:
     return _SERVED_DTYPES[precision]
 
 
-def server_python(config: "SGLangConfig") -> str:
+def server_python(config: SGLangConfig) -> str:
     """The interpreter launched servers run: ``rollout.sglang.python``, else this one."""
     return config.python or sys.executable
 
@@ -112,7 +112,7 @@ class SGLangServerProcess:
     ``gpus``: the GPUs of a CUDA server (its TP ranks, consecutive); ``dtype``: SGLang's ``--dtype``.
     """
 
-    def __init__(self, config: "SGLangConfig", *, model_path: str | Path, index: int, run_dir: str | Path,
+    def __init__(self, config: SGLangConfig, *, model_path: str | Path, index: int, run_dir: str | Path,
                  weight_version: str, device: Literal["cpu", "cuda"], gpus: range | None = None,
                  dtype: str = "auto") -> None:
         if device == "cuda" and (gpus is None or len(gpus) != config.tp_per_server):
@@ -258,8 +258,6 @@ def _given(arguments: list[str], flag: str) -> bool:
 
 
 def _process_tree(pid: int) -> list:
-    import psutil
-
     try:
         root = psutil.Process(pid)
         return [root] + root.children(recursive=True)
@@ -271,8 +269,6 @@ def _kill_process_tree(process: subprocess.Popen, grace_s: float, known_shared_m
     """SIGTERM the process group, wait ``grace_s``, SIGKILL the group and every recorded descendant, then unlink
     the ``/dev/shm`` files the tree maps or mapped when it became ready (SGLang's load-report segments and
     multiprocessing semaphores, which a killed server never unlinks)."""
-    import psutil
-
     tree = _process_tree(process.pid)
     shared_memory_files = known_shared_memory | _mapped_shared_memory_files(tree)
     group = process.pid  # start_new_session=True: the server leads its own process group
@@ -304,8 +300,6 @@ def _kill_process_tree(process: subprocess.Popen, grace_s: float, known_shared_m
 
 
 def _mapped_shared_memory_files(processes: list) -> set[str]:
-    import psutil
-
     paths: set[str] = set()
     for member in processes:
         try:
