@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from dapo_megatron.rollout import EmbeddedEngine, RolloutError, SamplingParams
-from dapo_megatron.rollout.embedded import NO_WEIGHTS_VERSION
+from dapo_megatron.config import EmbeddedConfig
+from dapo_megatron.rollout import RolloutError, SamplingParams
+from dapo_megatron.rollout.embedded import NO_WEIGHTS_VERSION, EmbeddedEngine
 
 VOCAB = 101
 
@@ -148,8 +149,10 @@ def test_samples_do_not_depend_on_chunking_or_dropping_finished_rows():
     config = qwen2_config()
     model = reference_model(config)
     params = SamplingParams(n=4, max_new_tokens=12, stop_token_ids=tuple(range(10, 20)), seed=21)
-    whole = loaded_engine(config, model, max_batch_rows=512, drop_finished_fraction=2.0).generate(PROMPTS, params)
-    chunked = loaded_engine(config, model, max_batch_rows=3, drop_finished_fraction=0.0).generate(PROMPTS, params)
+    whole = loaded_engine(config, model, settings=EmbeddedConfig(max_batch_rows=512, drop_finished_fraction=2.0)
+                          ).generate(PROMPTS, params)
+    chunked = loaded_engine(config, model, settings=EmbeddedConfig(max_batch_rows=3, drop_finished_fraction=0.0)
+                            ).generate(PROMPTS, params)
     for group_whole, group_chunked in zip(whole, chunked):
         for a, b in zip(group_whole, group_chunked):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
@@ -204,7 +207,7 @@ def test_prefill_runs_each_distinct_prompt_once():
     engine = loaded_engine(config, model)
     prompts = [[0, 7, 12], [7, 12], [88, 3, 54]]
     prefill_rows = []
-    hook = engine._model.model.embed_tokens.register_forward_hook(
+    hook = engine.model.model.embed_tokens.register_forward_hook(
         lambda module, inputs, output: prefill_rows.append(inputs[0].shape[0]))
     groups = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=3))
     hook.remove()
