@@ -8,7 +8,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from dapo_megatron.config import EmbeddedConfig
 from dapo_megatron.rollout import RolloutError, SamplingParams
+from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill
 from dapo_megatron.rollout.embedded import NO_WEIGHTS_VERSION, EmbeddedEngine
+from dapo_megatron.rollout.lean_decode import LeanDecoder
 
 VOCAB = 101
 
@@ -406,9 +408,6 @@ def llama3_scaled_tied_config() -> LlamaConfig:
 @pytest.mark.parametrize("make", [qwen2_config, lambda: qwen2_config(tie=False), llama_config,
                                   llama3_scaled_tied_config])
 def test_lean_decode_step_equals_the_model(make):
-    from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, prefill, preallocated_kv_cache
-    from dapo_megatron.rollout.lean_decode import LeanDecoder
-
     config = make()
     model = reference_model(config)
     steps = 6

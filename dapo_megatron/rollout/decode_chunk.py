@@ -24,7 +24,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, prefill, preallocated_kv_cache
+from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill
 from dapo_megatron.rollout.engine import FinishReason, SamplingParams
 from dapo_megatron.rollout.sampling import TokenSampler, per_sample_uniforms
 
@@ -138,8 +138,8 @@ class DecodingChunk:
         keep = (~self.finished).nonzero().squeeze(-1)
         for layer in self.cache.layers:
             layer.batch_select_indices(keep)
-        self.rows, self.key_valid, self.prompt_lengths = self.rows[keep], self.key_valid[keep], self.prompt_lengths[keep]
-        self.tokens, self.finished = self.tokens[keep], self.finished[keep]
+        self.rows, self.key_valid, self.tokens = self.rows[keep], self.key_valid[keep], self.tokens[keep]
+        self.prompt_lengths, self.finished = self.prompt_lengths[keep], self.finished[keep]
 
     def decode(self, decode_step: DecodeStep, step: int) -> None:
         """Step ``step``'s tokens through the model: the logits of step ``step + 1``."""
