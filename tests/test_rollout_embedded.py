@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from dapo_megatron.config import EmbeddedConfig
+from dapo_megatron.config import ConfigError, EmbeddedConfig, load_config
 from dapo_megatron.rollout import RolloutError, SamplingParams
 from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill
 from dapo_megatron.rollout.embedded import NO_WEIGHTS_VERSION, EmbeddedEngine
+from dapo_megatron.rollout.factory import build_rollout_engine
 from dapo_megatron.rollout.lean_decode import LeanDecoder
 
 VOCAB = 101
@@ -356,6 +357,34 @@ def test_from_hf_directory(tmp_path):
     assert engine.weight_version == 2
     group = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
     assert group[0].token_ids == hf_greedy(model, PROMPTS[0], 8)
+
+
+EMBEDDED_RUN = ["model.source=tiny", "data.source=synthetic", "rollout.engine=embedded"]
+
+
+def test_the_run_configs_embedded_section_reaches_the_engine(tmp_path):
+    """rollout.embedded.max_batch_rows from the run config, through the engine factory, decides the chunks: 12 rows
+    (3 prompts x 4 samples) in chunks of 3 take 4 prefills, with the default 512 rows one (the control)."""
+    config = qwen2_config()
+    config.save_pretrained(tmp_path)
+    model = reference_model(config)
+    prefills = {}
+    for overrides in ([], ["rollout.embedded.max_batch_rows=3"]):
+        engine = build_rollout_engine(load_config(None, EMBEDDED_RUN + overrides), tmp_path, tmp_path / "run")
+        engine.update_weights([list(model.state_dict().items())], 0)
+        calls = []
+        hook = engine.model.model.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
+        engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=3, seed=1))
+        hook.remove()
+        prefills[len(overrides)] = len(calls)
+        engine.shutdown()
+    assert prefills == {0: 1, 1: 4}
+
+
+@pytest.mark.parametrize("key,value", [("max_batch_rows", 0), ("max_kv_cache_mb", 0), ("drop_finished_fraction", -1)])
+def test_bad_embedded_settings_are_config_errors_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=f"rollout.embedded.{key}: must be"):
+        load_config(None, [*EMBEDDED_RUN, f"rollout.embedded.{key}={value}"])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -83,17 +83,14 @@ class EmbeddedEngine(RolloutEngine):
     def __init__(self, hf_config: PretrainedConfig, settings: EmbeddedConfig | None = None, *,
                  gate: WeightGate | None = None):
         check_supported_config(hf_config)
-        settings = settings or EmbeddedConfig()
-        if settings.max_batch_rows < 1:
-            raise ValueError(f"max_batch_rows must be >= 1, got {settings.max_batch_rows}")
+        self.settings = settings or EmbeddedConfig()
+        if self.settings.max_batch_rows < 1:
+            raise ValueError(f"EmbeddedEngine: max_batch_rows must be >= 1, got {self.settings.max_batch_rows}")
         config = copy.deepcopy(hf_config)
         self._model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         self._model.eval().requires_grad_(False)
         self._decode_step = LeanDecoder(self._model)  # the model's decode step without its per-call machinery
         self._config = self._model.config
-        self._max_batch_rows = settings.max_batch_rows
-        self._max_kv_cache_bytes = int(settings.max_kv_cache_mb * 2**20)
-        self._drop_finished_fraction = settings.drop_finished_fraction
         self._version = NO_WEIGHTS_VERSION
         self._gate = gate or WeightGate()  # decode steps vs. weight updates
         self._book = RequestBook("EmbeddedEngine")  # streamed requests
@@ -212,7 +209,7 @@ class EmbeddedEngine(RolloutEngine):
                     chunk.stop_at_stop_tokens(step)
                     if step == chunk.steps - 1 or chunk.all_finished:
                         break
-                    chunk.drop_finished_rows(self._drop_finished_fraction)
+                    chunk.drop_finished_rows(self.settings.drop_finished_fraction)
                     chunk.decode(self._decode_step, step)
         return chunk.results()
 
@@ -238,12 +235,13 @@ class EmbeddedEngine(RolloutEngine):
         return self._book.num_in_flight
 
     def _chunk_size(self, prompt_length: int, max_new_tokens: int) -> int:
-        """Rows per chunk: ``max_batch_rows``, lowered so the chunk's KV cache fits ``max_kv_cache_bytes``."""
+        """Rows per chunk: ``max_batch_rows``, lowered so the chunk's KV cache fits ``max_kv_cache_mb``."""
         config = self._config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bytes_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # K+V, fp32
         bytes_per_row = bytes_per_position * (prompt_length + max_new_tokens)
-        return max(1, min(self._max_batch_rows, self._max_kv_cache_bytes // bytes_per_row))
+        max_kv_cache_bytes = int(self.settings.max_kv_cache_mb * 2**20)
+        return max(1, min(self.settings.max_batch_rows, max_kv_cache_bytes // bytes_per_row))
 
     def _check_generate_inputs(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
         vocab_size = self._config.vocab_size
