@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from dapo_megatron.host_address import pin_gloo_interface
+from dapo_megatron.slurm_tasks import tasks_on_each_node
 from dapo_megatron.user_errors import UserError
 
 if TYPE_CHECKING:
@@ -185,12 +186,10 @@ def local_world_size(environ: Mapping[str, str] | None = None) -> int:
     if "SLURM_NTASKS_PER_NODE" in env:
         return int(env["SLURM_NTASKS_PER_NODE"])
     if "SLURM_TASKS_PER_NODE" in env:  # e.g. "4(x2),3": 4 tasks on each of the first two nodes, 3 on the third
-        per_node = []
-        for part in env["SLURM_TASKS_PER_NODE"].split(","):
-            match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-            if match is None:
-                raise ValueError(f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']!r} is not in SLURM's format")
-            per_node += [int(match.group(1))] * int(match.group(2) or 1)
+        try:
+            per_node = tasks_on_each_node(env["SLURM_TASKS_PER_NODE"])
+        except ValueError as error:
+            raise ValueError(f"SLURM_TASKS_PER_NODE: {error}") from None
         return per_node[int(env.get("SLURM_NODEID", 0))]
     return 1
 

@@ -65,6 +65,8 @@ def test_trainer_ranks_per_node_come_from_the_launcher():
     assert local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}) == 3
     assert local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3"}) == 4
     assert local_world_size({}) == 1
+    with pytest.raises(ValueError, match=r"SLURM_TASKS_PER_NODE: '4\(x2' is not a SLURM task count list"):
+        local_world_size({"SLURM_TASKS_PER_NODE": "4(x2"})
 
 
 def test_gpu_and_memory_arguments_of_a_cuda_server(tmp_path):

@@ -18,7 +18,9 @@ import psutil
 import pytest
 import torch
 
+from dapo_megatron.backend import select_backend
 from dapo_megatron.config import SGLangConfig
+from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
 from dapo_megatron.rollout.sglang_requests import (
     build_generate_payload,
@@ -26,7 +28,6 @@ from dapo_megatron.rollout.sglang_requests import (
     per_sample_seed,
     samples_from_outputs,
 )
-from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, new_api_key, require_sglang
 from dapo_megatron.rollout.sglang_transports import DiskTransport
 from dapo_megatron.rollout.tensor_payloads import serialize_by_value
@@ -157,8 +158,10 @@ def _fake_python(tmp_path: Path, name: str, body: str) -> str:
 
 
 def _server(tmp_path, config: SGLangConfig, device: str = "cpu", gpus: range | None = None) -> SGLangServerProcess:
+    """A server process as the engine makes it on ``device``, in the environment the matching backend gives."""
+    backend = select_backend(cuda_available=device == "cuda", transformer_engine=False)
     return SGLangServerProcess(config, model_path=tmp_path, index=0, run_dir=tmp_path / "run", weight_version="0",
-                               device=device, gpus=gpus)
+                               device=device, gpus=gpus, platform_environment=backend.sglang_server_environment)
 
 
 def test_missing_sglang_names_the_install_command(tmp_path):

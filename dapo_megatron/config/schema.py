@@ -128,6 +128,17 @@ class SGLangConfig:
 
 
 @dataclass
+class EmbeddedConfig:
+    """The in-process engine (``rollout.engine: embedded``, dapo_megatron/rollout/embedded.py): how it batches."""
+
+    max_batch_rows: int = 512  # most sample rows decoded together (a chunk)
+    max_kv_cache_mb: float = 2048  # MiB of KV cache per chunk; chunks get fewer rows so rows x positions fit
+    # Finished rows leave the batch once they are at least this share of it (0: as soon as one finishes; above 1:
+    # never). Dropping shrinks every later forward but copies the cache once.
+    drop_finished_fraction: float = 0.25
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["embedded", "sglang"] = "sglang"
     n_samples: int = 16  # G
@@ -137,6 +148,7 @@ class RolloutConfig:
     max_response_length: int = 20480
     handoff_bucket_mb: float = 512  # MiB per weight-handoff bucket (a larger tensor travels alone)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     # sync: generate → train → hand off, one after the other (the paper). async: a background driver on rank 0 keeps
     # generating the next steps' groups while the policy trains (dapo_megatron/trainer/async_collector.py).
     mode: Literal["sync", "async"] = "sync"
@@ -271,6 +283,11 @@ class DAPOConfig:
                  f"must be >= 0 (or null), got {s.base_gpu_id}")
         _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",
                  f"must be in (0, 1) (or null), got {s.mem_fraction_static}")
+        e = r.embedded
+        _require(e.max_batch_rows >= 1, "rollout.embedded.max_batch_rows", f"must be >= 1, got {e.max_batch_rows}")
+        _require(e.max_kv_cache_mb > 0, "rollout.embedded.max_kv_cache_mb", f"must be > 0, got {e.max_kv_cache_mb}")
+        _require(e.drop_finished_fraction >= 0, "rollout.embedded.drop_finished_fraction",
+                 f"must be >= 0, got {e.drop_finished_fraction}")
         _require(self.optim.lr > 0, "optim.lr", "must be > 0")
         _require(self.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(self.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")

@@ -32,14 +32,23 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
-import torch
 from tqdm import tqdm
 
+from dapo_megatron.backend import Backend, select_backend
+from dapo_megatron.config import SGLangConfig
 from dapo_megatron.hf_format import CONFIG_FILE, Bucket
 from dapo_megatron.host_address import pin_gloo_interface, weight_update_address
-from dapo_megatron.rollout.engine import EngineHealth, RolloutEngine, RolloutError, Sample, SamplingParams
+from dapo_megatron.rollout.engine import (
+    EngineHealth,
+    FinishedRequest,
+    GenerationRequest,
+    RolloutEngine,
+    RolloutError,
+    Sample,
+    SamplingParams,
+)
 from dapo_megatron.rollout.sglang_client import ServerFailure
 from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
@@ -53,10 +62,6 @@ from dapo_megatron.rollout.sglang_transports import (
     WeightTransport,
 )
 
-if TYPE_CHECKING:
-    from dapo_megatron.config import SGLangConfig
-    from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest
-
 logger = logging.getLogger(__name__)
 
 
@@ -69,17 +74,19 @@ class SGLangEngine(RolloutEngine):
     must be readable by the servers, i.e. on a shared filesystem for remote ones); None: a temporary directory.
     ``dtype``: what launched servers compute in (SGLang's ``--dtype``; the trainer passes
     :func:`dapo_megatron.rollout.sglang_server.served_dtype` of its ``model.precision``).
-    Servers run on CUDA when torch sees a GPU, else on CPU.
+    ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its device
+    type, in the environment it gives them.
     """
 
-    def __init__(self, config: "SGLangConfig", *, model_path: str | Path, run_dir: str | Path | None = None,
-                 show_progress: bool = True, dtype: str = "auto") -> None:
+    def __init__(self, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
+                 show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None) -> None:
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
         self.config = config
         self.model_path = str(model_path)
         self.show_progress = show_progress
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = select_backend() if backend is None else backend
+        self.device = backend.device_type
         self._closed = False
         self._temp_dir = None if run_dir else tempfile.TemporaryDirectory(prefix="dapo_sglang_")
         self.run_dir = Path(run_dir or self._temp_dir.name)
@@ -87,10 +94,11 @@ class SGLangEngine(RolloutEngine):
         self._update_lock = threading.Lock()
         self._warned_unseeded = False
         self.pool = ServerPool(config, model_path=self.model_path, run_dir=self.run_dir, device=self.device,
-                               dtype=dtype)
+                               dtype=dtype, server_environment=backend.sglang_server_environment)
         self.transport: WeightTransport | None = None
         self._weight_version = 0  # until the pool reports the servers' version; shutdown reads it on a failed start
-        self.streams = SGLangStreams(self)
+        self.streams = SGLangStreams(self.pool, max_concurrent_requests=config.max_concurrent_requests,
+                                     served_version=lambda: self._weight_version, on_failure=self.recover_server)
         atexit.register(self.shutdown)
         try:
             self._weight_version = self.pool.start()
@@ -164,18 +172,12 @@ class SGLangEngine(RolloutEngine):
     def _generate_one(self, index: int, prompt: Sequence[int], params: SamplingParams,
                       seeded: bool) -> list[Sample]:
         payload = build_generate_payload(prompt, index, params, seeded=seeded)
-        while True:
-            slot, generation = self.pool.acquire()
-            try:
-                outputs = slot.client.generate(payload)
-            except ServerFailure as error:
-                self.pool.release(slot)
-                if self.pool.recover(slot, generation, error, version=self._weight_version,
-                                     restart_path=self._restart_model_path()):
-                    self.transport.reset()
-                continue
-            self.pool.release(slot)
+
+        def generate_on(slot: ServerSlot) -> list[Sample]:
+            outputs = slot.client.generate(payload)
             return samples_from_outputs(outputs, index, params.n, self._weight_version, slot.client.base_url)
+
+        return self.pool.send(generate_on, self.recover_server)
 
     # ---- streaming -------------------------------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
@@ -190,7 +192,15 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def num_in_flight(self) -> int:
-        return self.streams.book.num_in_flight
+        return self.streams.num_in_flight
+
+    # ---- failover --------------------------------------------------------------------------------------------------
+    def recover_server(self, slot: ServerSlot, generation: int, error: ServerFailure) -> None:
+        """A request failed on ``slot``: relaunch its server with the served version's weights (the transport then
+        forgets what it held for the old process), or take it out of rotation (:meth:`ServerPool.recover`)."""
+        if self.pool.recover(slot, generation, error, version=self._weight_version,
+                             restart_path=self._restart_model_path()):
+            self.transport.reset()
 
     def _restart_model_path(self) -> str | None:
         """A model directory holding the served version's weights, to relaunch a failed server from."""

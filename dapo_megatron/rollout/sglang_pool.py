@@ -2,6 +2,9 @@
 
 Dispatch: each request goes to the available server with the fewest requests in flight
 (:meth:`ServerPool.acquire` / :meth:`ServerPool.release`); while every server is restarting, callers wait.
+:meth:`ServerPool.send` is the one retry loop both of the engine's ways to generate use: it sends, and when the
+server fails it has the failure handled (:meth:`ServerPool.recover`, through the engine, which knows the weights to
+restart from) and sends again to another server.
 
 Failover (:meth:`ServerPool.recover`): a server that refuses connections, drops them or does not answer within
 ``request_timeout_s`` is declared failed. A server this pool launched is restarted (at most ``max_restarts`` times
@@ -22,16 +25,26 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Callable, Literal, TypeVar
 
-from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.rollout.sglang_client import SGLangClient, SGLangServerError
+import torch
+
+from dapo_megatron.config import SGLangConfig
 from dapo_megatron.platform import local_world_size
+from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.rollout.sglang_client import ServerFailure, SGLangClient, SGLangServerError
 from dapo_megatron.rollout.sglang_gpus import server_gpu_ranges
-from dapo_megatron.rollout.sglang_server import SGLangServerProcess, require_sglang, server_python
+from dapo_megatron.rollout.sglang_server import (
+    ServerEnvironment,
+    SGLangServerProcess,
+    require_sglang,
+    server_python,
+    unchanged_environment,
+)
 
-if TYPE_CHECKING:
-    from dapo_megatron.config import SGLangConfig
+T = TypeVar("T")
+FailureHandler = Callable[["ServerSlot", int, ServerFailure], None]
+"""``(slot, generation, error)``: restart the failed server or take it out of rotation (:meth:`ServerPool.recover`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +77,20 @@ def is_this_host(url: str) -> bool:
     return host in ("localhost", "::1", socket.gethostname(), socket.getfqdn()) or host.startswith("127.")
 
 
-def read_api_key(config: "SGLangConfig") -> str | None:
+def read_api_key(config: SGLangConfig) -> str | None:
     """The key attached servers were started with (``rollout.sglang.api_key_file``), or None."""
     return Path(config.api_key_file).read_text().strip() if config.api_key_file else None
 
 
 class ServerPool:
     """``config.urls`` non-empty: attach to those servers; otherwise launch ``config.num_servers`` on ``device``
-    serving ``dtype`` (SGLang's ``--dtype``)."""
+    serving ``dtype`` (SGLang's ``--dtype``), in the environment ``server_environment`` makes of the one they
+    would get (the backend's: :meth:`dapo_megatron.backend.Backend.sglang_server_environment`)."""
 
-    def __init__(self, config: "SGLangConfig", *, model_path: str, run_dir: Path,
-                 device: Literal["cpu", "cuda"], dtype: str = "auto") -> None:
+    def __init__(self, config: SGLangConfig, *, model_path: str, run_dir: Path, device: Literal["cpu", "cuda"],
+                 dtype: str = "auto", server_environment: ServerEnvironment = unchanged_environment) -> None:
         self.config = config
+        self.server_environment = server_environment
         self.model_path = model_path
         self.run_dir = run_dir
         self.device = device
@@ -92,8 +107,6 @@ class ServerPool:
     def _launch(self) -> int:
         config = self.config
         if self.device == "cuda":
-            import torch
-
             gpus = server_gpu_ranges(config, trainer_local_ranks=local_world_size(),
                                      visible_gpus=torch.cuda.device_count())
         else:
@@ -102,7 +115,7 @@ class ServerPool:
         for index in range(config.num_servers):
             process = SGLangServerProcess(config, model_path=self.model_path, index=index, run_dir=self.run_dir,
                                           weight_version="0", device=self.device, gpus=gpus[index],
-                                          dtype=self.dtype)
+                                          dtype=self.dtype, platform_environment=self.server_environment)
             self.processes.append(process)
             process.start()
         for process in self.processes:  # started together, so the startups overlap
@@ -184,6 +197,20 @@ class ServerPool:
     def release(self, slot: ServerSlot) -> None:
         with self._dispatch:
             slot.in_flight -= 1
+
+    def send(self, call: Callable[[ServerSlot], T], on_failure: FailureHandler) -> T:
+        """``call(slot)`` on the least-loaded server. When that server fails (:class:`ServerFailure`), ``on_failure``
+        restarts it or takes it out of rotation, and ``call`` runs again on the next server; raises when none is left.
+        """
+        while True:
+            slot, generation = self.acquire()
+            try:
+                return call(slot)
+            except ServerFailure as error:
+                failure = error
+            finally:
+                self.release(slot)
+            on_failure(slot, generation, failure)
 
     # ---- failover ----------------------------------------------------------------------------------------------
     def recover(self, slot: ServerSlot, generation: int, error: Exception, *, version: int,

@@ -17,8 +17,9 @@ per launch (:func:`new_api_key`). SGLang then refuses every endpoint except ``/h
 0600 YAML file passed with ``--config``, not on the command line, so other local users cannot read it from
 ``ps``.
 
-CPU servers get ``SGLANG_USE_CPU_ENGINE=1`` and the ``sgl_kernel`` stand-in of
-:mod:`dapo_megatron.cpu.sglang` on ``PYTHONPATH``, plus ``--sleep-on-idle`` (otherwise the idle scheduler
+A server's environment is this process's, minus what must not reach it, passed through the platform's
+``platform_environment`` (on CPU the backend adds ``SGLANG_USE_CPU_ENGINE=1`` and its ``sgl_kernel`` stand-in on
+``PYTHONPATH``). CPU servers get ``--sleep-on-idle`` (otherwise the idle scheduler
 spins a core) and a bounded KV cache (:data:`CPU_KV_CACHE_TOKENS`). Every server runs offline
 (``HF_HUB_OFFLINE=1``): the model directory must hold the tokenizer. Per-request ``sampling_seed`` needs
 ``--enable-deterministic-inference`` in ``extra_server_args`` (SGLang 0.5.23: GPU attention backends only).
@@ -37,16 +38,22 @@ import urllib.error
 import urllib.request
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Callable, Literal
 
-from dapo_megatron.cpu.sglang import server_pythonpath
+import psutil
+
+from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.sglang_client import SGLangServerError
 from dapo_megatron.rollout.sglang_gpus import NCCL_CUMEM_OFF, nccl_carries_weights
 
-if TYPE_CHECKING:
-    from dapo_megatron.config import SGLangConfig
-
 SGLANG_VERSION = "0.5.23"
+
+ServerEnvironment = Callable[[dict[str, str]], dict[str, str]]
+
+
+def unchanged_environment(environment: dict[str, str]) -> dict[str, str]:
+    return environment
+
 INSTALL_HINT = (
     f"install it into that interpreter: `scripts/install_sglang_cpu.sh PYTHON` on a CPU machine, "
     f"`PYTHON -m pip install sglang=={SGLANG_VERSION}` on a GPU machine"
@@ -69,7 +76,7 @@ def served_dtype(precision: str) -> str:
     return _SERVED_DTYPES[precision]
 
 
-def server_python(config: "SGLangConfig") -> str:
+def server_python(config: SGLangConfig) -> str:
     """The interpreter launched servers run: ``rollout.sglang.python``, else this one."""
     return config.python or sys.executable
 
@@ -112,9 +119,9 @@ class SGLangServerProcess:
     ``gpus``: the GPUs of a CUDA server (its TP ranks, consecutive); ``dtype``: SGLang's ``--dtype``.
     """
 
-    def __init__(self, config: "SGLangConfig", *, model_path: str | Path, index: int, run_dir: str | Path,
+    def __init__(self, config: SGLangConfig, *, model_path: str | Path, index: int, run_dir: str | Path,
                  weight_version: str, device: Literal["cpu", "cuda"], gpus: range | None = None,
-                 dtype: str = "auto") -> None:
+                 dtype: str = "auto", platform_environment: ServerEnvironment = unchanged_environment) -> None:
         if device == "cuda" and (gpus is None or len(gpus) != config.tp_per_server):
             raise ValueError(f"SGLang server {index}: a CUDA server needs its {config.tp_per_server} GPU(s), got {gpus}")
         self.config = config
@@ -123,6 +130,7 @@ class SGLangServerProcess:
         self.run_dir = Path(run_dir)
         self.weight_version = weight_version
         self.device = device
+        self.platform_environment = platform_environment
         self.gpus = gpus
         self.dtype = dtype
         self.api_key = ""
@@ -180,10 +188,7 @@ class SGLangServerProcess:
         env["PYTHONUNBUFFERED"] = "1"
         if nccl_carries_weights(self.config.transport, self.device):
             env.update(NCCL_CUMEM_OFF)
-        if self.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (server_pythonpath(), env.get("PYTHONPATH")) if p)
-        return env
+        return self.platform_environment(env)
 
     def start(self) -> None:
         """Start the process (returns at once; see :meth:`wait_until_ready`). A running server is stopped first."""
@@ -258,8 +263,6 @@ def _given(arguments: list[str], flag: str) -> bool:
 
 
 def _process_tree(pid: int) -> list:
-    import psutil
-
     try:
         root = psutil.Process(pid)
         return [root] + root.children(recursive=True)
@@ -271,8 +274,6 @@ def _kill_process_tree(process: subprocess.Popen, grace_s: float, known_shared_m
     """SIGTERM the process group, wait ``grace_s``, SIGKILL the group and every recorded descendant, then unlink
     the ``/dev/shm`` files the tree maps or mapped when it became ready (SGLang's load-report segments and
     multiprocessing semaphores, which a killed server never unlinks)."""
-    import psutil
-
     tree = _process_tree(process.pid)
     shared_memory_files = known_shared_memory | _mapped_shared_memory_files(tree)
     group = process.pid  # start_new_session=True: the server leads its own process group
@@ -304,8 +305,6 @@ def _kill_process_tree(process: subprocess.Popen, grace_s: float, known_shared_m
 
 
 def _mapped_shared_memory_files(processes: list) -> set[str]:
-    import psutil
-
     paths: set[str] = set()
     for member in processes:
         try:
