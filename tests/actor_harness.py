@@ -90,3 +90,22 @@ def gather_hf_weights(actor, spec) -> dict[str, torch.Tensor] | None:
     for bucket in gather_hf_buckets_to_rank0(actor.model, spec, tp_gather=actor.backend.tp_gather):
         weights.update({name: tensor.detach().clone().cpu() for name, tensor in bucket})
     return weights if dist.get_rank() == 0 else None
+
+
+def logprobs_and_gradients(actor, samples, weights, batching, temperature: float) -> dict:
+    """Per-sample response log-probs of ``samples`` laid out by the actor's current packer and ``batching``, and this
+    rank's parameter gradients of Σ_i Σ_t weights[i][t]·log p (every micro-batch's forward and backward by hand)."""
+    plan = actor._plan(samples, batching)
+    actor.model.zero_grad_buffer()
+    logprobs = [None] * len(samples)
+    for mb in plan.micro_batches:
+        logits = actor.model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+        rows, _ = actor._response_logprobs(mb, logits, temperature=temperature)
+        loss = logits.sum() * 0.0
+        for row, index in enumerate(mb.sample_indices):
+            length = samples[index].response_length
+            logprobs[index] = rows[row, :length].detach()
+            loss = loss + (rows[row, :length] * weights[index]).sum()
+        loss.backward()
+    return dict(logprobs=logprobs, micro_batches=plan.micro_batches,
+                grads={name: param.main_grad.clone() for name, param in actor.model.named_parameters()})

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import TINY_VOCAB, actor_settings, random_samples, write_tiny_qwen2
+from actor_harness import TINY_VOCAB, actor_settings, logprobs_and_gradients, random_samples, write_tiny_qwen2
 from spawn_ranks import run_distributed
 
 from dapo_megatron.backend import select_backend
@@ -146,20 +146,9 @@ def sdpa_backend_job(hf_dir: str, tensor_parallel: int):
     results = {}
     for name, packer, budget in (("thd", ThdPacker(), 40), ("alone", PaddedPacker(samples_per_micro_batch=1), 1)):
         backend.packer = packer
-        plan = actor._plan(samples, PackedBatching(token_budget=budget, pad_to_multiple=4))
-        actor.model.zero_grad_buffer()
-        logprobs = [None] * len(samples)
-        for mb in plan.micro_batches:
-            logits = actor.model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
-            rows, _ = actor._response_logprobs(mb, logits, temperature=0.8)
-            loss = logits.sum() * 0.0
-            for row, index in enumerate(mb.sample_indices):
-                length = samples[index].response_length
-                logprobs[index] = rows[row, :length].detach()
-                loss = loss + (rows[row, :length] * weights[index]).sum()
-            loss.backward()
-        results[name] = dict(logprobs=logprobs, micro_batches=len(plan.micro_batches),
-                             grads={n: p.main_grad.clone() for n, p in actor.model.named_parameters()})
+        result = logprobs_and_gradients(actor, samples, weights, PackedBatching(token_budget=budget, pad_to_multiple=4),
+                                        temperature=0.8)
+        results[name] = dict(result, micro_batches=len(result["micro_batches"]))
     backend.packer = ThdPacker()
     (mb, *_) = actor._plan(samples, PackedBatching(token_budget=4096)).micro_batches
     row = mb.packed_seq_params

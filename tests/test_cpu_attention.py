@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from actor_harness import TINY_VOCAB, actor_settings, build_test_actor, random_samples, write_tiny_qwen2
+from actor_harness import (
+    TINY_VOCAB,
+    actor_settings,
+    build_test_actor,
+    logprobs_and_gradients,
+    random_samples,
+    write_tiny_qwen2,
+)
 from baseline_packing import MaskPacker, PaddedPacker
 from spawn_ranks import run_distributed
 
@@ -54,25 +61,13 @@ def layouts_job(hf_dir: str, tensor_parallel: int):
                    for i, s in enumerate(samples)]
         for name, (packer, batching) in layouts.items():
             actor.backend.packer = packer
-            plan = actor._plan(samples, batching)
-            actor.model.zero_grad_buffer()
-            logprobs = [None] * len(samples)
-            for mb in plan.micro_batches:
-                logits = actor.model(mb.tokens, mb.position_ids, mb.attention_mask,
-                                     packed_seq_params=mb.packed_seq_params)
-                rows, _ = actor._response_logprobs(mb, logits, temperature=1.0)
-                loss = logits.sum() * 0.0
-                for row, index in enumerate(mb.sample_indices):
-                    length = samples[index].response_length
-                    logprobs[index] = rows[row, :length].detach()
-                    loss = loss + (rows[row, :length] * weights[index]).sum()
-                loss.backward()
-            grads = {name: param.main_grad.clone() for name, param in actor.model.named_parameters()}
-            results[case, name] = dict(logprobs=logprobs, grads=grads,
-                                       micro_batches=len(plan.micro_batches),
-                                       tokens=sum(mb.num_processed_tokens for mb in plan.micro_batches),
+            result = logprobs_and_gradients(actor, samples, weights, batching, temperature=1.0)
+            micro_batches = result["micro_batches"]
+            results[case, name] = dict(logprobs=result["logprobs"], grads=result["grads"],
+                                       micro_batches=len(micro_batches),
+                                       tokens=sum(mb.num_processed_tokens for mb in micro_batches),
                                        classes=max(len(getattr(mb.packed_seq_params, "classes", ()))
-                                                   for mb in plan.micro_batches))
+                                                   for mb in micro_batches))
     results["leaky"] = leaky_logprobs(actor, CASES["shared prompts"]())
     return results
 

@@ -41,6 +41,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
 
+from dapo_megatron.policy.sdpa_attention import unsupported_by_packed_attention
+
 
 @dataclass(frozen=True)
 class RotarySettings:
@@ -235,14 +237,7 @@ class PackedSequenceAttention(DotProductAttention):
             unsupported.append(f"packed_seq_params of type {type(row).__name__} (only SegmentedRow)")
         elif query.shape[1] != 1 or row.slot.numel() != query.shape[0]:
             unsupported.append(f"a query of shape {tuple(query.shape)} for a row of {row.slot.numel()} tokens")
-        if attention_bias is not None:
-            unsupported.append("an attention bias")
-        if self.scale_mask_softmax.window_size is not None:
-            unsupported.append("sliding-window attention")
-        if self.softmax_offset is not None:
-            unsupported.append(f"softmax_type={self.config.softmax_type!r}")
-        if self.training and self.attention_dropout.p > 0:
-            unsupported.append(f"attention dropout {self.attention_dropout.p}")
+        unsupported += unsupported_by_packed_attention(self, attention_bias)
         if unsupported:
             raise ValueError("PackedSequenceAttention does not support " + ", ".join(unsupported))
 

@@ -68,16 +68,24 @@ class ThdSdpaAttention(DotProductAttention):
         elif query.dim() != 3 or sum(params.segment_lengths) != query.shape[0]:
             unsupported.append(f"a query of shape {tuple(query.shape)} for a row of {sum(params.segment_lengths)} "
                                f"tokens")
-        if attention_bias is not None:
-            unsupported.append("an attention bias")
-        if self.scale_mask_softmax.window_size is not None:
-            unsupported.append("sliding-window attention")
-        if self.softmax_offset is not None:
-            unsupported.append(f"softmax_type={self.config.softmax_type!r}")
-        if self.training and self.attention_dropout.p > 0:
-            unsupported.append(f"attention dropout {self.attention_dropout.p}")
+        unsupported += unsupported_by_packed_attention(self, attention_bias)
         if unsupported:
             raise ValueError("ThdSdpaAttention does not support " + ", ".join(unsupported))
+
+
+def unsupported_by_packed_attention(module: DotProductAttention, attention_bias) -> list[str]:
+    """What ``module``'s configuration asks of attention that the per-sample packed paths (this one and the CPU
+    backend's) do not compute: they would silently compute something else."""
+    unsupported = []
+    if attention_bias is not None:
+        unsupported.append("an attention bias")
+    if module.scale_mask_softmax.window_size is not None:
+        unsupported.append("sliding-window attention")
+    if module.softmax_offset is not None:
+        unsupported.append(f"softmax_type={module.config.softmax_type!r}")
+    if module.training and module.attention_dropout.p > 0:
+        unsupported.append(f"attention dropout {module.attention_dropout.p}")
+    return unsupported
 
 
 def sdpa_layer_spec() -> ModuleSpec:
