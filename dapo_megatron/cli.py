@@ -75,7 +75,6 @@ def _init_distributed(config):
     os.environ.update(trainer_nccl_env(config, cuda_available=torch.cuda.is_available()))  # before any NCCL group
     p = config.parallel
     backend = select_backend(config.model.kernels)
-    logging.getLogger(__name__).info("policy backend: %s", backend.name)
     return init_distributed(p.tensor, p.pipeline, p.data, backend=backend, timeout_s=p.collective_timeout_s)
 
 

@@ -275,14 +275,15 @@ def routes_job(hf_dir, out_dir):
                   same_groups=stage_broadcast_groups() is groups)
     hf_config = load_hf_config(hf_dir)
     gathered = EmbeddedEngine(hf_config) if dist.get_rank() == 0 else None
-    sync_engine_weights(actor.model, spec, gathered, version=1, bucket_bytes=4096)
+    sync_engine_weights(actor.model, spec, gathered, version=1, bucket_bytes=4096, tp_gather=actor.backend.tp_gather)
     per_stage_dir = Path(out_dir) / "per_stage"
     per_stage_dir.mkdir(exist_ok=True)
     stagewise = _stagewise_engine(hf_config, str(per_stage_dir)) if dist.get_rank() == 0 else None
-    sync_engine_weights(actor.model, spec, stagewise, version=2, bucket_bytes=4096)
+    sync_engine_weights(actor.model, spec, stagewise, version=2, bucket_bytes=4096, tp_gather=actor.backend.tp_gather)
     failing = _stagewise_engine(hf_config, str(Path(out_dir)), failing_stage=1) if dist.get_rank() == 0 else None
     try:
-        sync_engine_weights(actor.model, spec, failing, version=3, bucket_bytes=4096)
+        sync_engine_weights(actor.model, spec, failing, version=3, bucket_bytes=4096,
+                            tp_gather=actor.backend.tp_gather)
         result["error"] = None
     except StageStreamError as exc:
         result["error"] = str(exc)

@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import pickle
+import socket
 import stat
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from dapo_megatron.backend import select_backend
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
+from dapo_megatron.rollout.sglang_client import SGLangServerError
 from dapo_megatron.rollout.sglang_requests import (
     build_generate_payload,
     finish_reason_from_sglang,
@@ -315,3 +317,22 @@ def test_engine_rejects_a_folder_without_an_hf_config(tmp_path):
 
     with pytest.raises(ValueError, match="no config.json"):
         SGLangEngine(SGLangConfig(), model_path=tmp_path)
+
+
+def test_a_taken_base_port_is_refused_before_the_server_starts(tmp_path):
+    """A server already on base_port would answer the new server's health checks and refuse its API key (seen as an
+    HTTP 401 from another run's server): the launch names the port instead, before any process starts."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        server = _server(tmp_path, SGLangConfig(base_port=taken))
+        with pytest.raises(SGLangServerError, match=f"port {taken} on 127.0.0.1 is taken"):
+            server.start()
+        assert server.pid is None  # nothing was launched
+    server = _server(tmp_path, SGLangConfig(base_port=taken, python=str(tmp_path / "missing-python")))
+    with pytest.raises(Exception) as raised:  # control: the free port gets past the check, to the launch itself
+        server.start()
+        server.wait_until_ready(timeout_s=5)
+    assert "is taken" not in str(raised.value)
+    server.stop()

@@ -109,7 +109,9 @@ class SGLangConfig:
     tp_per_server: int = 1
     python: str | None = None  # interpreter that has sglang; default: this one
     host: str = "127.0.0.1"
-    base_port: int = 30000  # launched server i listens on base_port + i; 0: a free port each
+    # Launched server i listens on base_port + i; 0 (the default): a free port each, so runs sharing a machine never
+    # meet (a taken fixed port is refused by name before the launch).
+    base_port: int = 0
     api_key_file: str | None = None  # attached servers: the key they were started with
     transport: Literal["disk", "tensor", "distributed"] = "disk"
     weight_dir: str | None = None  # disk transport: a directory the servers can read (shared fs on SLURM)

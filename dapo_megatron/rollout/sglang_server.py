@@ -106,6 +106,18 @@ def find_free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def require_free_port(host: str, port: int) -> None:
+    """Raise :class:`SGLangServerError` when ``port`` is taken: a server started there cannot bind it, and the one
+    already there would answer this run's health checks (and refuse its API key)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise SGLangServerError(
+                f"port {port} on {host} is taken ({error.strerror}): another process (an SGLang server of another "
+                f"run?) listens there; set rollout.sglang.base_port to a free range, or 0 for free ports") from None
+
+
 def new_api_key() -> str:
     """A fresh 256-bit key in hex. Not ``token_urlsafe``: SGLang turns the config file into the argv words
     ``--api-key <key>``, and argparse takes a word starting with ``-`` for an option, so one launch in 64 died with
@@ -197,6 +209,8 @@ class SGLangServerProcess:
         self.api_key = new_api_key()
         base_port = self.config.base_port
         self.port = base_port + self.index if base_port else find_free_port(self.config.host)
+        if base_port:
+            require_free_port(self.config.host, self.port)
         config_file = self.run_dir / f"server{self.index}.yaml"
         config_file.unlink(missing_ok=True)
         descriptor = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

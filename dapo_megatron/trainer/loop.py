@@ -67,6 +67,7 @@ class DAPOTrainer:
     def __init__(self, config: DAPOConfig, model_dir: str | Path, backend: Backend, *, resume: bool = False):
         self.config = config
         self.backend = backend
+        logger.info("policy backend: %s", backend.name)
         self.model_dir = Path(model_dir)
         self.resume = resume
         self.rank = dist.get_rank()
