@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import itertools
 import random
-import stat
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from sglang_fixtures import exiting_python, launched_argv
 
 from dapo_megatron.config import ConfigError, SGLangConfig, load_config
 from dapo_megatron.rollout.engine import RolloutError
@@ -93,35 +92,20 @@ def test_an_attached_gpu_server_without_the_memory_saver_is_refused():
     check_attached_server("http://127.0.0.1:30000", {"device": "cpu", "enable_memory_saver": False})
 
 
-def _exiting_python(tmp_path: Path) -> str:
-    """An interpreter stand-in: answers SGLang's version probe, and as a "server" exits 1 at once."""
-    script = tmp_path / "exit.py"
-    script.write_text("import sys\nsys.exit(0 if '-c' in sys.argv else 1)\n")
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    return str(wrapper)
-
-
-def _launched_argv(log: Path) -> list[str]:
-    line = next(line for line in log.read_text().splitlines() if line.startswith("===== launch 1 of server"))
-    return line.split(": ", 1)[1].split()
-
-
 @pytest.mark.parametrize("placement,first_gpus,saver", [("colocated", ["0", "2"], True),
                                                          ("separate", ["4", "6"], False)])
 def test_the_pool_launches_colocated_servers_on_the_trainer_gpus_with_the_memory_saver(
         tmp_path, monkeypatch, placement, first_gpus, saver):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # a GPU node, seen from a CPU machine
-    config = SGLangConfig(python=_exiting_python(tmp_path), num_servers=2, tp_per_server=2, base_port=0,
+    config = SGLangConfig(python=exiting_python(tmp_path), num_servers=2, tp_per_server=2, base_port=0,
                           transport="tensor", mem_fraction_static=0.5, launch_timeout_s=60)
     pool = ServerPool(config, model_path=str(tmp_path), run_dir=tmp_path / "run", device="cuda", placement=placement)
     with pytest.raises(RolloutError, match="exited with code 1"):
         pool.start()
     pool.stop()
     for index, first_gpu in enumerate(first_gpus):
-        argv = _launched_argv(tmp_path / "run" / f"server{index}.log")
+        argv = launched_argv(tmp_path / "run" / f"server{index}.log")
         assert argv[argv.index("--base-gpu-id") + 1] == first_gpu
         assert (MEMORY_SAVER_FLAG in argv) == saver
 

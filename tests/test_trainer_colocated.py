@@ -8,16 +8,11 @@ it held (tests/test_sglang_colocated.py)."""
 from __future__ import annotations
 
 import math
-import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
-from trainer_harness import run_trainer
-
-from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.rollout.sglang_server import require_sglang
+from trainer_harness import run_trainer, small_sglang_run
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -35,19 +30,9 @@ def received_turns(log: str) -> str:
 def test_dapo_steps_with_a_colocated_sglang_server(tmp_path):
     from spawn_ranks import run_distributed
 
-    python = os.environ.get("DAPO_SGLANG_PYTHON", sys.executable)
-    try:
-        require_sglang(python)
-    except RolloutError as error:
-        pytest.skip(f"SGLang is not importable by {python}: {error}")
-    overrides = [f"trainer.run_dir={tmp_path}", f"rollout.sglang.python={python}", "warm_start.enabled=false",
-                 "trainer.total_steps=2", "trainer.train_batch_size=4", "trainer.mini_batch_size=2",
-                 "rollout.n_samples=4", "data.synthetic.num_train=200", "data.synthetic.num_heldout=4",
-                 "eval.every=1", "trainer.save_every=2", "rollout.max_response_length=24",
-                 "algorithm.overlong_buffer_len=4", "algorithm.dynamic_sampling=false",
-                 "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
-                 "parallel.tensor=2", "rollout.placement=colocated", "rollout.sglang.transport=tensor",
-                 "rollout.sglang.mem_fraction_static=0.5", "rollout.offload_optimizer=true"]
+    overrides = small_sglang_run(tmp_path) + [  # later overrides win
+        "eval.every=1", "data.synthetic.num_heldout=4", "rollout.placement=colocated",
+        "rollout.sglang.transport=tensor", "rollout.sglang.mem_fraction_static=0.5", "rollout.offload_optimizer=true"]
     result, _ = run_distributed(run_trainer, 2, overrides, REPO / "examples" / "tiny_cpu_sglang.yaml",
                                 timeout_s=1200)
     assert result["changed"] == result["num_params"] and result["version"] == 2
