@@ -156,6 +156,13 @@ class RolloutConfig:
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1  # async: a group trains only while policy version − its oldest token's version <= this
     partial_rollouts: bool = True  # async: generations in flight at a weight update continue on the new weights
+    # Where launched SGLang servers run: "separate" GPUs (after the trainer's on a node, or other nodes), or
+    # "colocated" on the trainer's own GPUs, taking turns with it: the servers release their weights and KV cache
+    # while the policy trains and take them back for the weight handoff and generation (rollout/placement.py).
+    placement: Literal["separate", "colocated"] = "separate"
+    # colocated, on GPUs: the optimizer state (fp32 main parameters, Adam moments) waits in host memory while the
+    # servers generate, leaving that much more GPU memory to them (trainer/colocation.py).
+    offload_optimizer: bool = False
 
 
 @dataclass
@@ -285,6 +292,20 @@ class DAPOConfig:
                  f"must be >= 0 (or null), got {s.base_gpu_id}")
         _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",
                  f"must be in (0, 1) (or null), got {s.mem_fraction_static}")
+        _require(r.placement == "separate" or r.engine == "sglang", "rollout.placement",
+                 "colocated places SGLang servers on the trainer's GPUs; it needs rollout.engine: sglang")
+        _require(r.placement == "separate" or r.mode == "sync", "rollout.placement",
+                 "colocated servers hand their GPU memory to the training between generations; it needs "
+                 "rollout.mode: sync (async generates while the policy trains)")
+        _require(r.placement == "separate" or s.transport != "distributed", "rollout.sglang.transport",
+                 "distributed cannot reach colocated servers: NCCL refuses a weight-update group with two members on "
+                 "one GPU; use tensor (CUDA IPC) or disk")
+        _require(r.placement == "separate" or s.mem_fraction_static is not None, "rollout.sglang.mem_fraction_static",
+                 "must be set under rollout.placement: colocated (the servers' share of the GPU memory free when "
+                 "they start; SGLang's default leaves the trainer nothing); `dapo-megatron plan` shows what fits")
+        _require(not r.offload_optimizer or r.placement == "colocated", "rollout.offload_optimizer",
+                 "moves the optimizer state out of the way of colocated servers; it needs rollout.placement: "
+                 "colocated")
         e = r.embedded
         _require(e.max_batch_rows >= 1, "rollout.embedded.max_batch_rows", f"must be >= 1, got {e.max_batch_rows}")
         _require(e.max_kv_cache_mb > 0, "rollout.embedded.max_kv_cache_mb", f"must be > 0, got {e.max_kv_cache_mb}")

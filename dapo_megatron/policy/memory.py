@@ -212,10 +212,14 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
     the Transformer Engine layer spec (fused attention, sequence parallelism as :func:`sequence_parallel_enabled`
     decides it); ``local_spec=True`` plans megatron's local spec instead (unfused attention, no sequence parallelism).
     """
+    # gpu_sharing builds on this module (a module-level import would be circular)
+    from dapo_megatron.policy.gpu_sharing import sharing_report
+
     p = config.parallel
     dp = data_parallel or p.data or 1
     stages, sequence_parallel = plan_stages(config, spec, data_parallel=dp, local_spec=local_spec)
-    fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages)
+    sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
+    fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
     lines = [
         f"model: {spec.arch}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size} ({origin})",
         f"layout: TP {p.tensor} x PP {p.pipeline} x DP {dp}"
@@ -227,6 +231,8 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         "",
         memory_table(stages, gpu_memory_gb=gpu_memory_gb),
         "",
+        *sharing,
+        *([""] if sharing else []),
         f"{'fits' if fits else 'does NOT fit'} in {gpu_memory_gb:g} GB per GPU "
         f"(the memory model: dapo_megatron/policy/memory.py)",
     ]

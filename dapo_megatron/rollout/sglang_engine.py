@@ -21,6 +21,12 @@ wait in the server's queue and resume on the new weights), flushes its cache, pu
 configured transport (:mod:`dapo_megatron.rollout.sglang_transports`), continues generation, and reads back each
 server's ``weight_version`` (``/model_info``), raising :class:`RolloutError` on any mismatch. Every generated
 sample's reported ``weight_version`` is checked as well.
+
+Colocated servers (``placement="colocated"``, :mod:`dapo_megatron.rollout.placement`) release and resume their memory
+in the trainer's turns (:meth:`SGLangEngine.before_generation`, :meth:`~SGLangEngine.after_generation`,
+:meth:`~SGLangEngine.before_policy_update`; :meth:`~SGLangEngine.update_weights` resumes released weights before it
+pushes). The engine tracks what each server released, sends only moves that state allows, and refuses to generate on
+a server whose memory is released.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from dapo_megatron.rollout.engine import (
     Sample,
     SamplingParams,
 )
+from dapo_megatron.rollout.placement import Placement, ServerMemory, ServerMemoryError
 from dapo_megatron.rollout.sglang_client import ServerFailure
 from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
@@ -76,15 +83,19 @@ class SGLangEngine(RolloutEngine):
     :func:`dapo_megatron.rollout.sglang_server.served_dtype` of its ``model.precision``).
     ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its device
     type, in the environment it gives them.
+    ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.
     """
 
     def __init__(self, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
-                 show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None) -> None:
+                 show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
+                 placement: Placement = "separate") -> None:
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
         self.config = config
         self.model_path = str(model_path)
         self.show_progress = show_progress
+        self.placement = placement
+        self._server_memory: dict[int, tuple[int, ServerMemory]] = {}  # slot index -> (generation, what it released)
         backend = select_backend() if backend is None else backend
         self.device = backend.device_type
         self._closed = False
@@ -94,7 +105,8 @@ class SGLangEngine(RolloutEngine):
         self._update_lock = threading.Lock()
         self._warned_unseeded = False
         self.pool = ServerPool(config, model_path=self.model_path, run_dir=self.run_dir, device=self.device,
-                               dtype=dtype, server_environment=backend.sglang_server_environment)
+                               dtype=dtype, server_environment=backend.sglang_server_environment,
+                               placement=placement)
         self.transport: WeightTransport | None = None
         self._weight_version = 0  # until the pool reports the servers' version; shutdown reads it on a failed start
         self.streams = SGLangStreams(self.pool, max_concurrent_requests=config.max_concurrent_requests,
@@ -144,6 +156,7 @@ class SGLangEngine(RolloutEngine):
                 raise ValueError(f"SGLangEngine.generate: prompt {index} is empty")
         if not prompts:
             return []
+        self._check_memory_for_generation()
         seeded = params.seed is not None and self.pool.deterministic
         if params.seed is not None and not seeded and not self._warned_unseeded:
             logger.warning("SamplingParams.seed=%s is not honored: the SGLang servers do not run deterministic "
@@ -182,6 +195,7 @@ class SGLangEngine(RolloutEngine):
     # ---- streaming -------------------------------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         self._check_open()
+        self._check_memory_for_generation()
         self.streams.submit(requests)
 
     def poll(self, timeout_s: float = 0.0) -> list[FinishedRequest]:
@@ -222,6 +236,7 @@ class SGLangEngine(RolloutEngine):
                 raise RolloutError("SGLangEngine.update_weights: no SGLang server is available")
             targets = _targets(slots)
             started = time.monotonic()
+            self._move_memory(slots, ServerMemory.for_weight_update, release=False)
             for target in targets:
                 target.client.pause_generation(mode="retract")
                 target.client.flush_cache()
@@ -240,6 +255,57 @@ class SGLangEngine(RolloutEngine):
             self.verify_served_version(version, slots)
             logger.info("weights v%d pushed to %d server(s) over %s in %.1f s", version, len(slots),
                         self.transport.name, time.monotonic() - started)
+
+    # ---- turns on GPUs shared with the trainer (colocated placement) ------------------------------------------------
+    def before_generation(self) -> None:
+        with self._update_lock:
+            self._move_memory(self.pool.available(), ServerMemory.for_generation, release=False)
+
+    def after_generation(self) -> None:
+        self._require_idle("after_generation")
+        with self._update_lock:
+            self._move_memory(self.pool.available(), ServerMemory.after_generation, release=True)
+
+    def before_policy_update(self) -> None:
+        self._require_idle("before_policy_update")
+        with self._update_lock:
+            self._move_memory(self.pool.available(), ServerMemory.for_training, release=True)
+
+    def server_memory(self, slot: ServerSlot) -> ServerMemory:
+        """What ``slot``'s server has released (a server restarted since holds everything again)."""
+        generation, memory = self._server_memory.get(slot.index, (slot.generation, ServerMemory()))
+        return memory if generation == slot.generation else ServerMemory()
+
+    def _move_memory(self, slots: Sequence[ServerSlot], tags_of, *, release: bool) -> None:
+        """Release (or resume) on each colocated server the tags ``tags_of(its ServerMemory)`` names, and record it."""
+        if self.placement != "colocated":
+            return
+        for slot in slots:
+            memory = self.server_memory(slot)
+            tags = tags_of(memory)
+            if not tags:
+                continue
+            if release:
+                slot.client.release_memory_occupation(tags)
+                memory = memory.released(tags)
+            else:
+                slot.client.resume_memory_occupation(tags)
+                memory = memory.resumed(tags)
+            self._server_memory[slot.index] = (slot.generation, memory)
+            logger.info("SGLang server %d %s %s", slot.index, "released" if release else "resumed", ", ".join(tags))
+
+    def _check_memory_for_generation(self) -> None:
+        held_back = [slot.client.base_url for slot in self.pool.available()
+                     if not self.server_memory(slot).can_generate]
+        if held_back:
+            raise ServerMemoryError(f"SGLangEngine: colocated server(s) {', '.join(held_back)} gave their memory to "
+                                    f"the trainer; call before_generation() before generating")
+
+    def _require_idle(self, turn: str) -> None:
+        """A server releases memory only when idle (SGLang asserts it, and the failed assertion ends the server)."""
+        if self.placement == "colocated" and self.streams.num_in_flight:
+            raise RolloutError(f"SGLangEngine.{turn}: {self.streams.num_in_flight} streamed request(s) in flight; "
+                               f"colocated servers release memory only when idle")
 
     def verify_served_version(self, expected: int | None = None, slots: Sequence[ServerSlot] | None = None) -> None:
         """Raise :class:`RolloutError` unless every available server reports ``weight_version == expected``."""

@@ -67,6 +67,10 @@ _ENV_REMOVED_FROM_SERVER = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
 # sizes the cache from free RAM (a 15 GB cache and a 99 s start were measured for a tiny model).
 CPU_KV_CACHE_TOKENS = 16384
 
+# Makes /release_memory_occupation and /resume_memory_occupation free and map GPU memory (colocated placement,
+# dapo_megatron/rollout/placement.py); without it both answer 200 and change nothing.
+MEMORY_SAVER_FLAG = "--enable-memory-saver"
+
 # model.precision -> the dtype the servers compute in: FP8 training keeps BF16 weights for the handoff.
 _SERVED_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 
@@ -128,12 +132,14 @@ def new_api_key() -> str:
 class SGLangServerProcess:
     """One ``sglang.launch_server`` process group serving ``model_path`` at ``url``, protected by ``api_key``.
 
-    ``gpus``: the GPUs of a CUDA server (its TP ranks, consecutive); ``dtype``: SGLang's ``--dtype``.
+    ``gpus``: the GPUs of a CUDA server (its TP ranks, consecutive); ``dtype``: SGLang's ``--dtype``;
+    ``memory_saver``: start with SGLang's memory saver (a colocated server on GPUs).
     """
 
     def __init__(self, config: SGLangConfig, *, model_path: str | Path, index: int, run_dir: str | Path,
                  weight_version: str, device: Literal["cpu", "cuda"], gpus: range | None = None,
-                 dtype: str = "auto", platform_environment: ServerEnvironment = unchanged_environment) -> None:
+                 dtype: str = "auto", platform_environment: ServerEnvironment = unchanged_environment,
+                 memory_saver: bool = False) -> None:
         if device == "cuda" and (gpus is None or len(gpus) != config.tp_per_server):
             raise ValueError(f"SGLang server {index}: a CUDA server needs its {config.tp_per_server} GPU(s), got {gpus}")
         self.config = config
@@ -145,6 +151,7 @@ class SGLangServerProcess:
         self.platform_environment = platform_environment
         self.gpus = gpus
         self.dtype = dtype
+        self.memory_saver = memory_saver
         self.api_key = ""
         self.port = 0
         self._process: subprocess.Popen | None = None
@@ -185,6 +192,8 @@ class SGLangServerProcess:
             command += ["--dtype", self.dtype]
         if config.mem_fraction_static is not None:
             command += ["--mem-fraction-static", str(config.mem_fraction_static)]
+        if self.memory_saver:
+            command.append(MEMORY_SAVER_FLAG)
         if self.device == "cpu":
             command.append("--sleep-on-idle")
             if not _given(config.extra_server_args, "--max-total-tokens"):

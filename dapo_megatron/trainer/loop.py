@@ -26,6 +26,9 @@ The trainer starts from an HF folder (:mod:`.model_source`); making the CPU demo
 ``rollout.mode: async`` changes only where steps 1–4 come from: :mod:`.async_collector` generates in a background
 thread during the other steps, so ``collect`` mostly hands over groups sampled by the previous weights; the weight
 version is the policy's step count, and staleness is counted against it (:mod:`dapo_megatron.algorithm.staleness`).
+
+``rollout.placement: colocated`` puts the SGLang servers on the trainer's GPUs: generation, the update and the handoff
+then take turns with the servers' memory (:mod:`.colocation`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.rollout.factory import build_rollout_engine
 from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
+from dapo_megatron.trainer.colocation import Colocation
 from dapo_megatron.trainer.evaluate import evaluate
 from dapo_megatron.trainer.metrics import MetricsWriter
 from dapo_megatron.trainer.model_source import load_tokenizer
@@ -92,11 +96,13 @@ class DAPOTrainer:
         self.policy_update = PolicyUpdate(self.actor, config)
         self.writer = MetricsWriter(self.run_dir, tensorboard=config.trainer.tensorboard, enabled=self.rank == 0)
 
-        # The rollout side, on rank 0 only.
+        # The rollout side, on rank 0 only; colocated servers start in a generation turn (they size their memory then).
         self.engine = None
         self.collector = None
         self.eval_prompts: tuple = ()
-        run_on_rank0(self._start_rollout_side, what="starting the rollout side", broadcast_result=False)
+        self.colocation = Colocation(config, self.actor.optimizer, lambda: self.engine, device_type=backend.device_type)
+        with self.colocation.generating():
+            run_on_rank0(self._start_rollout_side, what="starting the rollout side", broadcast_result=False)
 
     def _start_rollout_side(self) -> None:
         c = self.config
@@ -113,9 +119,10 @@ class DAPOTrainer:
         """DAPO step ``step`` → ``step + 1``, on every rank; returns the metrics it logged as step ``step + 1``."""
         c, timer, done = self.config, StepTimer(), step + 1
         with timer.phase("step"):
-            with timer.phase("gen"):  # 1-4: prompts → G responses each → rewards → dynamic-sampling filter/buffer
+            with timer.phase("gen"), self.colocation.generating():  # 1-4: prompts → G responses → rewards → filter
                 groups, rollout = hand_over_rollouts(lambda: self.collector.collect(step),
                                                      what=f"step {done} rollouts")
+            self.colocation.before_policy_update()  # colocated servers give the GPU memory to the training
             # 5-7: advantages → π_old's log-probs → rollout correction → one update per mini-batch, the DAPO loss
             update = self.policy_update.run(groups, step, timer, progress=lambda batches: self._progress(batches, done))
             with timer.phase("handoff"):  # 8: the new weights → the rollout engine
@@ -137,13 +144,15 @@ class DAPOTrainer:
         return metrics
 
     def hand_off_weights(self, version: int) -> None:
+        self.colocation.before_handoff()
         sync_engine_weights(self.actor.model, self.spec, self.engine, version=version,
                             bucket_bytes=int(self.config.rollout.handoff_bucket_mb * 2**20),
                             tp_gather=self.backend.tp_gather)
 
     def validate(self) -> dict[str, float]:
-        return run_on_rank0(lambda: evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config),
-                            what="validation")
+        with self.colocation.generating():
+            return run_on_rank0(lambda: evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config),
+                                what="validation")
 
     def _progress(self, batches: list, step: int):
         return tqdm(batches, desc=f"step {step} updates", leave=False, unit="mini-batch",
