@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = (
     f"install it into that interpreter: `scripts/install_sglang_cpu.sh PYTHON` on a CPU machine, "
-    f"`PYTHON -m pip install sglang=={SGLANG_VERSION}` on a GPU machine"
+    f"`PYTHON -m pip install -c constraints/gpu-sglang.txt sglang=={SGLANG_VERSION}` on a GPU machine (README, "
+    f"Installation)"
 )
 
 # Environment variables that change what the server returns; removed so the engine's documented semantics hold.
