@@ -10,7 +10,7 @@
 #      constraints/cpu.txt, with every package already in the environment pinned to its current version (a
 #      constraints file made from `pip freeze`): nothing installed is upgraded or downgraded; where a requirement
 #      cannot be met without that, the installer stops and says which.
-#   3. sglang itself, at the version of constraints/gpu.txt, without its dependencies.
+#   3. sglang itself, at the version of constraints/gpu-sglang.txt, without its dependencies.
 #   4. torchvision: SGLang imports it (srt/configs). PyPI's torchvision 0.28.0 (the release built for
 #      torch 2.13) is linked against CUDA torch, so its C extension does not load under CPU torch; its
 #      Python code works, except two unguarded `torch.library.register_fake("torchvision::nms"/"qnms")`
@@ -32,7 +32,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${1:-python3}"
 CPU_LOCK="$ROOT/constraints/cpu.txt"
 pinned() { sed -n "s/^$1==//p" "$2"; }
-SGLANG_VERSION="$(pinned sglang "$ROOT/constraints/gpu.txt")"
+SGLANG_VERSION="$(pinned sglang "$ROOT/constraints/gpu-sglang.txt")"
 TORCH_VERSION="$(pinned torch "$CPU_LOCK")"
 TORCH_VERSION="${TORCH_VERSION%+*}"  # 2.13.0+cpu -> 2.13.0
 mapfile -t SGLANG_CPU_REQUIREMENTS < <(grep -vE '^\s*(#|$)' "$ROOT/constraints/sglang-cpu.in")
