@@ -85,7 +85,7 @@ size_before_kb="$(du -sk "$site_packages" | cut -f1)"
 uv_pin="$(grep -E '^uv==' "$CPU_LOCK")"
 UV="$(dirname "$PYTHON")/uv"
 if [ "$("$UV" --version 2>/dev/null | cut -d' ' -f2)" != "${uv_pin#uv==}" ]; then
-  "$PYTHON" -m pip install --quiet "$uv_pin"
+  "$PYTHON" -m pip install -qq "$uv_pin"
   UV="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/uv"
 fi
 source "$ROOT/scripts/uv_args.sh"

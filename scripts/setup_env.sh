@@ -24,7 +24,7 @@ wanted="$(cat "$ROOT/pyproject.toml" "$LOCK" | sha256sum | cut -d' ' -f1) extras
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   uv_pin="$(grep -E '^uv==' "$LOCK")"
   if [ "$("$VENV/bin/uv" --version 2>/dev/null | cut -d' ' -f2)" != "${uv_pin#uv==}" ]; then
-    "$PY" -m pip install -q "$uv_pin"
+    "$PY" -m pip install -qq "$uv_pin"  # -qq: errors only, not this machine's pip-index warnings
   fi
   source "$ROOT/scripts/uv_args.sh"
   # torch comes pinned by the lock: unpinned it would resolve to a multi-GB CUDA build; 2.13.0+cpu is the CPU build.
