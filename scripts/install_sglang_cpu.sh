@@ -89,7 +89,8 @@ if [ "$("$UV" --version 2>/dev/null | cut -d' ' -f2)" != "${uv_pin#uv==}" ]; the
   UV="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/uv"
 fi
 source "$ROOT/scripts/uv_args.sh"
-uv_install() { "$UV" pip install --quiet --python "$PYTHON" "${UV_FIND_LINKS_ARGS[@]}" "$@"; }
+# --compile-bytecode as in setup_env.sh: .pyc files now, not a compile of SGLang's sources at every server start.
+uv_install() { "$UV" pip install --quiet --compile-bytecode --python "$PYTHON" "${UV_FIND_LINKS_ARGS[@]}" "$@"; }
 
 # ---- 1. torch 2.13.0 (CPU build) ------------------------------------------------------------------------
 torch_version="$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"

@@ -28,9 +28,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   fi
   source "$ROOT/scripts/uv_args.sh"
   # torch comes pinned by the lock: unpinned it would resolve to a multi-GB CUDA build; 2.13.0+cpu is the CPU build.
+  # --compile-bytecode, as pip does: these machines set PYTHONDONTWRITEBYTECODE=1, so without .pyc files every
+  # process (each spawned rank of a test) would compile torch's and megatron's sources again on import.
   echo "[setup] installing dapo-megatron[$EXTRAS] with the pins of constraints/cpu.txt"
-  "$VENV/bin/uv" pip install --quiet --python "$PY" --constraint "$LOCK" "${UV_FIND_LINKS_ARGS[@]}" \
-    --editable "$ROOT[$EXTRAS]"
+  "$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$PY" --constraint "$LOCK" \
+    "${UV_FIND_LINKS_ARGS[@]}" --editable "$ROOT[$EXTRAS]"
   echo "$wanted" >"$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
