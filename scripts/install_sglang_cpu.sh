@@ -1,51 +1,41 @@
 #!/usr/bin/env bash
-# Install SGLang 0.5.23 into a Python environment on a CPU-only x86 machine.
+# Install SGLang into a Python environment on a CPU-only x86 machine, at the versions of constraints/cpu.txt.
 #
 #   scripts/install_sglang_cpu.sh [VENV_PYTHON]      (default: python3 on PATH)
 #
 # Why not `pip install sglang==0.5.23`: its metadata pins torch==2.14.1 and ~20 CUDA-only packages
 # (flashinfer, sglang-kernel, deep-gemm, cutlass, ...), 208 wheels / 4.3 GB. On CPU none of them is used, so:
-#   1. torch 2.13.0 (CPU build) is kept; if the environment has no torch, torch==2.13.0 is installed
-#      (on these machines pip resolves it to the local CPU wheel).
-#   2. SGLang's requirements minus the CUDA-only ones are installed with every package already present in
-#      the environment pinned to its current version (a constraints file made from `pip freeze`), so this
-#      script never upgrades or downgrades transformers, datasets, numpy, ... in an existing environment.
-#      If a requirement cannot be met without changing one of them, pip stops and says which.
-#   3. `pip install --no-deps sglang==0.5.23`.
+#   1. torch 2.13.0 (CPU build, constraints/cpu.txt) is kept; another torch in the environment stops the install.
+#   2. SGLang's requirements minus the CUDA-only ones (constraints/sglang-cpu.in) are installed at the versions of
+#      constraints/cpu.txt, with every package already in the environment pinned to its current version (a
+#      constraints file made from `pip freeze`): nothing installed is upgraded or downgraded; where a requirement
+#      cannot be met without that, the installer stops and says which.
+#   3. sglang itself, at the version of constraints/gpu-sglang.txt, without its dependencies.
 #   4. torchvision: SGLang imports it (srt/configs). PyPI's torchvision 0.28.0 (the release built for
 #      torch 2.13) is linked against CUDA torch, so its C extension does not load under CPU torch; its
 #      Python code works, except two unguarded `torch.library.register_fake("torchvision::nms"/"qnms")`
 #      calls that then fail with "operator torchvision::nms does not exist" and break `import torchvision`.
 #      This script wraps those two registrations in the `extension._has_ops()` check that torchvision
-#      already uses for its other fake kernels (an in-place edit of the installed
-#      torchvision/_meta_registrations.py, applied once and verified by importing torchvision).
+#      already uses for its other fake kernels (the installed torchvision/_meta_registrations.py is replaced by
+#      the guarded copy once, and verified by importing torchvision).
 #      torchvision ops (nms, roi_align, ...) stay unavailable, which no text model needs.
+# The installer is uv at the version constraints/cpu.txt pins (installed into the environment by its pip if absent).
 #
 # The server additionally needs, at run time (set by dapo_megatron.rollout.sglang_server, not here):
 # SGLANG_USE_CPU_ENGINE=1 and the `sgl_kernel` stand-in of dapo_megatron/cpu/sglang on PYTHONPATH.
 #
-# Idempotent: when sglang 0.5.23, its CPU requirements and an importable torchvision are already present it
-# returns in about a second without calling pip.
+# Idempotent: when sglang, its CPU requirements and an importable torchvision are already present it
+# returns in about a second without calling an installer.
 set -euo pipefail
 
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${1:-python3}"
-SGLANG_VERSION="0.5.23"
-TORCH_VERSION="2.13.0"
-TORCHVISION_VERSION="0.28.0"  # the torchvision release built for torch 2.13
-
-# SGLang 0.5.23's requirements without the CUDA-only ones. Versions are SGLang's own pins where it pins
-# a package that is new to the environment; transformers, tokenizers, python-dateutil, sentencepiece,
-# soundfile and timm are left unpinned so the environment's versions are kept (SGLang 0.5.23 runs with
-# transformers 5.24 and python-dateutil 4 here).
-SGLANG_CPU_REQUIREMENTS=(
-  aiohttp "anthropic>=0.20.0" blobfile==3.0.0 build compressed-tensors==0.18.0 datasets distro easydict einops
-  fastapi gguf interegular IPython "llguidance>=1.7.6,<2.0.0" modelscope msgspec ninja
-  numpy nvidia-ml-py openai==2.8.0 openai-harmony==0.0.4 orjson outlines==0.1.11 packaging partial_json_parser
-  pillow "prometheus-client>=0.20.0" psutil py-spy pybase64 pydantic python-dateutil python-multipart
-  "pyzmq>=25.1.2" regex requests scipy sentencepiece setproctitle "smg-grpc-servicer>=0.9.0" soundfile timm
-  tiktoken tokenizers tqdm transformers "uvicorn>=0.51" uvloop watchfiles xgrammar==0.2.7 xxhash zstandard
-  "torchvision==${TORCHVISION_VERSION}"
-)
+CPU_LOCK="$ROOT/constraints/cpu.txt"
+pinned() { sed -n "s/^$1==//p" "$2"; }
+SGLANG_VERSION="$(pinned sglang "$ROOT/constraints/gpu-sglang.txt")"
+TORCH_VERSION="$(pinned torch "$CPU_LOCK")"
+TORCH_VERSION="${TORCH_VERSION%+*}"  # 2.13.0+cpu -> 2.13.0
+mapfile -t SGLANG_CPU_REQUIREMENTS < <(grep -vE '^\s*(#|$)' "$ROOT/constraints/sglang-cpu.in")
 
 log() { echo "[install_sglang_cpu] $*" >&2; }
 
@@ -91,11 +81,22 @@ start_seconds=$SECONDS
 site_packages="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 size_before_kb="$(du -sk "$site_packages" | cut -f1)"
 
+# ---- the installer: uv at the version the lock pins ------------------------------------------------------
+uv_pin="$(grep -E '^uv==' "$CPU_LOCK")"
+UV="$(dirname "$PYTHON")/uv"
+if [ "$("$UV" --version 2>/dev/null | cut -d' ' -f2)" != "${uv_pin#uv==}" ]; then
+  "$PYTHON" -m pip install -qq "$uv_pin"
+  UV="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/uv"
+fi
+source "$ROOT/scripts/uv_args.sh"
+# --compile-bytecode as in setup_env.sh: .pyc files now, not a compile of SGLang's sources at every server start.
+uv_install() { "$UV" pip install --quiet --compile-bytecode --python "$PYTHON" "${UV_FIND_LINKS_ARGS[@]}" "$@"; }
+
 # ---- 1. torch 2.13.0 (CPU build) ------------------------------------------------------------------------
 torch_version="$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
 if [ -z "$torch_version" ]; then
-  log "no torch in this environment: installing torch==${TORCH_VERSION}"
-  "$PYTHON" -m pip install --quiet "torch==${TORCH_VERSION}"
+  log "no torch in this environment: installing torch at the version of constraints/cpu.txt"
+  uv_install --constraint "$CPU_LOCK" torch
   torch_version="$("$PYTHON" -c 'import torch; print(torch.__version__)')"
 fi
 case "$torch_version" in
@@ -107,17 +108,18 @@ if [ "$("$PYTHON" -c 'import torch; print(torch.version.cuda is None)')" != "Tru
 fi
 
 # ---- 2. SGLang's CPU requirements, without touching what is installed ----------------------------------
-constraints="$(mktemp)"
-trap 'rm -f "$constraints"' EXIT
+installed="$(mktemp)"
+trap 'rm -f "$installed"' EXIT
 # Everything installed stays at its version; torch is pinned even where `pip freeze` spells it oddly.
-"$PYTHON" -m pip freeze --exclude-editable 2>/dev/null | grep -E '^[A-Za-z0-9_.-]+==' >"$constraints" || true
-echo "torch==${torch_version}" >>"$constraints"
-log "installing SGLang's CPU requirements (installed packages pinned by $(wc -l <"$constraints") constraints)"
-"$PYTHON" -m pip install --quiet --constraint "$constraints" "${SGLANG_CPU_REQUIREMENTS[@]}"
+"$PYTHON" -m pip freeze --exclude-editable 2>/dev/null | grep -E '^[A-Za-z0-9_.-]+==' >"$installed" || true
+echo "torch==${torch_version}" >>"$installed"
+log "installing SGLang's CPU requirements at the versions of constraints/cpu.txt" \
+  "(and $(wc -l <"$installed") installed packages kept at theirs)"
+uv_install --constraint "$CPU_LOCK" --constraint "$installed" "${SGLANG_CPU_REQUIREMENTS[@]}"
 
 # ---- 3. SGLang itself ----------------------------------------------------------------------------------
 log "installing sglang==${SGLANG_VERSION} without its CUDA dependencies"
-"$PYTHON" -m pip install --quiet --no-deps "sglang==${SGLANG_VERSION}"
+uv_install --no-deps "sglang==${SGLANG_VERSION}"
 
 # ---- 4. guard torchvision's two unguarded fake-kernel registrations ----------------------------------------
 "$PYTHON" - <<'PY'
@@ -139,7 +141,11 @@ for op in ("nms", "qnms"):
         flags=re.MULTILINE,
     )
 if guarded != source:
-    path.write_text(guarded)
+    # A new file, not a write into the old one: an installer that links wheels from its cache (uv) would
+    # otherwise carry the edit into the cached copy.
+    staged = path.with_suffix(".py.guarded")
+    staged.write_text(guarded)
+    staged.replace(path)
     print(f"[install_sglang_cpu] guarded torchvision::nms/qnms fake registrations in {path}")
 PY
 "$PYTHON" -c "import torchvision" || { log "torchvision still does not import; see the error above"; exit 1; }

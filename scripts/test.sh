@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv from nothing and run the test-suite.
 #
-#   scripts/test.sh           everything: unit tests and integration tests (a real SGLang server on CPU, a real
+#   scripts/test.sh           everything: the README's install commands resolved (scripts/check_installs.py), unit
+#                             tests and integration tests (a real SGLang server on CPU, a real
 #                             3-node SLURM cluster in network namespaces, full DAPO runs, resume). Needs root on
 #                             Debian (the cluster); a missing SLURM or SGLang fails the run instead of skipping.
 #   scripts/test.sh --fast    unit tests only (pytest -m "not slow"), a few minutes
@@ -19,6 +20,8 @@ if [ "$MODE" = fast ]; then
   exec python -m pytest -m "not slow" -q "$@"
 fi
 
+# Every install command the README documents must resolve against the registry (the GPU ones never run here).
+python scripts/check_installs.py
 # Integration prerequisites. A failure here fails the run: CI must not silently skip what it is meant to test.
 bash scripts/install_sglang_cpu.sh "$VENV/bin/python"
 # A cluster already up with this layout is reused and left running; one started here is torn down at the end.

@@ -16,12 +16,6 @@ REQUIRE_INTEGRATION = "DAPO_REQUIRE_INTEGRATION"
 INTEGRATION_MARKERS = ("slurm", "sglang")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: integration tests (real servers, clusters, long runs); `-m 'not slow'` skips them")
-    config.addinivalue_line("markers", "sglang: needs an SGLang installation")
-    config.addinivalue_line("markers", "slurm: needs a running SLURM cluster")
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -42,6 +42,7 @@ def test_optional_dependency():
 
 def _run(tmp_path: Path, required: bool) -> subprocess.CompletedProcess:
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy(TESTS.parent / "pyproject.toml", tmp_path / "pyproject.toml")  # the pytest markers
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "test_other.py").write_text(OTHER)
     env = {k: v for k, v in os.environ.items() if k != "DAPO_REQUIRE_INTEGRATION"}

@@ -59,7 +59,7 @@ from dapo_megatron.rollout.placement import Placement, ServerMemory, ServerMemor
 from dapo_megatron.rollout.sglang_client import ServerFailure
 from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
-from dapo_megatron.rollout.sglang_server import SGLangServerProcess
+from dapo_megatron.rollout.sglang_server import SGLangServerProcess, server_python
 from dapo_megatron.rollout.sglang_stream import SGLangStreams
 from dapo_megatron.rollout.sglang_transports import (
     DiskTransport,
@@ -130,7 +130,8 @@ class SGLangEngine(RolloutEngine):
         address = weight_update_address(self.server_urls[0], config.weight_update_address)
         if backend == "gloo":
             pin_gloo_interface(address)
-        return DistributedTransport(master_address=address, backend=backend, timeout_s=config.request_timeout_s)
+        return DistributedTransport(master_address=address, backend=backend, timeout_s=config.request_timeout_s,
+                                    server_python=server_python(config))
 
     # ---- public state --------------------------------------------------------------------------------------------
     @property

@@ -56,7 +56,8 @@ def unchanged_environment(environment: dict[str, str]) -> dict[str, str]:
 
 INSTALL_HINT = (
     f"install it into that interpreter: `scripts/install_sglang_cpu.sh PYTHON` on a CPU machine, "
-    f"`PYTHON -m pip install sglang=={SGLANG_VERSION}` on a GPU machine"
+    f"`PYTHON -m pip install -c constraints/gpu-sglang.txt sglang=={SGLANG_VERSION}` on a GPU machine (README, "
+    f"Installation)"
 )
 
 # Environment variables that change what the server returns; removed so the engine's documented semantics hold.

@@ -42,6 +42,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from dapo_megatron.hf_format import CONFIG_FILE, Bucket, checked_buckets, write_hf_folder
 from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.rollout.runtime_versions import require_server_runtime_matches
 from dapo_megatron.rollout.sglang_client import SGLangClient
 from dapo_megatron.rollout.sglang_server import find_free_port
 from dapo_megatron.rollout.tensor_payloads import BucketPayloads
@@ -193,8 +194,10 @@ class DistributedTransport(WeightTransport):
     name = "distributed"
 
     def __init__(self, *, master_address: str = "127.0.0.1", master_port: int = 0, backend: str = "gloo",
-                 group_name: str = "dapo_weight_update", timeout_s: float = 600.0) -> None:
+                 group_name: str = "dapo_weight_update", timeout_s: float = 600.0,
+                 server_python: str | None = None) -> None:
         self.master_address = master_address
+        self.server_python = server_python  # the servers' interpreter, whose torch/NCCL must equal ours
         self.master_port = master_port
         self.backend = backend
         self.group_name_prefix = group_name
@@ -211,6 +214,8 @@ class DistributedTransport(WeightTransport):
 
     def connect(self, servers: Sequence[ServerTarget]) -> None:
         """Form the group: every server joins with ranks from its ``rank_offset`` while this process joins as 0."""
+        if self.server_python is not None:
+            require_server_runtime_matches(self.server_python, backend=self.backend)
         port = self.master_port or find_free_port(self.master_address)
         # A fresh name per group: servers that outlived a previous group still hold it under the old name.
         self._groups_formed += 1

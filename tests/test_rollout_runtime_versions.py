@@ -1,0 +1,116 @@
+"""The torch/NCCL check before the distributed weight-update group forms (dapo_megatron/rollout/runtime_versions.py)."""
+
+import stat
+import sys
+
+import pytest
+import torch
+
+from dapo_megatron.rollout.runtime_versions import (
+    RuntimeMismatchError,
+    RuntimeVersions,
+    local_versions,
+    python_versions,
+    require_same_runtime,
+)
+from dapo_megatron.rollout.sglang_client import SGLangServerError
+from dapo_megatron.rollout.sglang_transports import DistributedTransport, ServerTarget
+from dapo_megatron.user_errors import EXIT_CODES
+
+# The pair issue 23 met: the trainer on torch 2.13.0, SGLang 0.5.23's environment on torch 2.14.1.
+TRAINER = RuntimeVersions(torch="2.13.0+cu130", nccl="2.29.7")
+SERVER = RuntimeVersions(torch="2.14.1+cu130", nccl="2.30.7")
+
+
+def fake_python(tmp_path, stdout: str, exit_code: int = 0):
+    """An 'interpreter' that ignores its arguments and prints a faked version report."""
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\ncat <<'EOF'\n{stdout}\nEOF\nexit {exit_code}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_local_report_is_this_torch():
+    versions = local_versions()
+    assert versions.torch == torch.__version__
+    if torch.distributed.is_nccl_available():
+        assert versions.nccl == ".".join(map(str, torch.cuda.nccl.version()))
+    else:
+        assert versions.nccl is None
+
+
+def test_subprocess_report_of_this_interpreter_equals_the_local_one():
+    assert python_versions(sys.executable) == local_versions()
+
+
+def test_mismatch_names_both_sides_versions():
+    with pytest.raises(RuntimeMismatchError) as raised:
+        require_same_runtime(TRAINER, SERVER, server_python="/envs/sglang/bin/python", backend="nccl")
+    message = str(raised.value)
+    for number in ("2.13.0+cu130", "2.29.7", "2.14.1+cu130", "2.30.7", "/envs/sglang/bin/python"):
+        assert number in message
+    assert raised.value.exit_code == EXIT_CODES["server"]
+
+
+def test_same_torch_with_another_nccl_is_refused():
+    other_nccl = RuntimeVersions(torch=TRAINER.torch, nccl="2.30.7")
+    with pytest.raises(RuntimeMismatchError, match="NCCL 2.29.7.*NCCL 2.30.7"):
+        require_same_runtime(TRAINER, other_nccl, server_python="p", backend="nccl")
+
+
+def test_equal_versions_pass():
+    require_same_runtime(TRAINER, RuntimeVersions(torch="2.13.0+cu130", nccl="2.29.7"), server_python="p",
+                         backend="nccl")
+
+
+def test_faked_server_report_is_read(tmp_path):
+    python = fake_python(tmp_path, '{"torch": "2.14.1+cu130", "nccl": "2.30.7"}')
+    assert python_versions(python) == SERVER
+
+
+@pytest.mark.parametrize("stdout, exit_code, expected", [
+    ("Traceback ...\nModuleNotFoundError: No module named 'torch'", 1, "could not report its torch version"),
+    ("hello", 0, "printed no version report"),
+])
+def test_unusable_server_python_is_named(tmp_path, stdout, exit_code, expected):
+    python = fake_python(tmp_path, stdout, exit_code)
+    with pytest.raises(SGLangServerError, match=expected) as raised:
+        python_versions(python)
+    assert python in str(raised.value)
+
+
+def test_missing_server_python_is_named(tmp_path):
+    with pytest.raises(SGLangServerError, match="does not exist"):
+        python_versions(str(tmp_path / "no-python"))
+
+
+class GroupJoinRecorder:
+    """Stands in for a server's client: records the group join and stops there (no server would answer it)."""
+
+    base_url = "http://127.0.0.1:1"
+
+    def __init__(self):
+        self.joins = []
+
+    def init_weights_update_group(self, **kwargs):
+        self.joins.append(kwargs)
+        raise ConnectionRefusedError("no server behind this client")
+
+
+def test_transport_refuses_a_mismatched_server_before_the_group_forms(tmp_path):
+    other_torch = "9.9.9" if torch.__version__ != "9.9.9" else "9.9.8"
+    python = fake_python(tmp_path, f'{{"torch": "{other_torch}", "nccl": "2.30.7"}}')
+    client = GroupJoinRecorder()
+    transport = DistributedTransport(server_python=python, timeout_s=5)
+    with pytest.raises(RuntimeMismatchError, match=f"torch {other_torch}, NCCL 2.30.7"):
+        transport.connect([ServerTarget(client=client, tp_size=1)])
+    assert client.joins == []  # nothing was asked of the server
+
+
+def test_transport_with_the_same_runtime_goes_on_to_form_the_group():
+    """Control: the trainer's own interpreter passes the check and the server is asked to join."""
+    client = GroupJoinRecorder()
+    transport = DistributedTransport(server_python=sys.executable, timeout_s=1)
+    with pytest.raises(Exception):  # the stand-in refuses the join; the sender's rendezvous then times out
+        transport.connect([ServerTarget(client=client, tp_size=1)])
+    assert len(client.joins) == 1
