@@ -171,16 +171,19 @@ def open_sender_group(*, master_address: str, master_port: int, world_size: int,
                       timeout: timedelta) -> torch.distributed.ProcessGroup:
     """Join the weight-update group as rank 0, the way SGLang's ``init_custom_process_group`` joins it.
 
-    The group is independent of any default process group this process may have (Megatron's): it comes from a TCP
-    rendezvous on ``master_address:master_port`` (rank 0 hosts the store) whose keys are prefixed with
-    ``group_name`` like the servers' side, and is registered so ``torch.distributed.broadcast(group=...)`` accepts
-    it. That needs torch's private ``_new_process_group_helper``, the call SGLang makes on the other end; both ends
-    must run the same torch version.
+    The group is independent of any default process group this process may have (Megatron's): this process hosts the
+    TCP store on ``master_address:master_port`` that the servers' ``tcp://`` rendezvous dials, its keys prefixed with
+    ``group_name`` like the servers' side, and the group is registered so ``torch.distributed.broadcast(group=...)``
+    accepts it. That needs torch's private ``_new_process_group_helper``, the call SGLang makes on the other end;
+    both ends must run the same torch version.
+
+    The store is made here rather than by ``c10d.rendezvous``: under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``)
+    the rendezvous makes rank 0 a client of a store it expects torchrun's agent to host on that port, nobody hosts
+    it, and the group would wait out ``timeout`` (torch/distributed/rendezvous.py, ``_create_c10d_store``).
     """
-    store, rank, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
     group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
+        world_size, 0, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
         group_name=group_name, backend_options=None, timeout=timeout,
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
