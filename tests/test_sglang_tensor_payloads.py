@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dapo_megatron.rollout import tensor_payloads
-from dapo_megatron.rollout.sglang_transports import ServerTarget, TensorTransport
+from dapo_megatron.rollout.sglang_transports import IPC_WINDOW_BUCKETS, ServerTarget, TensorTransport
 from dapo_megatron.rollout.tensor_payloads import (
     DEVICE_ARGUMENT,
     BucketPayloads,
@@ -139,22 +139,50 @@ def test_cpu_tensors_never_travel_as_handles():
         serialize_by_reference(_bucket())
 
 
-def _push(servers, buckets):
-    TensorTransport().send(servers, iter(buckets), version=5)
+def _push(servers, buckets, collect=lambda: None):
+    TensorTransport(collect=collect).send(servers, iter(buckets), version=5)
 
 
-def test_a_bucket_sent_as_handles_lives_until_end_weight_update_returned(fake_cuda):
-    def all_alive():
-        gc.collect()
-        return [ref() is not None for refs in fake_cuda for ref in refs]
-
-    client = RecordingClient("local", at_end=all_alive)
-    _push([ServerTarget(client, tp_size=2, same_host=True)], [_bucket(i) for i in range(3)])
-    ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
-    assert len(alive_at_end) == 3 * 2 * 2 and all(alive_at_end)  # 3 buckets x 2 ranks x 2 tensors
+def _alive_buckets(made) -> list[int]:
+    """Which serializations (in the order made) still have a tensor alive."""
     gc.collect()
-    assert not any(ref() is not None for refs in fake_cuda for ref in refs)  # released after the session
-    assert [call[0] for call in client.calls] == ["begin", "tensor", "tensor", "tensor", "end", "flush", "version"]
+    return [i for i, refs in enumerate(made) if any(ref() is not None for ref in refs)]
+
+
+def test_buckets_sent_as_handles_are_dropped_a_window_behind_and_collected(fake_cuda):
+    """Issue 26, item 3: a GPU bucket is held while the servers load it and for IPC_WINDOW_BUCKETS buckets after,
+    then dropped and torch.cuda.ipc_collect'ed — the whole model is never held until /end_weight_update."""
+    collected = []
+    client = RecordingClient("local", at_end=lambda: _alive_buckets(fake_cuda))
+    original = client.update_weights_from_tensor
+
+    def upload(payloads, **kwargs):  # what is alive while a bucket's post runs
+        client.calls.append(("alive", _alive_buckets(fake_cuda)))
+        original(payloads, **kwargs)
+
+    client.update_weights_from_tensor = upload
+    _push([ServerTarget(client, tp_size=2, same_host=True)], [_bucket(i) for i in range(6)],
+          collect=lambda: collected.append(_alive_buckets(fake_cuda)))
+    alive_at_post = [call[1] for call in client.calls if call[0] == "alive"]
+    window = IPC_WINDOW_BUCKETS * 2  # serializations: 2 TP ranks per bucket
+    for number, alive in enumerate(alive_at_post):
+        current = list(range(2 * number, 2 * number + 2))
+        assert alive == list(range(max(0, 2 * number - window), 2 * number)) + current, (number, alive)
+    ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
+    assert alive_at_end == list(range(12 - window, 12))  # the window, not the model
+    assert len(collected) == 6 - IPC_WINDOW_BUCKETS + 1 and collected[-1] == []  # after every drop, and at the end
+    assert _alive_buckets(fake_cuda) == []
+    assert [call[0] for call in client.calls if call[0] != "alive"] == ["begin"] + ["tensor"] * 6 + [
+        "end", "flush", "version"]
+
+
+def test_control_without_the_window_every_bucket_would_still_be_alive_at_the_end(fake_cuda):
+    """The check above tells a window from holding everything: with a window as long as the push, all are alive."""
+    client = RecordingClient("local", at_end=lambda: _alive_buckets(fake_cuda))
+    TensorTransport(ipc_window_buckets=6, collect=lambda: None).send(
+        [ServerTarget(client, tp_size=2, same_host=True)], iter([_bucket(i) for i in range(6)]), version=5)
+    ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
+    assert alive_at_end == list(range(12))
 
 
 def test_control_a_bucket_sent_by_value_is_not_held(monkeypatch):

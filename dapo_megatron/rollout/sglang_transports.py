@@ -12,7 +12,8 @@ than one bucket. Full tensors are sent; SGLang shards them for its own TP degree
   Works across hosts and is the one a restarted server can be relaunched from (:meth:`restart_model_path`).
 * :class:`TensorTransport` — ``/update_weights_from_tensor`` with one payload per server TP rank
   (:mod:`dapo_megatron.rollout.tensor_payloads`): CUDA IPC handles for GPU buckets going to a server on this host,
-  kept alive until the update session ends; pickled CPU copies otherwise (any host, through the HTTP body).
+  the last :data:`IPC_WINDOW_BUCKETS` of them kept referenced here (:class:`HandleWindow`); pickled CPU copies
+  otherwise (any host, through the HTTP body).
 * :class:`DistributedTransport` — a process group formed by ``/init_weights_update_group`` (rank 0 here, the
   servers' TP ranks after it), then per bucket ``/update_weights_from_distributed`` announcing names/dtypes/shapes
   while this process broadcasts each tensor from rank 0. NCCL on GPUs; gloo on CPU (SGLang passes the backend
@@ -147,22 +148,67 @@ class DiskTransport(WeightTransport):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+IPC_WINDOW_BUCKETS = 2
+"""Buckets sent as CUDA handles that the tensor transport keeps referenced after every server answered for them."""
+
+
+def collect_ipc_memory() -> None:
+    """Free the CUDA blocks sent as IPC handles that this process dropped and every consumer has released
+    (``torch.cuda.ipc_collect``); nothing to do in a process that never initialized CUDA."""
+    if torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
+
+
+class HandleWindow:
+    """The last ``size`` buckets sent as CUDA IPC handles, kept referenced; older ones are dropped and collected.
+
+    Why dropping is safe once every server answered for a bucket: SGLang 0.5.23's ``/update_weights_from_tensor``
+    answers after the server deserialized the handles and loaded (enqueued its copies from) them, and its references
+    die with that call; torch's consumer side synchronizes the server's stream before it gives its reference back,
+    and a block this process drops while a consumer still holds it waits in torch's limbo until the consumers' count
+    reaches 0 (torch/csrc/CudaIPCTypes.cpp). ``torch.cuda.ipc_collect`` then returns it to the caching allocator, so
+    the extra GPU memory of a handoff is a few buckets, not the model (held whole until ``/end_weight_update``
+    before)."""
+
+    def __init__(self, size: int = IPC_WINDOW_BUCKETS, collect: Callable[[], None] = collect_ipc_memory) -> None:
+        self.size = size
+        self.collect = collect
+        self._held: list[BucketPayloads] = []
+
+    def keep(self, payloads: BucketPayloads) -> None:
+        self._held.append(payloads)
+        if len(self._held) > self.size:
+            del self._held[:-self.size]
+            self.collect()
+
+    def release(self) -> None:
+        self._held.clear()
+        self.collect()
+
+
 class TensorTransport(WeightTransport):
     """``/update_weights_from_tensor`` per bucket, one payload per server TP rank (:mod:`.tensor_payloads`)."""
 
     name = "tensor"
 
+    def __init__(self, ipc_window_buckets: int = IPC_WINDOW_BUCKETS,
+                 collect: Callable[[], None] = collect_ipc_memory) -> None:
+        self.ipc_window_buckets = ipc_window_buckets
+        self.collect = collect
+
     def send(self, servers, buckets, version):
-        held: list[BucketPayloads] = []  # buckets sent as CUDA handles: servers copy from them until the session ends
-        with weight_update_session(servers):
-            for bucket in buckets:
-                payloads = BucketPayloads(bucket, servers)
-                if payloads.by_reference:
-                    held.append(payloads)
-                on_all_servers(servers, lambda server, sent=payloads: server.client.update_weights_from_tensor(
-                    sent.for_server(server), version=None, flush_cache=False))
-                del payloads  # a bucket sent by value is released here: the trainer holds one at a time
-        held.clear()
+        window = HandleWindow(self.ipc_window_buckets, self.collect)  # buckets sent as CUDA handles
+        try:
+            with weight_update_session(servers):
+                for bucket in buckets:
+                    payloads = BucketPayloads(bucket, servers)
+                    on_all_servers(servers, lambda server, sent=payloads: server.client.update_weights_from_tensor(
+                        sent.for_server(server), version=None, flush_cache=False))
+                    if payloads.by_reference:
+                        window.keep(payloads)
+                    del payloads  # a bucket sent by value is released here: the trainer holds one at a time
+        finally:
+            window.release()
         tag_version(servers, version)
 
 

@@ -11,8 +11,10 @@ SGLang 0.5.23 (``TpModelWorker.deserialize_own_rank``) has TP rank ``r`` of a se
   UUID rather than by index, which is how SGLang's ``monkey_patch_torch_reductions`` (applied by the server before it
   deserializes) finds the GPU when the server's ``CUDA_VISIBLE_DEVICES`` differs from the trainer's. The UUID is put
   in by this module's own pickler for these payloads only; torch's reducers stay untouched in the trainer, where a
-  global patch would also rewrite CPU tensors' reductions. Servers enqueue their copies from that memory before they
-  answer, so the caller keeps :attr:`BucketPayloads.tensors` alive until ``/end_weight_update`` returned.
+  global patch would also rewrite CPU tensors' reductions. Servers load (enqueue their copies from) that memory before
+  they answer, and torch keeps a block a consumer still holds in its IPC limbo when this process drops it, so the
+  transport drops :attr:`BucketPayloads.tensors` a few buckets after the answers
+  (:class:`dapo_megatron.rollout.sglang_transports.HandleWindow`).
 
 CPU tensors are never sent as shared-memory handles: with torch's default ``file_descriptor`` strategy the server
 crashes (it fetches the fd from this process's resource sharer, which rejects the server's authkey), and the
@@ -95,7 +97,7 @@ class PayloadDestination(Protocol):
 class BucketPayloads:
     """One bucket's ``serialized_named_tensors`` for each server (:meth:`for_server`).
 
-    ``by_reference``: some server got handles into :attr:`tensors`, which must then outlive the update session.
+    ``by_reference``: some server got handles into :attr:`tensors` (see the module docstring for how long they live).
     """
 
     def __init__(self, bucket: Bucket, servers: Sequence[PayloadDestination]) -> None:
