@@ -43,19 +43,22 @@ _rebuild_cuda_tensor = getattr(reductions, "_rebuild_cuda_tensor_original", redu
 DEVICE_ARGUMENT = list(inspect.signature(_rebuild_cuda_tensor).parameters).index("storage_device")
 
 
-def serialize_by_value(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """Base64 of a standard pickle of CPU copies of the tensors."""
-    tensors = [(name, tensor.detach().cpu().contiguous()) for name, tensor in named_tensors]
-    return base64.b64encode(pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+def serialize_by_value(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    """Base64 (ASCII bytes) of a standard pickle of CPU copies of the tensors. The copies go before the base64 is
+    made: at most the pickle and the copies (2× the bucket) or the pickle and its base64 (2.3×) are alive at once,
+    the base64 (1.3×) after."""
+    pickled = pickle.dumps([(name, tensor.detach().cpu().contiguous()) for name, tensor in named_tensors],
+                           protocol=pickle.HIGHEST_PROTOCOL)
+    return base64.b64encode(pickled)
 
 
-def serialize_by_reference(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """Base64 of a ``ForkingPickler`` pickle of CUDA tensors: IPC handles whose GPU is named by UUID."""
+def serialize_by_reference(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    """Base64 (ASCII bytes) of a ``ForkingPickler`` pickle of CUDA tensors: IPC handles whose GPU is named by UUID."""
     buffer = io.BytesIO()
     pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table[torch.Tensor] = _reduce_cuda_tensor
     pickler.dump(list(named_tensors))
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return base64.b64encode(buffer.getvalue())
 
 
 def _reduce_cuda_tensor(tensor: torch.Tensor):
@@ -104,15 +107,15 @@ class BucketPayloads:
         self.tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
         on_cuda = bucket_on_cuda(self.tensors)
         self.by_reference = False
-        self._per_server: dict[int, list[str]] = {}
+        self._per_server: dict[int, list[bytes]] = {}
         by_value = None
         for server in servers:
             if sends_by_reference(on_cuda, server.same_host):
                 self._per_server[id(server)] = [serialize_by_reference(self.tensors) for _ in range(server.tp_size)]
                 self.by_reference = True
-            else:
+            else:  # the same object for every rank and server: the client sends it without copying
                 by_value = by_value or serialize_by_value(self.tensors)
                 self._per_server[id(server)] = [by_value] * server.tp_size
 
-    def for_server(self, server: PayloadDestination) -> list[str]:
+    def for_server(self, server: PayloadDestination) -> list[bytes]:
         return self._per_server[id(server)]
