@@ -91,7 +91,12 @@ class SGLangEngine(RolloutEngine):
         self._temp_dir = None if run_dir else tempfile.TemporaryDirectory(prefix="dapo_sglang_")
         self.run_dir = Path(run_dir or self._temp_dir.name)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._update_lock = threading.Lock()
+        self._update_lock = threading.Lock()  # batch generation and weight updates take turns
+        # A weight push and a server restart never overlap: a restart reads the served version and the weights to
+        # relaunch from under it, and a push records its version before it lets go. Otherwise a server that failed
+        # before a push and came back after it serves the weights of before (the initial model's while the first
+        # push ran), outside the push's targets.
+        self._serving_lock = threading.Lock()
         self._warned_unseeded = False
         self.pool = ServerPool(config, model_path=self.model_path, run_dir=self.run_dir, device=self.device,
                                dtype=dtype, server_environment=backend.sglang_server_environment)
@@ -197,10 +202,14 @@ class SGLangEngine(RolloutEngine):
     # ---- failover --------------------------------------------------------------------------------------------------
     def recover_server(self, slot: ServerSlot, generation: int, error: ServerFailure) -> None:
         """A request failed on ``slot``: relaunch its server with the served version's weights (the transport then
-        forgets what it held for the old process), or take it out of rotation (:meth:`ServerPool.recover`)."""
-        if self.pool.recover(slot, generation, error, version=self._weight_version,
-                             restart_path=self._restart_model_path()):
-            self.transport.reset()
+        forgets what it held for the old process), or take it out of rotation (:meth:`ServerPool.recover`). Waits
+        for a weight push in progress, so the server comes back with the pushed weights."""
+        if slot.generation != generation or not slot.available:
+            return  # another thread handles (or handled) this failure; no need to wait for a push
+        with self._serving_lock:
+            if self.pool.recover(slot, generation, error, version=self._weight_version,
+                                 restart_path=self._restart_model_path()):
+                self.transport.reset()
 
     def _restart_model_path(self) -> str | None:
         """A model directory holding the served version's weights, to relaunch a failed server from."""
@@ -216,7 +225,7 @@ class SGLangEngine(RolloutEngine):
         if version < self._weight_version:
             raise ValueError(f"SGLangEngine.update_weights: version {version} is older than the served "
                              f"version {self._weight_version}")
-        with self._update_lock:
+        with self._update_lock, self._serving_lock:
             slots = self.pool.available()
             if not slots:
                 raise RolloutError("SGLangEngine.update_weights: no SGLang server is available")

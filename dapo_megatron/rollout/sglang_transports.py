@@ -252,7 +252,8 @@ class DistributedTransport(WeightTransport):
         self._groups_formed = 0
         self._group: torch.distributed.ProcessGroup | None = None
         self._group_servers: list[ServerTarget] = []
-        self._lock = threading.Lock()
+        self._stale = False  # reset() was called: the next push forms a new group
+        self._lock = threading.Lock()  # held by a push (and close): the group is never torn down under a broadcast
 
     @property
     def device(self) -> torch.device:
@@ -285,8 +286,9 @@ class DistributedTransport(WeightTransport):
     def send(self, servers, buckets, version):
         with self._lock:
             urls = [server.client.base_url for server in servers]
-            if self._group is None or [s.client.base_url for s in self._group_servers] != urls:
-                self.reset()
+            if self._stale or self._group is None or [s.client.base_url for s in self._group_servers] != urls:
+                self._stale = False  # before connecting: a reset() from now on is for the group formed next
+                self._drop_group()
                 self.connect(servers)
             with weight_update_session(servers):
                 for bucket in buckets:
@@ -306,7 +308,7 @@ class DistributedTransport(WeightTransport):
             try:
                 self._broadcast(bucket, announcements)
             except Exception as error:
-                self.reset()
+                self._drop_group()  # under send's lock
                 rejected = [a.exception() for a in announcements if a.done() and a.exception() is not None]
                 said = f"; the server said: {rejected[0]}" if rejected else ""
                 raise RolloutError(f"weight broadcast over the {self.backend} group failed: {error}{said}") from error
@@ -329,7 +331,13 @@ class DistributedTransport(WeightTransport):
             work.wait()
 
     def reset(self) -> None:
-        """Drop the local end of the group (restarted servers lost theirs); the next push forms a new group."""
+        """Restarted servers lost their end of the group: the next push forms a new one. Any thread may call this
+        (a stream worker recovers a server while the trainer's thread may be broadcasting): it only marks the group,
+        which the next push, holding the lock a push holds, tears down."""
+        self._stale = True
+
+    def _drop_group(self) -> None:
+        """Destroy the local end of the group; only with ``_lock`` held."""
         if self._group is not None:
             try:
                 torch.distributed.destroy_process_group(self._group)
@@ -338,11 +346,12 @@ class DistributedTransport(WeightTransport):
         self._group, self._group_servers = None, []
 
     def close(self, servers):
-        if self._group is None:
-            return
-        for server in self._group_servers:
-            try:
-                server.client.destroy_weights_update_group(self.group_name)
-            except RolloutError:
-                pass
-        self.reset()
+        with self._lock:
+            if self._group is None:
+                return
+            for server in self._group_servers:
+                try:
+                    server.client.destroy_weights_update_group(self.group_name)
+                except RolloutError:
+                    pass
+            self._drop_group()
