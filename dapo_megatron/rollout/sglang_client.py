@@ -12,8 +12,9 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.user_errors import ServerError
