@@ -158,12 +158,18 @@ def engine_on(pool: Pool, transport: Transport) -> SGLangEngine:
     return engine
 
 
-def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights():
-    pool, transport = Pool(), Transport()
-    engine = engine_on(pool, transport)
+def pushing_version_1(engine: SGLangEngine, transport: Transport) -> threading.Thread:
+    """A thread in ``engine.update_weights(..., 1)``, inside its push once this returns."""
     update = threading.Thread(target=engine.update_weights, args=(iter(_bucket()), 1))
     update.start()
     assert transport.started.wait(WAIT_S)
+    return update
+
+
+def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights():
+    pool, transport = Pool(), Transport()
+    engine = engine_on(pool, transport)
+    update = pushing_version_1(engine, transport)
     failed = pool.slots[1]
     recovery = threading.Thread(target=engine.recover_server, args=(failed, 0, ServerFailure("connection reset")))
     recovery.start()
@@ -180,9 +186,7 @@ def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights():
 def test_a_failure_another_thread_already_handles_does_not_wait_for_a_push():
     pool, transport = Pool(), Transport()
     engine = engine_on(pool, transport)
-    update = threading.Thread(target=engine.update_weights, args=(iter(_bucket()), 1))
-    update.start()
-    assert transport.started.wait(WAIT_S)
+    update = pushing_version_1(engine, transport)
     restarting = pool.slots[1]
     restarting.available = False  # being restarted by the thread that reported first
     started = time.monotonic()
