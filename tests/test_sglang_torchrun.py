@@ -40,6 +40,7 @@ SERVER_RANK = textwrap.dedent("""
     from torch.distributed import distributed_c10d as c10d
     port, name = int(sys.argv[1]), sys.argv[2]
     timeout = datetime.timedelta(seconds=30)
+    print("imported", flush=True)  # torch's import takes seconds on a loaded machine: the sender waits for this
     store, rank, world = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
     group, _ = c10d._new_process_group_helper(2, 1, [], c10d.Backend("gloo"), c10d.PrefixStore(name, store),
                                               group_name=name, backend_options=None, timeout=timeout)
@@ -88,6 +89,7 @@ def test_the_sender_hosts_the_weight_update_store_under_torchrun(monkeypatch):
     server = subprocess.Popen([sys.executable, "-c", SERVER_RANK, str(port), name], env=server_env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        assert server.stdout.readline().strip() == "imported"
         group = open_sender_group(master_address="127.0.0.1", master_port=port, world_size=2, group_name=name,
                                   backend="gloo", timeout=timedelta(seconds=10))
         torch.distributed.broadcast(torch.tensor([1.0, 2.0, 3.0]), src=0, group=group)
