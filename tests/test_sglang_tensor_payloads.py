@@ -297,3 +297,4 @@ def test_the_streamed_body_is_the_json_of_the_request():
     assert len(joined) == body.length
     assert json.loads(joined) == {"serialized_named_tensors": ["QUJD", "REVG"], "weight_version": "7",
                                   "flush_cache": True}
+    assert json.loads(b"".join(tensor_update_body(["QUJD"]).pieces)) == {"serialized_named_tensors": ["QUJD"]}

@@ -53,7 +53,7 @@ def tensor_update_body(serialized_per_tp_rank: Sequence[str | bytes], **fields: 
     pieces = [b'{"serialized_named_tensors": [']
     for index, entry in enumerate(entries):
         pieces += [b', "' if index else b'"', entry, b'"']
-    pieces.append(b"], " + json.dumps(fields).encode()[1:])
+    pieces.append(b"], " + json.dumps(fields).encode()[1:] if fields else b"]}")
     return StreamedJson(pieces, sum(len(piece) for piece in pieces))
 
 

@@ -167,8 +167,7 @@ class HandleWindow:
     die with that call; torch's consumer side synchronizes the server's stream before it gives its reference back,
     and a block this process drops while a consumer still holds it waits in torch's limbo until the consumers' count
     reaches 0 (torch/csrc/CudaIPCTypes.cpp). ``torch.cuda.ipc_collect`` then returns it to the caching allocator, so
-    the extra GPU memory of a handoff is a few buckets, not the model (held whole until ``/end_weight_update``
-    before)."""
+    the extra GPU memory of a handoff is a few buckets, not the whole model."""
 
     def __init__(self, size: int = IPC_WINDOW_BUCKETS, collect: Callable[[], None] = collect_ipc_memory) -> None:
         self.size = size
