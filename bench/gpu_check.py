@@ -2,9 +2,12 @@
 
     python bench/gpu_check.py [--tiny] [--json FILE]
 
-One process, a world of one (TP = PP = DP = 1: one GPU cannot host an NCCL group of two), megatron-core's local
-layer spec (no Transformer Engine on that machine), BF16 parameters with FP32 main parameters and gradients and
-the distributed optimizer, as ``build_actor`` makes them for a run. Rows:
+One process, a world of one (TP = PP = DP = 1: one GPU cannot host an NCCL group of two), BF16 parameters with FP32
+main parameters and gradients and the distributed optimizer, as ``build_actor`` makes them for a run, on the layers
+``model.kernels: auto`` picks here (Transformer Engine's when importable, else megatron-core's local spec with torch
+SDPA; the lent H200 has no Transformer Engine). Every row names that layer path (the backend, ``[cuda+local_sdpa]``
+...): a real run on a machine with Transformer Engine trains on TE's layers, so an MFU of the local spec is not its
+MFU. Where Transformer Engine is importable the MFU rows time both paths (:func:`mfu_kernels`). Rows:
 
 1. ``bf16 matmul`` — a square bf16 GEMM, for the peak this device reaches (context for the MFU rows);
 2. ``logprob parity bf16 vs fp32`` — the actor's forward-only log-probs of random samples through a
@@ -24,8 +27,8 @@ the distributed optimizer, as ``build_actor`` makes them for a run. Rows:
    would generate next to the plan's weights + gradients; the state after the round trip bit-equal to before, and an
    update after it finite and applied. The SGLang side (release/resume with the memory saver, CUDA IPC into resumed
    weights) needs SGLang on the GPU machine, which this check does not have;
-7. ``training MFU`` — tokens/s of DAPO updates on packed micro-batches of a realistic token budget for
-   Qwen2.5-0.5B- and 1.5B-shaped random models, and MFU = model FLOP/s ÷ the H200's dense BF16 spec
+7. ``training MFU`` — per layer path, tokens/s of DAPO updates on packed micro-batches of a realistic token budget
+   for Qwen2.5-0.5B- and 1.5B-shaped random models, and MFU = model FLOP/s ÷ the H200's dense BF16 spec
    (989 TFLOP/s; row 1 gives the measured GEMM peak to compare with). Model FLOPs = 6 · N · tokens (N = the
    GEMM parameters: every layer's linear weights and the LM head) + causal attention 6 · layers · q_width · Σ s²
    over the packed samples (QK^T and PV, forward + backward); the recomputation the actor does is not counted.
@@ -135,15 +138,25 @@ def random_samples(count: int, vocab: int, prompt: tuple[int, int], response: tu
     return samples
 
 
-def build_check_actor(spec, precision: str, token_budget: int, hf_dir: Path | None = None, lr: float = 1e-4):
-    """The actor a run builds (``build_actor``) at this precision, with the distributed optimizer, on this platform's
-    backend (``model.kernels: auto``)."""
+def mfu_kernels(cuda_available: bool, transformer_engine: bool) -> tuple[str, ...]:
+    """The ``model.kernels`` the MFU rows time: both CUDA layer paths where Transformer Engine is importable (TE's is
+    what a run uses there), the local spec where it is not, the CPU's layers without CUDA."""
+    if not cuda_available:
+        return ("auto",)
+    return ("transformer_engine", "local") if transformer_engine else ("local",)
+
+
+def build_check_actor(spec, precision: str, token_budget: int, hf_dir: Path | None = None, lr: float = 1e-4,
+                      kernels: str = "auto"):
+    """The actor a run builds (``build_actor``) at this precision, with the distributed optimizer, on the backend
+    ``model.kernels`` selects here."""
     from dapo_megatron.backend import select_backend
     from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights
 
-    actor = build_actor(spec, backend=select_backend(), model=ModelConfig(precision=precision), parallel=ParallelConfig(),
+    actor = build_actor(spec, backend=select_backend(kernels),
+                        model=ModelConfig(precision=precision, kernels=kernels), parallel=ParallelConfig(),
                         optim=OptimConfig(lr=lr, warmup_steps=0), algorithm=AlgorithmConfig(),
                         micro_batch_tokens=token_budget, temperature=1.0)
     if hf_dir is not None:
@@ -187,7 +200,8 @@ def parity_and_updates(shapes: CheckShapes, workdir: Path, device: torch.device)
     actor = build_check_actor(spec, "bf16", budget, workdir / "hf")
     logprobs = actor.compute_logprobs(samples).logprobs
     mean, worst, tokens = _abs_diff(logprobs, ref_logprobs)
-    rows = [Row(f"logprob parity bf16 vs fp32 ({spec.num_layers}-layer {shapes.parity_model['name']}-shaped)",
+    path = actor.backend.name
+    rows = [Row(f"logprob parity bf16 vs fp32 ({spec.num_layers}-layer {shapes.parity_model['name']}-shaped) [{path}]",
                 f"mean abs diff {mean:.3g}, max {worst:.3g}", f"{len(samples)} samples, {tokens} response tokens",
                 {"mean_abs": mean, "max_abs": worst})]
 
@@ -199,7 +213,7 @@ def parity_and_updates(shapes: CheckShapes, workdir: Path, device: torch.device)
     norms = [u["grad_norm"] for u in updates]
     skipped = sum(u["skipped"] for u in updates)
     ok = all(math.isfinite(n) for n in norms) and skipped == 0 and changed > 0
-    rows.append(Row("DAPO updates (bf16, distributed optimizer)", "ok" if ok else "FAILED",
+    rows.append(Row(f"DAPO updates (bf16, distributed optimizer) [{path}]", "ok" if ok else "FAILED",
                     f"grad norms {', '.join(f'{n:.4g}' for n in norms)}; skipped {skipped:g}; max abs weight change {changed:.3g}",
                     {"grad_norm_last": norms[-1], "skipped": skipped, "max_weight_change": changed}))
     return rows, actor, spec
@@ -324,7 +338,7 @@ def model_flops(spec, segment_lengths: list[int]) -> float:
     return 6 * gemm_params * sum(segment_lengths) + 6 * spec.num_layers * q * sum(s * s for s in segment_lengths)
 
 
-def mfu_row(shapes: CheckShapes, label: str, shape: dict, peak_tflops: float) -> Row:
+def mfu_row(shapes: CheckShapes, label: str, shape: dict, peak_tflops: float, kernels: str = "auto") -> Row:
     from dapo_megatron.policy.model_spec import model_spec_from_hf
     from dapo_megatron.policy.packing import PolicySample
 
@@ -340,7 +354,8 @@ def mfu_row(shapes: CheckShapes, label: str, shape: dict, peak_tflops: float) ->
         samples.append(PolicySample(ids[:prompt], ids[prompt:], advantage=1.0 if len(samples) % 2 else -1.0,
                                     old_logprobs=torch.full((length - prompt,), -12.0)))
         total += length
-    actor = build_check_actor(spec, "bf16", shapes.token_budget, lr=1e-6)
+    actor = build_check_actor(spec, "bf16", shapes.token_budget, lr=1e-6, kernels=kernels)
+    path = actor.backend.name
     metrics = []
     seconds = _timed(lambda: metrics.append(actor.train_minibatch(samples)), shapes.timed_updates)
     tokens = sum(s.length for s in samples)
@@ -349,9 +364,9 @@ def mfu_row(shapes: CheckShapes, label: str, shape: dict, peak_tflops: float) ->
     del actor
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return Row(f"training MFU {label}", f"{achieved / peak_tflops * 100:.3g} % MFU",
+    return Row(f"training MFU {label} [{path}]", f"{achieved / peak_tflops * 100:.3g} % MFU",
                f"{tokens / seconds:,.0f} tokens/s, {achieved:.3g} TFLOP/s of {peak_tflops:g}; {tokens} tokens in "
-               f"{metrics[-1]['num_micro_batches']:g} micro-batches of <= {shapes.token_budget}",
+               f"{metrics[-1]['num_micro_batches']:g} micro-batches of <= {shapes.token_budget}; layers: {path}",
                {"mfu": achieved / peak_tflops, "tokens_per_s": tokens / seconds, "tflops": achieved})
 
 
@@ -364,6 +379,7 @@ def format_table(rows: list[Row], header: str) -> str:
 
 
 def run_check(shapes: CheckShapes) -> list[Row]:
+    from dapo_megatron.backend.select import transformer_engine_importable
     from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
 
     layout = init_distributed(1, 1)
@@ -377,8 +393,9 @@ def run_check(shapes: CheckShapes) -> list[Row]:
             rows += handoff_rows(shapes, actor, spec, samples_seed=2, device=device)
             rows.append(colocated_row(shapes, actor, spec, device))
             del actor
+        kernels = mfu_kernels(torch.cuda.is_available(), transformer_engine_importable())
         for label, shape in shapes.mfu_models:
-            rows.append(mfu_row(shapes, label, shape, H200_BF16_DENSE_TFLOPS))
+            rows += [mfu_row(shapes, label, shape, H200_BF16_DENSE_TFLOPS, path) for path in kernels]
     finally:
         destroy_distributed()
     return rows

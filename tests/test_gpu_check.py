@@ -43,6 +43,24 @@ def test_tiny_gpu_check_prints_every_row_with_finite_numbers(tmp_path):
     colocated = by_name["colocated turn: optimizer state to host and back"]
     assert colocated["value"] == "ok" and colocated["numbers"]["round_trip_exact"] == 1.0
     assert colocated["numbers"]["moved_gb"] == 0 and colocated["numbers"]["planned_optimizer_gb"] > 0  # CPU: stays
+    timed = [row for row in rows if row["check"].startswith(("training MFU", "logprob parity", "DAPO updates"))]
+    assert timed and all(row["check"].endswith("[cpu]") for row in timed)  # each names the layers it ran
+
+
+def test_the_mfu_rows_time_the_layers_a_run_uses():
+    """Issue 26, item 9: with Transformer Engine importable a run trains on TE's layers, so the check times them (and
+    the local spec next to them); without it, the local spec, labelled as such."""
+    from gpu_check import mfu_kernels
+
+    from dapo_megatron.backend import select_backend
+
+    assert mfu_kernels(True, True) == ("transformer_engine", "local")
+    assert mfu_kernels(True, False) == ("local",)
+    assert mfu_kernels(False, True) == mfu_kernels(False, False) == ("auto",)
+    names = {kernels: select_backend(kernels, cuda_available=True, transformer_engine=True).name
+             for kernels in mfu_kernels(True, True)}
+    assert names == {"transformer_engine": "cuda+transformer_engine", "local": "cuda+local_sdpa"}
+    assert select_backend("auto", cuda_available=True, transformer_engine=True).name == names["transformer_engine"]
 
 
 def test_without_megatron_and_without_a_wheel_the_check_says_how_to_make_one(tmp_path):

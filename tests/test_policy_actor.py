@@ -221,3 +221,45 @@ def test_non_finite_step_is_skipped_and_training_resumes(world_one):
     assert [m["skipped"] for m in guard["after"]] == [0.0, 0.0, 0.0]
     assert [m["lr"] for m in guard["after"]] == pytest.approx([5e-3, 1e-2, 1e-2])  # warmup over 2 applied updates
     assert guard["finite"] and guard["changed"]
+
+
+def test_response_logprobs_keep_no_padded_copy_of_the_logits():
+    """Issue 26, item 2: one long response packed with short ones pads the micro-batch's [n, R] response tensors to the
+    long one; the log-probs must not gather (and keep for backward) logits at every padded position — that copy was
+    several times the row's logits. They read the row's logits in place and scatter back into [n, R]."""
+    from types import SimpleNamespace
+
+    from test_policy_logprobs import _saved_during, logits_sized_copies
+
+    from dapo_megatron.policy.actor import Actor
+    from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
+    from dapo_megatron.policy.memory import logprob_buffers
+    from dapo_megatron.policy.packing import PolicySample, ThdPacker
+
+    vocab, generator = 64, torch.Generator().manual_seed(4)
+    lengths = [(3, 40), (2, 2), (4, 1), (2, 3), (3, 2)]  # (prompt, response): one long response, four short ones
+    samples = [PolicySample(torch.randint(0, vocab, (p,), generator=generator),
+                            torch.randint(0, vocab, (r,), generator=generator)) for p, r in lengths]
+    mb = ThdPacker().row(samples, list(range(len(samples))), pad_to_multiple=8)
+    assert mb.response_index.numel() > mb.tokens.numel()  # [n, R] padded past the row itself
+    logits = torch.randn(1, mb.sequence_length, vocab, generator=generator, requires_grad=True)
+    actor = SimpleNamespace(real_vocab_size=vocab)
+    (logprobs, entropy), saved = _saved_during(lambda: Actor._response_logprobs(actor, mb, logits, 0.8))
+    assert logits_sized_copies(saved, logits) == []
+    assert logprobs.shape == mb.response_valid.shape and not logprobs[~mb.response_valid].any()
+
+    flat = logits.detach().reshape(-1, vocab)
+    for row, sample in enumerate(samples):  # each response on its own, from its own positions
+        positions = mb.response_index[row, :sample.response_length]
+        expected, expected_entropy = vocab_parallel_logprobs(flat[positions], sample.response_ids,
+                                                             real_vocab_size=vocab, temperature=0.8)
+        torch.testing.assert_close(logprobs[row, :sample.response_length], expected)
+        torch.testing.assert_close(entropy[row, :sample.response_length], expected_entropy)
+    (logprobs * mb.response_valid).sum().backward()
+    touched = logits.grad.reshape(-1, vocab).abs().sum(-1) > 0
+    assert touched.nonzero().flatten().tolist() == sorted(mb.response_index[mb.response_valid].tolist())
+
+    # What `dapo-megatron plan` counts for it (policy/memory.py): the logits kept and their gradient, nothing more.
+    vocab_wide = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved if t.shape[-1:] == (vocab,)}
+    counted = logprob_buffers(logits.numel(), logits.element_size())
+    assert sum(vocab_wide.values()) == counted["logits"] and logits.grad.nbytes == counted["gradient"]

@@ -113,3 +113,61 @@ def test_tensor_parallel_matches_full_vocabulary():
             torch.testing.assert_close(entropy.double(), expected_entropy.detach(), atol=1e-5, rtol=0)
             torch.testing.assert_close(grad, logits.grad[..., rank * shard:(rank + 1) * shard].float(),
                                        atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- rows read in place (issue 26, item 2)
+
+
+def _saved_during(fn):
+    """``fn()``'s result and every tensor autograd saved for backward while it ran."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return result, saved
+
+
+def logits_sized_copies(saved, logits: torch.Tensor) -> list[torch.Tensor]:
+    """Saved tensors of vocabulary-wide rows that are not ``logits``' own memory."""
+    own = logits.untyped_storage().data_ptr()
+    return [t for t in saved if t.dim() and t.shape[-1] == logits.shape[-1] and t.untyped_storage().data_ptr() != own]
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 300])
+def test_rows_are_read_in_place_with_the_values_and_gradient_of_a_gathered_copy(chunk_elements):
+    logits, _ = make_inputs(6, rows=1, cols=40)
+    logits = logits[0].clone().requires_grad_(True)  # [40 positions, vocab]
+    rows = torch.tensor([3, 4, 5, 17, 18, 30, 31, 32, 33, 39, 18])  # position 18 twice: gradients add up
+    target = torch.randint(0, REAL_VOCAB, rows.shape, generator=torch.Generator().manual_seed(2))
+    (logprobs, entropy), saved = _saved_during(lambda: vocab_parallel_logprobs(
+        logits, target, rows=rows, real_vocab_size=REAL_VOCAB, temperature=0.7, chunk_elements=chunk_elements))
+    assert logits_sized_copies(saved, logits) == []  # only the model's own logits are kept for backward
+
+    gathered = logits.detach()[rows].clone().requires_grad_(True)  # the reference: what a gathered copy gives
+    expected, expected_entropy = vocab_parallel_logprobs(gathered, target, real_vocab_size=REAL_VOCAB,
+                                                         temperature=0.7, chunk_elements=chunk_elements)
+    torch.testing.assert_close(logprobs, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-6, rtol=0)
+    weights = torch.randn(rows.shape, generator=torch.Generator().manual_seed(3))
+    (logprobs * weights).sum().backward()
+    (expected * weights).sum().backward()
+    scattered = torch.zeros_like(logits).index_add_(0, rows, gathered.grad)
+    torch.testing.assert_close(logits.grad, scattered, atol=1e-6, rtol=1e-5)
+
+
+def test_control_a_gathered_copy_is_what_the_check_above_catches():
+    logits, target = make_inputs(7, rows=1, cols=40)
+    logits = logits[0].clone().requires_grad_(True)
+    rows = torch.arange(0, 40, 2)
+    _, saved = _saved_during(lambda: vocab_parallel_logprobs(logits[rows], target[0, rows], real_vocab_size=REAL_VOCAB))
+    assert [tuple(t.shape) for t in logits_sized_copies(saved, logits)] == [(20, PADDED_VOCAB)]
+
+
+def test_rows_need_matching_targets():
+    logits, target = make_inputs(8, rows=1, cols=10)
+    with pytest.raises(ValueError, match="with rows"):
+        vocab_parallel_logprobs(logits[0], target[0, :3], rows=torch.arange(4), real_vocab_size=REAL_VOCAB)

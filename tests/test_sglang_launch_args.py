@@ -18,6 +18,7 @@ from dapo_megatron.backend import select_backend
 from dapo_megatron.config import ConfigError, SGLangConfig, load_config
 from dapo_megatron.platform import local_world_size
 from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.rollout.sglang_client import SGLangServerError
 from dapo_megatron.rollout.sglang_gpus import nccl_carries_weights, server_gpu_ranges, trainer_nccl_env
 from dapo_megatron.rollout.sglang_pool import ServerPool
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, served_dtype
@@ -186,3 +187,23 @@ def test_servers_get_it_in_their_launch_environment(tmp_path, monkeypatch):
     assert environment("distributed", "cuda")["NCCL_CUMEM_ENABLE"] == "0"
     assert environment("tensor", "cuda")["NCCL_CUMEM_ENABLE"] == "1"  # control: left alone without NCCL weights
     assert environment("distributed", "cpu")["NCCL_CUMEM_ENABLE"] == "1"
+
+
+# --------------------------------------------------------------- requests in flight (issue 26, item 7)
+
+
+def _server_info(*limits):
+    """/server_info as SGLang 0.5.23 shapes it: one internal state per data-parallel rank."""
+    return {"tp_size": 4, "internal_states": [{"effective_max_running_requests_per_dp": limit} for limit in limits]}
+
+
+def test_requests_in_flight_fill_every_server_of_the_layout():
+    from dapo_megatron.rollout.sglang_pool import concurrent_requests, server_capacity
+
+    capacities = [server_capacity(_server_info(2048), f"http://s{i}") for i in range(16)]  # the 32B layout's 16
+    assert concurrent_requests(capacities, 16) == 16 * 128  # 128 prompts of 16 samples per server, not 64 in all
+    assert server_capacity(_server_info(1000, 1000), "http://dp2") == 2000  # data-parallel ranks add up
+    assert concurrent_requests([10, 7], 4) == 3 + 2  # a server's share rounds up
+    with pytest.raises(SGLangServerError, match="effective_max_running_requests_per_dp.*max_concurrent_requests"):
+        server_capacity({"tp_size": 1}, "http://other")
+    assert SGLangConfig().max_concurrent_requests is None  # derived unless set

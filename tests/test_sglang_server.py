@@ -33,6 +33,7 @@ from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
 from dapo_megatron.rollout.sglang_client import SGLangClient
 from dapo_megatron.rollout.sglang_engine import SGLangEngine
+from dapo_megatron.rollout.sglang_pool import concurrent_requests, server_capacity
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 torch.set_num_threads(1)
@@ -92,6 +93,15 @@ def _rollout_in_background(engine, prompts, params) -> tuple[threading.Thread, d
 
 
 # ---- generation ---------------------------------------------------------------------------------------------------
+def test_requests_in_flight_default_to_what_the_server_runs(engine):
+    """rollout.sglang.max_concurrent_requests unset: the server's own running-request limit, read from /server_info
+    (issue 26, item 7), not a fixed 64."""
+    (slot,) = engine.pool.slots
+    capacity = server_capacity(slot.client.server_info(), slot.client.base_url)
+    assert capacity > 64 and engine.config.max_concurrent_requests is None
+    assert engine.max_concurrent_requests == concurrent_requests([capacity], 1) == capacity
+
+
 def test_generate_returns_n_samples_with_logprobs_and_finish_reasons(engine, prompts):
     samples = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6))
     assert len(samples) == len(prompts)

@@ -10,8 +10,12 @@ from __future__ import annotations
 import base64
 import gc
 import importlib.util
+import json
 import pickle
 import re
+import socket
+import threading
+import tracemalloc
 import weakref
 from pathlib import Path
 
@@ -19,7 +23,8 @@ import pytest
 import torch
 
 from dapo_megatron.rollout import tensor_payloads
-from dapo_megatron.rollout.sglang_transports import ServerTarget, TensorTransport
+from dapo_megatron.rollout.sglang_client import SGLangClient, tensor_update_body
+from dapo_megatron.rollout.sglang_transports import IPC_WINDOW_BUCKETS, ServerTarget, TensorTransport
 from dapo_megatron.rollout.tensor_payloads import (
     DEVICE_ARGUMENT,
     BucketPayloads,
@@ -139,22 +144,50 @@ def test_cpu_tensors_never_travel_as_handles():
         serialize_by_reference(_bucket())
 
 
-def _push(servers, buckets):
-    TensorTransport().send(servers, iter(buckets), version=5)
+def _push(servers, buckets, collect=lambda: None):
+    TensorTransport(collect=collect).send(servers, iter(buckets), version=5)
 
 
-def test_a_bucket_sent_as_handles_lives_until_end_weight_update_returned(fake_cuda):
-    def all_alive():
-        gc.collect()
-        return [ref() is not None for refs in fake_cuda for ref in refs]
-
-    client = RecordingClient("local", at_end=all_alive)
-    _push([ServerTarget(client, tp_size=2, same_host=True)], [_bucket(i) for i in range(3)])
-    ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
-    assert len(alive_at_end) == 3 * 2 * 2 and all(alive_at_end)  # 3 buckets x 2 ranks x 2 tensors
+def _alive_buckets(made) -> list[int]:
+    """Which serializations (in the order made) still have a tensor alive."""
     gc.collect()
-    assert not any(ref() is not None for refs in fake_cuda for ref in refs)  # released after the session
-    assert [call[0] for call in client.calls] == ["begin", "tensor", "tensor", "tensor", "end", "flush", "version"]
+    return [i for i, refs in enumerate(made) if any(ref() is not None for ref in refs)]
+
+
+def test_buckets_sent_as_handles_are_dropped_a_window_behind_and_collected(fake_cuda):
+    """Issue 26, item 3: a GPU bucket is held while the servers load it and for IPC_WINDOW_BUCKETS buckets after,
+    then dropped and torch.cuda.ipc_collect'ed — the whole model is never held until /end_weight_update."""
+    collected = []
+    client = RecordingClient("local", at_end=lambda: _alive_buckets(fake_cuda))
+    original = client.update_weights_from_tensor
+
+    def upload(payloads, **kwargs):  # what is alive while a bucket's post runs
+        client.calls.append(("alive", _alive_buckets(fake_cuda)))
+        original(payloads, **kwargs)
+
+    client.update_weights_from_tensor = upload
+    _push([ServerTarget(client, tp_size=2, same_host=True)], [_bucket(i) for i in range(6)],
+          collect=lambda: collected.append(_alive_buckets(fake_cuda)))
+    alive_at_post = [call[1] for call in client.calls if call[0] == "alive"]
+    window = IPC_WINDOW_BUCKETS * 2  # serializations: 2 TP ranks per bucket
+    for number, alive in enumerate(alive_at_post):
+        current = list(range(2 * number, 2 * number + 2))
+        assert alive == list(range(max(0, 2 * number - window), 2 * number)) + current, (number, alive)
+    ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
+    assert alive_at_end == list(range(12 - window, 12))  # the window, not the model
+    assert len(collected) == 6 - IPC_WINDOW_BUCKETS + 1 and collected[-1] == []  # after every drop, and at the end
+    assert _alive_buckets(fake_cuda) == []
+    assert [call[0] for call in client.calls if call[0] != "alive"] == ["begin"] + ["tensor"] * 6 + [
+        "end", "flush", "version"]
+
+
+def test_control_without_the_window_every_bucket_would_still_be_alive_at_the_end(fake_cuda):
+    """The check above tells a window from holding everything: with a window as long as the push, all are alive."""
+    client = RecordingClient("local", at_end=lambda: _alive_buckets(fake_cuda))
+    TensorTransport(ipc_window_buckets=6, collect=lambda: None).send(
+        [ServerTarget(client, tp_size=2, same_host=True)], iter([_bucket(i) for i in range(6)]), version=5)
+    ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
+    assert alive_at_end == list(range(12))
 
 
 def test_control_a_bucket_sent_by_value_is_not_held(monkeypatch):
@@ -176,3 +209,92 @@ def test_control_a_bucket_sent_by_value_is_not_held(monkeypatch):
     _push([ServerTarget(client, tp_size=2, same_host=False)], [_bucket(i) for i in range(3)])
     ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
     assert alive_at_end == [False, False, False]
+
+
+# ------------------------------------------------------------------ by-value bodies (issue 26, item 4)
+
+
+class BodySink:
+    """An HTTP server on 127.0.0.1 that writes each request body to a file through one preallocated buffer (so it
+    allocates nothing per byte: the client's allocations are what tracemalloc sees) and answers success."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.bodies: list[Path] = []
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._buffer = bytearray(1 << 16)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return
+            with connection:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += connection.recv(1024)
+                head, first = head.split(b"\r\n\r\n", 1)
+                (length,) = [int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                             if line.lower().startswith(b"content-length:")]
+                path = self.directory / f"body{len(self.bodies)}.json"
+                view = memoryview(self._buffer)
+                with open(path, "wb") as out:
+                    out.write(first)
+                    remaining = length - len(first)
+                    while remaining:
+                        got = connection.recv_into(view[:min(remaining, len(view))])
+                        out.write(view[:got])
+                        remaining -= got
+                self.bodies.append(path)
+                reply = b'{"success": true}'
+                connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                                   + str(len(reply)).encode() + b"\r\nConnection: close\r\n\r\n" + reply)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def test_a_by_value_body_is_sent_without_copies_of_the_bucket(tmp_path):
+    """A TP-4 server's body holds the bucket's base64 four times; the client must not build it: json.dumps + encode
+    made two copies per rank (8 × the payload), for every server posted to at once."""
+    bucket = [("big.weight", torch.randn(1 << 21, generator=torch.Generator().manual_seed(0)))]  # 8 MiB of float32
+    server = ServerTarget(None, tp_size=4, same_host=False)
+    entries = BucketPayloads(bucket, [server]).for_server(server)
+    payload_bytes = len(entries[0])
+    assert all(entry is entries[0] for entry in entries)  # one object for every rank
+    sink = BodySink(tmp_path)
+    client = SGLangClient(sink.url, api_key="k", timeout_s=60)
+    try:
+        tracemalloc.start()
+        client.update_weights_from_tensor(entries, version=None, flush_cache=False)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        # Control: the same request with a body made by json.dumps, as before, crosses the bound by far.
+        tracemalloc.start()
+        client._call("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": [entry.decode() for entry in entries], "weight_version": None,
+            "flush_cache": False})
+        _, control_peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    finally:
+        sink.close()
+    assert peak < payload_bytes / 4, (peak, payload_bytes)
+    assert control_peak > 4 * payload_bytes, (control_peak, payload_bytes)
+    sent, control = (json.loads(path.read_bytes()) for path in sink.bodies)
+    assert sent == control == {"serialized_named_tensors": [entries[0].decode()] * 4, "weight_version": None,
+                               "flush_cache": False}
+    (name, tensor), = _unpickled(sent["serialized_named_tensors"][3])
+    assert name == "big.weight" and torch.equal(tensor, bucket[0][1])
+
+
+def test_the_streamed_body_is_the_json_of_the_request():
+    body = tensor_update_body([b"QUJD", "REVG"], weight_version="7", flush_cache=True)
+    joined = b"".join(body.pieces)
+    assert len(joined) == body.length
+    assert json.loads(joined) == {"serialized_named_tensors": ["QUJD", "REVG"], "weight_version": "7",
+                                  "flush_cache": True}
+    assert json.loads(b"".join(tensor_update_body(["QUJD"]).pieces)) == {"serialized_named_tensors": ["QUJD"]}

@@ -42,11 +42,25 @@ def make_batch(seed: int, num_groups: int = 5) -> tuple[list[RolloutGroup], dict
     return groups, {"train/num_gen_batches": 2, "rollout/acc/mean": 0.3125}
 
 
+def as_lists(batch):
+    """An unpacked batch with its per-token tensors as lists, to compare with the lists rank 0 made."""
+    groups, metrics = batch
+
+    def listed(values):
+        return values.tolist() if isinstance(values, torch.Tensor) else values
+
+    return [dataclasses.replace(
+        g, prompt_ids=listed(g.prompt_ids), responses=[listed(r) for r in g.responses],
+        engine_logprobs=[listed(lp) for lp in g.engine_logprobs],
+        token_versions=None if g.token_versions is None else [listed(v) for v in g.token_versions])
+        for g in groups], metrics
+
+
 def test_a_batch_survives_packing_exactly():
     groups, metrics = make_batch(0)
     groups[1].engine_logprobs[0][:1] = [-0.1]  # not a float32 value: that tensor must stay float64
     packed = pack_rollout_batch(groups, metrics)
-    assert unpack_rollout_batch(packed) == (groups, metrics)
+    assert as_lists(unpack_rollout_batch(packed)) == (groups, metrics)
     assert packed.tensors["engine_logprobs"].dtype == torch.float64
     assert packed.tensors["response_ids"].dtype == torch.int32  # token ids fit 32 bits: half the bytes
     assert pack_rollout_batch(*make_batch(1)).tensors["engine_logprobs"].dtype == torch.float32
@@ -59,6 +73,22 @@ def test_the_bulk_travels_in_a_fixed_set_of_flat_tensors():
     assert large.tensors["response_ids"].numel() == sum(len(r) for g in groups for r in g.responses)
     assert "responses" not in str(large.meta)  # only strings and metrics go pickled
     assert unpack_rollout_batch(pack_rollout_batch([], {})) == ([], {})
+
+
+def test_unpacked_per_token_fields_are_views_of_what_crossed_not_lists():
+    """Issue 26, item 6: ~80M tokens and log-probs as Python lists on every rank; now views into the flat tensors."""
+    packed = pack_rollout_batch(*make_batch(8, 12))
+    groups, _ = unpack_rollout_batch(packed)
+    flat = {name: packed.tensors[name] for name in ("response_ids", "engine_logprobs", "token_versions")}
+    versioned = [g for g in groups if g.token_versions is not None]
+    assert versioned and all(isinstance(r, torch.Tensor) and r.dtype == torch.int64 for g in groups for r in g.responses)
+    assert all(isinstance(lp, torch.Tensor) for g in groups for lp in g.engine_logprobs)
+    storages = {t.untyped_storage().data_ptr() for g in groups for t in g.engine_logprobs}
+    assert storages == {flat["engine_logprobs"].untyped_storage().data_ptr()}  # log-probs: no copy at all
+    ids = {t.untyped_storage().data_ptr() for g in groups for t in g.responses}
+    versions = {t.untyped_storage().data_ptr() for g in versioned for t in g.token_versions}
+    assert len(ids) == 1 and len(versions) == 1  # one int64 tensor each, every response a view of it
+    assert pack_rollout_batch(groups, {}).tensors["response_ids"].equal(packed.tensors["response_ids"])  # re-packs
 
 
 def test_inconsistent_groups_and_unknown_fields_are_refused(monkeypatch):
@@ -112,6 +142,6 @@ def test_the_other_rank_receives_exactly_rank_0s_batch():
     (batch_0, generated_0, error_0), (batch_1, generated_1, error_1) = run_distributed(_hand_over_twice, 2,
                                                                                        timeout_s=120)
     expected = make_batch(7, 12)
-    assert batch_0 == expected and batch_1 == expected
+    assert as_lists(batch_0) == expected and as_lists(batch_1) == expected
     assert (generated_0, generated_1) == ([0], [])  # only rank 0 generated
     assert error_0 == error_1 == "step 2 rollouts failed on rank 0: ConnectionError: server went away"

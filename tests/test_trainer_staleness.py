@@ -132,3 +132,40 @@ def test_async_settings_are_checked():
         load_config(TINY, ["algorithm.rollout_correction=tis"])
     with pytest.raises(ConfigError, match="algorithm.mis_threshold"):
         load_config(TINY, ["algorithm.mis_threshold=0.5"])
+
+
+def test_the_step_reads_a_handed_over_batch_without_walking_its_tokens(monkeypatch):
+    """Issue 26, item 6: every rank holds the batch as tensors (rollout_batch); staleness, the correction's masks and
+    the step's metrics must not turn them back into per-token Python values. Iterating a tensor raises here."""
+    from dapo_megatron.policy.actor import PolicyLogProbs
+    from dapo_megatron.trainer.rollout_batch import pack_rollout_batch, unpack_rollout_batch
+    from dapo_megatron.trainer.step_metrics import policy_metrics
+
+    config = load_config(TINY, ["rollout.n_samples=2", "rollout.mode=async"])
+    made = [_group(version=1, token_versions=[[1, 2, 2], [2, 2, 2]]), _group(version=2)]
+    groups, _ = unpack_rollout_batch(pack_rollout_batch(made, {}))
+    samples = _samples(groups, config)
+    old = PolicyLogProbs([s.old_logprobs for s in samples], [torch.zeros(s.response_length) for s in samples])
+
+    def walked(tensor):
+        raise AssertionError(f"iterated a tensor of {tensor.numel()} values in Python")
+
+    monkeypatch.setattr(torch.Tensor, "__iter__", walked)
+    corrected, correction = corrected_samples(samples, groups, config, policy_version=2)
+    staleness = staleness_of_batch(groups, policy_version=2)
+    rollout = rollout_metrics(groups, groups, FilterStats(), 1, False, 8)
+    policy = policy_metrics(groups, corrected, old, [{"skipped": 0.0, "pg_loss": 0.1, "clipfrac_high": 0.0,
+                                                      "clipfrac_low": 0.0, "clipfrac_dual": 0.0, "approx_kl": 0.0,
+                                                      "grad_norm": 1.0, "lr": 1e-6, "packing_efficiency": 1.0}],
+                            correction, policy_version=2)
+    monkeypatch.undo()
+    assert corrected[0].loss_mask.tolist() == [0.0, 1.0, 1.0]  # the same answers as from lists
+    assert staleness["rollout/staleness/hist/1"] == 0.25 and staleness["train/stale_group_fraction"] == 0.5
+    assert rollout["rollout/gen_prob/mean"] == pytest.approx(math.exp(-1.0))
+    assert policy["rollout/logprob_diff/max_abs"] == 0.0  # the fresh group's engine and policy log-probs agree
+
+
+def test_control_a_per_token_walk_is_what_the_check_above_catches(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "__iter__", lambda tensor: (_ for _ in ()).throw(AssertionError("walked")))
+    with pytest.raises(AssertionError, match="walked"):
+        [float(value) for value in torch.zeros(3)]

@@ -19,31 +19,35 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+TokenVersions = Sequence[int] | Tensor  # one response's per-token versions: a list from the engine, or a tensor
 
-def _check_versions(token_versions: Sequence[int], policy_version: int | None = None) -> None:
-    if any(later < earlier for earlier, later in zip(token_versions, token_versions[1:])):
-        raise ValueError(f"token versions must not decrease along a response, got {list(token_versions)}")
-    if policy_version is not None and token_versions and max(token_versions) > policy_version:
-        raise ValueError(f"a token of version {max(token_versions)} is newer than the policy (version "
+
+def _versions(token_versions: TokenVersions, policy_version: int | None = None) -> Tensor:
+    """The versions as an int64 tensor, checked without a Python loop over the tokens."""
+    versions = torch.as_tensor(token_versions, dtype=torch.int64).reshape(-1)
+    if versions.numel() > 1 and bool((versions[1:] < versions[:-1]).any()):
+        raise ValueError(f"token versions must not decrease along a response, got {versions.tolist()}")
+    if policy_version is not None and versions.numel() and int(versions.max()) > policy_version:
+        raise ValueError(f"a token of version {int(versions.max())} is newer than the policy (version "
                          f"{policy_version}): the engine served weights the policy never had")
+    return versions
 
 
-def response_staleness(token_versions: Sequence[int], policy_version: int) -> int:
+def response_staleness(token_versions: TokenVersions, policy_version: int) -> int:
     """``policy_version − min(token_versions)`` (0 for an empty response)."""
-    _check_versions(token_versions, policy_version)
-    return policy_version - min(token_versions) if token_versions else 0
+    versions = _versions(token_versions, policy_version)
+    return policy_version - int(versions.min()) if versions.numel() else 0
 
 
-def version_span(token_versions: Sequence[int]) -> int:
+def version_span(token_versions: TokenVersions) -> int:
     """How many weight updates a response spans: newest − oldest token version (0 for a single-version response)."""
-    _check_versions(token_versions)
-    return token_versions[-1] - token_versions[0] if token_versions else 0
+    versions = _versions(token_versions)
+    return int(versions[-1] - versions[0]) if versions.numel() else 0
 
 
-def stale_token_mask(token_versions: Sequence[int], policy_version: int) -> Tensor:
+def stale_token_mask(token_versions: TokenVersions, policy_version: int) -> Tensor:
     """bool ``[R]``: True for tokens sampled by weights older than the policy's."""
-    _check_versions(token_versions, policy_version)
-    return torch.tensor(list(token_versions), dtype=torch.int64) < policy_version
+    return _versions(token_versions, policy_version) < policy_version
 
 
 def staleness_metrics(staleness: Sequence[int]) -> dict[str, float]:

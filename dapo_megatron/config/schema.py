@@ -118,7 +118,9 @@ class SGLangConfig:
     launch_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     max_restarts: int = 2
-    max_concurrent_requests: int = 64
+    # /generate requests in flight at once (each a prompt with its n samples); null: what the servers run at once,
+    # Σ over servers of ceil(SGLang's running-request limit / n) (dapo_megatron/rollout/sglang_pool.py)
+    max_concurrent_requests: int | None = None
     extra_server_args: list[str] = field(default_factory=list)
     # distributed transport: the address of trainer rank 0 the servers dial; default: this host's address on the
     # route to the first server (dapo_megatron/host_address.py)
@@ -287,7 +289,8 @@ class DAPOConfig:
         _require(s.launch_timeout_s > 0, "rollout.sglang.launch_timeout_s", "must be > 0")
         _require(s.request_timeout_s > 0, "rollout.sglang.request_timeout_s", "must be > 0")
         _require(s.max_restarts >= 0, "rollout.sglang.max_restarts", "must be >= 0")
-        _require(s.max_concurrent_requests >= 1, "rollout.sglang.max_concurrent_requests", "must be >= 1")
+        _require(s.max_concurrent_requests is None or s.max_concurrent_requests >= 1,
+                 "rollout.sglang.max_concurrent_requests", "must be >= 1 or null (derived from the servers)")
         _require(s.base_gpu_id is None or s.base_gpu_id >= 0, "rollout.sglang.base_gpu_id",
                  f"must be >= 0 (or null), got {s.base_gpu_id}")
         _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",

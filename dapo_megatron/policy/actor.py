@@ -186,10 +186,16 @@ class Actor:
         )
 
     def _response_logprobs(self, mb: MicroBatch, logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-        """``[n, R]`` log-probs and entropies of the response tokens: the softmax runs at those positions only."""
-        response_logits = logits.reshape(-1, logits.shape[-1])[mb.response_index]
-        return vocab_parallel_logprobs(response_logits, mb.response_ids, real_vocab_size=self.real_vocab_size,
-                                       temperature=temperature)
+        """``[n, R]`` log-probs and entropies of the response tokens (0 past a response's end). The softmax runs at
+        the response positions only, reading them from the logits in place: gathering ``[n, R]`` positions would copy
+        the logits of every padded one too (one 20k-token response among short ones: several rows' worth, and its
+        gradient as much again)."""
+        valid = mb.response_valid
+        logprobs, entropy = vocab_parallel_logprobs(
+            logits.reshape(-1, logits.shape[-1]), mb.response_ids[valid], rows=mb.response_index[valid],
+            real_vocab_size=self.real_vocab_size, temperature=temperature)
+        return (logprobs.new_zeros(valid.shape).index_put((valid,), logprobs),
+                entropy.new_zeros(valid.shape).index_put((valid,), entropy))
 
     def _share_from_last_stage(self, values: Tensor, *, sum_over_dp: bool) -> Tensor:
         """Sum over DP (last-stage ranks hold the values; others hold zeros), then broadcast from the last PP stage."""

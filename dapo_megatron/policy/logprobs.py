@@ -22,6 +22,12 @@ Gradient (log-prob only; the entropy is a metric and is returned detached):
 The backward recomputes ``p`` chunk by chunk from the saved logits and the per-row ``M + log S`` (no softmax is kept
 between forward and backward). Each rank's gradient only touches its own slice, so no collective is needed there.
 
+Only some rows matter to the policy (a packed row's response positions, not its prompts or padding): ``rows`` picks
+them from the logits in place, chunk by chunk. Nothing of ``[rows, V_p/TP]`` is gathered, so what the log-prob keeps
+for backward is the logits tensor the model made anyway, and its gradient is that tensor's size whatever ``rows``
+holds (a gathered copy was the size of the rows asked for — several times the logits when a micro-batch's response
+rows were padded to its longest response).
+
 Temperature follows the rollout engine (``dapo_megatron.rollout.sampling``): log-probs are taken of
 ``log_softmax(logits / T)``; ``T == 0`` (greedy) and ``T == 1`` mean no scaling.
 """
@@ -68,9 +74,9 @@ class _VocabParallelLogProb(torch.autograd.Function):
     """Forward: (log p_y, H) per row from this rank's logits slice; backward: (1/T)(onehot − p) on the slice."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, shard: VocabShard, scale: float,
+    def forward(ctx, logits: Tensor, target: Tensor, picked: Tensor | None, shard: VocabShard, scale: float,
                 group: dist.ProcessGroup | None, chunk_elements: int):
-        rows = logits.shape[0]
+        rows = target.shape[0]
         real = shard.real_columns
         device = logits.device
         local_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=device)
@@ -82,7 +88,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         if real > 0:
             for begin in range(0, rows, step):
                 end = min(rows, begin + step)
-                z = logits[begin:end, :real].float()
+                z = _chunk(logits, picked, begin, end, real).float()
                 if scale != 1.0:
                     z = z * scale
                 chunk_max = z.max(dim=-1).values
@@ -116,7 +122,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         logprob = totals[:, 2] - log_sum
         entropy = log_sum - totals[:, 1] / totals[:, 0]
 
-        ctx.save_for_backward(logits, local_target, owned, global_max + log_sum)
+        ctx.save_for_backward(logits, picked, local_target, owned, global_max + log_sum)
         ctx.scale = scale
         ctx.real = real
         ctx.chunk_elements = chunk_elements
@@ -125,17 +131,17 @@ class _VocabParallelLogProb(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprob: Tensor, grad_entropy: Tensor):
-        logits, local_target, owned, log_normalizer = ctx.saved_tensors
+        logits, picked, local_target, owned, log_normalizer = ctx.saved_tensors
         real, scale = ctx.real, ctx.scale
         grad_logits = torch.zeros_like(logits)
         if real == 0:
-            return grad_logits, None, None, None, None, None
-        rows = logits.shape[0]
+            return grad_logits, None, None, None, None, None, None
+        rows = local_target.shape[0]
         step = _chunk_rows(real, ctx.chunk_elements)
         grad_logprob = grad_logprob.float()
         for begin in range(0, rows, step):
             end = min(rows, begin + step)
-            z = logits[begin:end, :real].float()
+            z = _chunk(logits, picked, begin, end, real).float()
             if scale != 1.0:
                 z = z * scale
             grad = (z - log_normalizer[begin:end, None]).exp().neg_()  # −p
@@ -143,8 +149,18 @@ class _VocabParallelLogProb(torch.autograd.Function):
             index = local_target[begin:end].clamp(0, real - 1)[:, None]
             grad.scatter_add_(-1, index, row_owned.to(grad.dtype)[:, None])  # + onehot where this rank owns y
             grad.mul_((grad_logprob[begin:end] * scale)[:, None])
-            grad_logits[begin:end, :real] = grad.to(grad_logits.dtype)
-        return grad_logits, None, None, None, None, None
+            if picked is None:
+                grad_logits[begin:end, :real] = grad.to(grad_logits.dtype)
+            else:  # accumulated: a row picked twice gets both gradients
+                grad_logits[:, :real].index_add_(0, picked[begin:end], grad.to(grad_logits.dtype))
+        return grad_logits, None, None, None, None, None, None
+
+
+def _chunk(logits: Tensor, picked: Tensor | None, begin: int, end: int, real: int) -> Tensor:
+    """Rows ``begin:end`` of the rows evaluated (all of ``logits``, or the ``picked`` ones), real columns only."""
+    if picked is None:
+        return logits[begin:end, :real]
+    return logits[picked[begin:end], :real]
 
 
 def vocab_parallel_logprobs(
@@ -156,12 +172,17 @@ def vocab_parallel_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     tp_rank: int | None = None,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-probabilities of ``target_ids`` and the entropy of every row, from this rank's vocab slice of ``logits``.
 
     Args:
-        logits: ``[..., V_p / TP]`` this TP rank's slice of the padded vocabulary (any float dtype; math in float32).
-        target_ids: ``[...]`` global token ids, each ``< real_vocab_size`` (ids outside it give a meaningless value).
+        logits: ``[..., V_p / TP]`` this TP rank's slice of the padded vocabulary (any float dtype; math in float32);
+            with ``rows``, ``[N, V_p / TP]``.
+        target_ids: ``[...]`` global token ids, each ``< real_vocab_size`` (ids outside it give a meaningless value);
+            with ``rows``, one per row picked.
+        rows: the rows of ``logits`` to evaluate (``target_ids[i]`` is the token at row ``rows[i]``), read in place:
+            no gathered copy is made or kept for backward, and the gradient flows to those rows of ``logits``.
         real_vocab_size: the tokenizer's vocabulary ``V``; logit columns with ids ``>= V`` are excluded.
         temperature: as the rollout engine applies it (see :func:`temperature_scale`).
         tp_group, tp_rank: the tensor-parallel group and this rank's index in it; default: megatron's
@@ -172,10 +193,15 @@ def vocab_parallel_logprobs(
         ``(logprobs, entropy)``, both float32 of shape ``[...]``; ``logprobs`` carries the gradient w.r.t. ``logits``,
         ``entropy`` is detached.
     """
-    if logits.shape[:-1] != target_ids.shape:
+    if rows is None and logits.shape[:-1] != target_ids.shape:
         raise ValueError(
             f"vocab_parallel_logprobs: logits {tuple(logits.shape)} need target_ids of shape "
             f"{tuple(logits.shape[:-1])}, got {tuple(target_ids.shape)}"
+        )
+    if rows is not None and (logits.dim() != 2 or rows.shape != target_ids.shape):
+        raise ValueError(
+            f"vocab_parallel_logprobs: with rows, logits must be [N, V_p/TP] and rows as many as target_ids; got "
+            f"logits {tuple(logits.shape)}, rows {tuple(rows.shape)}, target_ids {tuple(target_ids.shape)}"
         )
     if tp_group is None and tp_rank is None:
         tp_group, tp_rank = _megatron_tp_group()
@@ -192,8 +218,9 @@ def vocab_parallel_logprobs(
     group = tp_group if tp_size > 1 else None
     flat_logits = logits.reshape(-1, shard_size)
     flat_target = target_ids.reshape(-1).to(torch.long)
+    picked = None if rows is None else rows.reshape(-1).to(torch.long)
     logprob, entropy = _VocabParallelLogProb.apply(
-        flat_logits, flat_target, shard, temperature_scale(temperature), group, chunk_elements
+        flat_logits, flat_target, picked, shard, temperature_scale(temperature), group, chunk_elements
     )
     return logprob.view(target_ids.shape), entropy.view(target_ids.shape)
 

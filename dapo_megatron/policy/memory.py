@@ -38,9 +38,14 @@ Micro-batches in flight under 1F1B (megatron-core ``pipeline_parallel/schedules.
 first backward): ``P − p``, so the first stage is the tightest. The last stage also keeps the final norm's and the
 output layer's inputs (``2h``, SP-divided).
 
-**Logits** (last stage): the output layer's vocab-parallel logits of the micro-batch, ``t·V/T`` values kept for
-backward plus their gradient of the same size (:mod:`.logprobs` saves the logits and recomputes the softmax in
-chunks), plus its float32 chunk temporaries (~4 chunks of ``min(DEFAULT_CHUNK_ELEMENTS, t·V/T)`` values).
+**Logits** (last stage, :func:`logprob_buffers`): the output layer's vocab-parallel logits of the micro-batch,
+``t·V/T`` values kept for backward, plus their gradient of the same size, plus the log-prob's chunk temporaries
+(``c = min(DEFAULT_CHUNK_ELEMENTS, t·V/T)`` values each: 4 in float32, and 2 in the activation dtype — the rows
+read and the gradient cast back). :mod:`.logprobs` reads the response positions from the logits in place and
+recomputes the softmax in chunks, so nothing else of vocabulary width lives (``tests/test_policy_actor.py`` checks
+what autograd saves). Not counted: the per-response-token loss tensors, float32 ``[n, R]`` (n samples in the
+row, R its longest response; ~12 of them), tens of MB — e.g. one 20480-token response packed with 64 samples of 64
+tokens is 65 × 20480 × 4 B × 12 ≈ 64 MB.
 
 **Margin**: 3 GB for the CUDA context, NCCL's communicator buffers and library workspaces, plus 10 % of the
 activations and logits for the caching allocator's fragmentation.
@@ -63,6 +68,7 @@ GB = 10**9
 FIXED_MARGIN_BYTES = 3 * GB
 FRAGMENTATION = 0.10
 LOGPROB_CHUNK_TEMPORARIES = 4  # float32 chunk buffers live at once in the vocab-parallel log-prob
+LOGPROB_CHUNK_COPIES = 2  # chunks in the activation dtype: the rows read, the gradient cast back
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,14 @@ def activation_values_per_token(spec: ModelSpec, tensor_parallel: int, *, sequen
         spec.ffn_hidden_size
     sp = tensor_parallel if sequence_parallel else 1
     return 4 * h / sp + (q + 2 * k + q + 3 * f) / tensor_parallel
+
+
+def logprob_buffers(logit_values: int, act_bytes: int) -> dict[str, int]:
+    """Bytes of the last stage's log-prob of a micro-batch whose logits hold ``logit_values`` values per GPU
+    (``t·V/T``): the logits kept for backward, their gradient, the chunk temporaries (module docstring)."""
+    chunk = min(DEFAULT_CHUNK_ELEMENTS, logit_values)
+    return {"logits": logit_values * act_bytes, "gradient": logit_values * act_bytes,
+            "temporaries": chunk * (LOGPROB_CHUNK_TEMPORARIES * 4 + LOGPROB_CHUNK_COPIES * act_bytes)}
 
 
 def estimate_memory(
@@ -161,9 +175,7 @@ def estimate_memory(
         activations = int(activation_values * act_bytes)
         logits = 0
         if last:
-            logit_values = t * (padded_vocab_size(spec.vocab_size, tp) // tp)
-            logits = 2 * logit_values * act_bytes
-            logits += LOGPROB_CHUNK_TEMPORARIES * min(DEFAULT_CHUNK_ELEMENTS, logit_values) * 4
+            logits = sum(logprob_buffers(t * (padded_vocab_size(spec.vocab_size, tp) // tp), act_bytes).values())
         stages.append(StageMemory(
             stage=stage, layers=layers, parameters=parameters, micro_batches_in_flight=in_flight,
             params_bytes=parameters * weight_bytes, grads_bytes=parameters * 4,

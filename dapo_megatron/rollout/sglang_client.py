@@ -12,6 +12,8 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dapo_megatron.rollout.engine import RolloutError
@@ -32,6 +34,29 @@ class ServerReplyError(SGLangServerError):
     endpoint returns (e.g. another program listens at the URL)."""
 
 
+@dataclass(frozen=True)
+class StreamedJson:
+    """A JSON request body sent piece by piece (never joined): ``pieces`` yields ``length`` bytes in all."""
+
+    pieces: Sequence[bytes]
+    length: int
+
+
+def tensor_update_body(serialized_per_tp_rank: Sequence[str | bytes], **fields: Any) -> StreamedJson:
+    """``/update_weights_from_tensor``'s body, ``{"serialized_named_tensors": [...], **fields}``, as pieces that
+    reference the serialized entries instead of copying them.
+
+    An entry is base64 (:mod:`dapo_megatron.rollout.tensor_payloads`), which JSON carries as it is. By value, every TP
+    rank's entry is the same bucket: one object repeated, so a TP-4 server's body costs no copy of the bucket where
+    ``json.dumps`` + ``encode`` made eight (two per rank), and servers posted to at once share it too."""
+    entries = [entry if isinstance(entry, bytes) else entry.encode("ascii") for entry in serialized_per_tp_rank]
+    pieces = [b'{"serialized_named_tensors": [']
+    for index, entry in enumerate(entries):
+        pieces += [b', "' if index else b'"', entry, b'"']
+    pieces.append(b"], " + json.dumps(fields).encode()[1:] if fields else b"]}")
+    return StreamedJson(pieces, sum(len(piece) for piece in pieces))
+
+
 class SGLangClient:
     """Blocking calls to one server at ``base_url`` authenticated with ``api_key`` (Bearer token)."""
 
@@ -46,9 +71,16 @@ class SGLangClient:
     # ---- transport ---------------------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None,
                 authenticated: bool = True) -> tuple[int, Any]:
-        """Send one request; return ``(status, parsed JSON or text)``; :class:`ServerFailure` if no answer."""
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        """Send one request; return ``(status, parsed JSON or text)``; :class:`ServerFailure` if no answer.
+        ``body``: anything ``json.dumps`` takes, or a :class:`StreamedJson`."""
+        headers = {}
+        if isinstance(body, StreamedJson):
+            data: bytes | Iterator[bytes] | None = iter(body.pieces)
+            headers["Content-Length"] = str(body.length)
+        else:
+            data = None if body is None else json.dumps(body).encode()
+        if data is not None:
+            headers["Content-Type"] = "application/json"
         if authenticated and self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(f"{self.base_url}{path}", data=data, headers=headers, method=method)
@@ -153,12 +185,10 @@ class SGLangClient:
     def end_weight_update(self) -> None:
         self._call("POST", "/end_weight_update", {})
 
-    def update_weights_from_tensor(self, serialized_per_tp_rank: list[str], *, version: str | None,
+    def update_weights_from_tensor(self, serialized_per_tp_rank: Sequence[str | bytes], *, version: str | None,
                                    flush_cache: bool) -> None:
-        self._call("POST", "/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized_per_tp_rank, "weight_version": version,
-            "flush_cache": flush_cache,
-        })
+        self._call("POST", "/update_weights_from_tensor", tensor_update_body(
+            serialized_per_tp_rank, weight_version=version, flush_cache=flush_cache))
 
     def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str, backend: str) -> None:

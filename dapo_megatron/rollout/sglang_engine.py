@@ -5,8 +5,10 @@ are launched here or attached by URL and kept by :class:`dapo_megatron.rollout.s
 
 Generation: one ``/generate`` request per prompt carrying its ``n`` samples (see
 :mod:`dapo_megatron.rollout.sglang_requests` for the payload, the seed and the log-prob temperature semantics),
-sent by a pool of at most ``max_concurrent_requests`` threads, each to the server with the fewest requests in
-flight. SGLang batches concurrent requests itself.
+sent by a pool of at most :attr:`SGLangEngine.max_concurrent_requests` threads (``rollout.sglang.
+max_concurrent_requests``, by default what the servers run at once: :func:`~dapo_megatron.rollout.sglang_pool.
+concurrent_requests`), each to the server with the fewest requests in flight. SGLang batches concurrent requests
+itself.
 
 Failures: every HTTP call has ``request_timeout_s``; a failed server is restarted or taken out of rotation by the
 pool (see there) and its lost requests are re-sent. A restart needs the weights of the current version: the
@@ -57,7 +59,7 @@ from dapo_megatron.rollout.engine import (
 )
 from dapo_megatron.rollout.placement import Placement, ServerMemory, ServerMemoryError
 from dapo_megatron.rollout.sglang_client import ServerFailure
-from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot
+from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot, concurrent_requests
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, server_python
 from dapo_megatron.rollout.sglang_stream import SGLangStreams
@@ -84,11 +86,13 @@ class SGLangEngine(RolloutEngine):
     ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its device
     type, in the environment it gives them.
     ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.
+    ``samples_per_request``: the ``n`` of the run's requests (``rollout.n_samples``), which the default number of
+    requests in flight is counted in.
     """
 
     def __init__(self, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
                  show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
-                 placement: Placement = "separate") -> None:
+                 placement: Placement = "separate", samples_per_request: int = 1) -> None:
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
         self.config = config
@@ -102,18 +106,28 @@ class SGLangEngine(RolloutEngine):
         self._temp_dir = None if run_dir else tempfile.TemporaryDirectory(prefix="dapo_sglang_")
         self.run_dir = Path(run_dir or self._temp_dir.name)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._update_lock = threading.Lock()
+        self._update_lock = threading.Lock()  # batch generation and weight updates take turns
+        # A weight push and a server restart never overlap: a restart reads the served version and the weights to
+        # relaunch from under it, and a push records its version before it lets go. Otherwise a server that failed
+        # before a push and came back after it serves the weights of before (the initial model's while the first
+        # push ran), outside the push's targets.
+        self._serving_lock = threading.Lock()
         self._warned_unseeded = False
         self.pool = ServerPool(config, model_path=self.model_path, run_dir=self.run_dir, device=self.device,
                                dtype=dtype, server_environment=backend.sglang_server_environment,
                                placement=placement)
         self.transport: WeightTransport | None = None
+        self.streams: SGLangStreams | None = None
         self._weight_version = 0  # until the pool reports the servers' version; shutdown reads it on a failed start
-        self.streams = SGLangStreams(self.pool, max_concurrent_requests=config.max_concurrent_requests,
-                                     served_version=lambda: self._weight_version, on_failure=self.recover_server)
         atexit.register(self.shutdown)
         try:
             self._weight_version = self.pool.start()
+            self.max_concurrent_requests = config.max_concurrent_requests or concurrent_requests(
+                self.pool.capacities(), samples_per_request)
+            logger.info("up to %d requests of %d sample(s) in flight over %d server(s)", self.max_concurrent_requests,
+                        samples_per_request, len(self.pool.slots))
+            self.streams = SGLangStreams(self.pool, max_concurrent_requests=self.max_concurrent_requests,
+                                         served_version=lambda: self._weight_version, on_failure=self.recover_server)
             self.transport = self._make_transport()
         except BaseException:
             self.shutdown()
@@ -165,7 +179,7 @@ class SGLangEngine(RolloutEngine):
             self._warned_unseeded = True
         results: list[list[Sample] | None] = [None] * len(prompts)
         with self._update_lock:
-            workers = ThreadPoolExecutor(max_workers=min(self.config.max_concurrent_requests, len(prompts)),
+            workers = ThreadPoolExecutor(max_workers=min(self.max_concurrent_requests, len(prompts)),
                                          thread_name_prefix="sglang-generate")
             futures = {workers.submit(self._generate_one, index, prompt, params, seeded): index
                        for index, prompt in enumerate(prompts)}
@@ -212,10 +226,14 @@ class SGLangEngine(RolloutEngine):
     # ---- failover --------------------------------------------------------------------------------------------------
     def recover_server(self, slot: ServerSlot, generation: int, error: ServerFailure) -> None:
         """A request failed on ``slot``: relaunch its server with the served version's weights (the transport then
-        forgets what it held for the old process), or take it out of rotation (:meth:`ServerPool.recover`)."""
-        if self.pool.recover(slot, generation, error, version=self._weight_version,
-                             restart_path=self._restart_model_path()):
-            self.transport.reset()
+        forgets what it held for the old process), or take it out of rotation (:meth:`ServerPool.recover`). Waits
+        for a weight push in progress, so the server comes back with the pushed weights."""
+        if slot.generation != generation or not slot.available:
+            return  # another thread handles (or handled) this failure; no need to wait for a push
+        with self._serving_lock:
+            if self.pool.recover(slot, generation, error, version=self._weight_version,
+                                 restart_path=self._restart_model_path()):
+                self.transport.reset()
 
     def _restart_model_path(self) -> str | None:
         """A model directory holding the served version's weights, to relaunch a failed server from."""
@@ -231,7 +249,7 @@ class SGLangEngine(RolloutEngine):
         if version < self._weight_version:
             raise ValueError(f"SGLangEngine.update_weights: version {version} is older than the served "
                              f"version {self._weight_version}")
-        with self._update_lock:
+        with self._update_lock, self._serving_lock:
             slots = self.pool.available()
             if not slots:
                 raise RolloutError("SGLangEngine.update_weights: no SGLang server is available")
@@ -331,7 +349,8 @@ class SGLangEngine(RolloutEngine):
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        self.streams.close()
+        if self.streams is not None:
+            self.streams.close()
         transport = self.transport
         if transport is not None:
             try:

@@ -16,11 +16,18 @@ Launched CUDA servers take the GPUs :func:`dapo_megatron.rollout.sglang_gpus.ser
 trainer's, by default), or, colocated, the trainer's own (:func:`dapo_megatron.rollout.placement.colocated_gpu_ranges`,
 started with SGLang's memory saver). Launched servers run on this host; an attached one does when its URL names this
 host.
+
+Capacity (:meth:`ServerPool.capacities`): the sequences each server decodes at once, as SGLang reports it — its
+scheduler's running-request limit, which it sizes from its KV cache. How many requests the engine keeps in flight by
+default (``rollout.sglang.max_concurrent_requests: null``) is :func:`concurrent_requests` of them: every server gets
+as many as it runs, whatever the layout (a fixed 64 was ~4 prompts of 16 samples per server over 16 servers, while
+one TP-4 server runs thousands of sequences at once).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -72,6 +79,23 @@ class ServerSlot:
     @property
     def available(self) -> bool:
         return self.down_reason is None and not self.restarting
+
+
+def server_capacity(info: dict, url: str) -> int:
+    """Sequences one server decodes at once, from its ``/server_info``: SGLang 0.5.23 reports its scheduler's
+    running-request limit per data-parallel rank (``internal_states[*].effective_max_running_requests_per_dp``)."""
+    states = info.get("internal_states")
+    limits = [state.get("effective_max_running_requests_per_dp") for state in states or [] if isinstance(state, dict)]
+    if not limits or not all(isinstance(limit, int) and limit > 0 for limit in limits):
+        raise SGLangServerError(f"{url}/server_info reports no running-request limit (internal_states[*]."
+                                f"effective_max_running_requests_per_dp, SGLang 0.5.23): set "
+                                f"rollout.sglang.max_concurrent_requests")
+    return sum(limits)
+
+
+def concurrent_requests(capacities: list[int], samples_per_request: int) -> int:
+    """Requests of ``samples_per_request`` samples that fill every server's capacity (at least one)."""
+    return max(1, sum(math.ceil(capacity / samples_per_request) for capacity in capacities))
 
 
 def is_this_host(url: str) -> bool:
@@ -162,6 +186,10 @@ class ServerPool:
         return int(version)
 
     # ---- state -------------------------------------------------------------------------------------------------
+    def capacities(self) -> list[int]:
+        """Each server's sequences decoded at once (:func:`server_capacity`)."""
+        return [server_capacity(slot.client.server_info(), slot.client.base_url) for slot in self.slots]
+
     @property
     def urls(self) -> list[str]:
         return [slot.client.base_url for slot in self.slots]

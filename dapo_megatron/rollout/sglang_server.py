@@ -60,9 +60,17 @@ INSTALL_HINT = (
     f"Installation)"
 )
 
-# Environment variables that change what the server returns; removed so the engine's documented semantics hold.
-# SGLANG_RETURN_ORIGINAL_LOGPROB=1 would make returned log-probs ignore the temperature.
-_ENV_REMOVED_FROM_SERVER = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
+# Environment variables of this process that must not reach a server:
+# * SGLANG_RETURN_ORIGINAL_LOGPROB=1 would make returned log-probs ignore the temperature (the engine's documented
+#   semantics);
+# * CUDA_DEVICE_MAX_CONNECTIONS is the trainer's setting for megatron's tensor-parallel overlap
+#   (dapo_megatron/platform.py), not a server's (SGLang 0.5.23 sets its own value at startup);
+# * torchrun's TORCHELASTIC_* (the prefix below): with TORCHELASTIC_USE_AGENT_STORE=True, torch's tcp:// rendezvous
+#   (torch/distributed/rendezvous.py, _create_c10d_store) makes every rank, rank 0 included, a client of a store it
+#   expects torchrun's agent to host, so a server's own init_process_group waits for a store nobody hosts until
+#   launch_timeout_s.
+_ENV_REMOVED_FROM_SERVER = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "CUDA_DEVICE_MAX_CONNECTIONS")
+_ENV_PREFIXES_REMOVED_FROM_SERVER = ("TORCHELASTIC_",)
 
 # KV-cache tokens of a CPU server unless ``--max-total-tokens`` is in ``extra_server_args``: left to itself SGLang
 # sizes the cache from free RAM (a 15 GB cache and a 99 s start were measured for a tiny model).
@@ -204,7 +212,8 @@ class SGLangServerProcess:
         return command + list(config.extra_server_args)
 
     def environment(self) -> dict[str, str]:
-        env = {key: value for key, value in os.environ.items() if key not in _ENV_REMOVED_FROM_SERVER}
+        env = {key: value for key, value in os.environ.items()
+               if key not in _ENV_REMOVED_FROM_SERVER and not key.startswith(_ENV_PREFIXES_REMOVED_FROM_SERVER)}
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
         env["PYTHONUNBUFFERED"] = "1"

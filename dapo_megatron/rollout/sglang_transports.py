@@ -12,7 +12,8 @@ than one bucket. Full tensors are sent; SGLang shards them for its own TP degree
   Works across hosts and is the one a restarted server can be relaunched from (:meth:`restart_model_path`).
 * :class:`TensorTransport` — ``/update_weights_from_tensor`` with one payload per server TP rank
   (:mod:`dapo_megatron.rollout.tensor_payloads`): CUDA IPC handles for GPU buckets going to a server on this host,
-  kept alive until the update session ends; pickled CPU copies otherwise (any host, through the HTTP body).
+  the last :data:`IPC_WINDOW_BUCKETS` of them kept referenced here (:class:`HandleWindow`); pickled CPU copies
+  otherwise (any host, through the HTTP body).
 * :class:`DistributedTransport` — a process group formed by ``/init_weights_update_group`` (rank 0 here, the
   servers' TP ranks after it), then per bucket ``/update_weights_from_distributed`` announcing names/dtypes/shapes
   while this process broadcasts each tensor from rank 0. NCCL on GPUs; gloo on CPU (SGLang passes the backend
@@ -148,22 +149,66 @@ class DiskTransport(WeightTransport):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+IPC_WINDOW_BUCKETS = 2
+"""Buckets sent as CUDA handles that the tensor transport keeps referenced after every server answered for them."""
+
+
+def collect_ipc_memory() -> None:
+    """Free the CUDA blocks sent as IPC handles that this process dropped and every consumer has released
+    (``torch.cuda.ipc_collect``); nothing to do in a process that never initialized CUDA."""
+    if torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
+
+
+class HandleWindow:
+    """The last ``size`` buckets sent as CUDA IPC handles, kept referenced; older ones are dropped and collected.
+
+    Why dropping is safe once every server answered for a bucket: SGLang 0.5.23's ``/update_weights_from_tensor``
+    answers after the server deserialized the handles and loaded (enqueued its copies from) them, and its references
+    die with that call; torch's consumer side synchronizes the server's stream before it gives its reference back,
+    and a block this process drops while a consumer still holds it waits in torch's limbo until the consumers' count
+    reaches 0 (torch/csrc/CudaIPCTypes.cpp). ``torch.cuda.ipc_collect`` then returns it to the caching allocator, so
+    the extra GPU memory of a handoff is a few buckets, not the whole model."""
+
+    def __init__(self, size: int = IPC_WINDOW_BUCKETS, collect: Callable[[], None] = collect_ipc_memory) -> None:
+        self.size = size
+        self.collect = collect
+        self._held: list[BucketPayloads] = []
+
+    def keep(self, payloads: BucketPayloads) -> None:
+        self._held.append(payloads)
+        if len(self._held) > self.size:
+            del self._held[:-self.size]
+            self.collect()
+
+    def release(self) -> None:
+        self._held.clear()
+        self.collect()
+
+
 class TensorTransport(WeightTransport):
     """``/update_weights_from_tensor`` per bucket, one payload per server TP rank (:mod:`.tensor_payloads`)."""
 
     name = "tensor"
 
+    def __init__(self, ipc_window_buckets: int = IPC_WINDOW_BUCKETS,
+                 collect: Callable[[], None] = collect_ipc_memory) -> None:
+        self.ipc_window_buckets = ipc_window_buckets
+        self.collect = collect
+
     def send(self, servers, buckets, version):
-        held: list[BucketPayloads] = []  # buckets sent as CUDA handles: servers copy from them until the session ends
-        with weight_update_session(servers):
-            for bucket in buckets:
-                payloads = BucketPayloads(bucket, servers)
-                if payloads.by_reference:
-                    held.append(payloads)
-                on_all_servers(servers, lambda server, sent=payloads: server.client.update_weights_from_tensor(
-                    sent.for_server(server), version=None, flush_cache=False))
-                del payloads  # a bucket sent by value is released here: the trainer holds one at a time
-        held.clear()
+        window = HandleWindow(self.ipc_window_buckets, self.collect)  # buckets sent as CUDA handles
+        try:
+            with weight_update_session(servers):
+                for bucket in buckets:
+                    payloads = BucketPayloads(bucket, servers)
+                    on_all_servers(servers, lambda server, sent=payloads: server.client.update_weights_from_tensor(
+                        sent.for_server(server), version=None, flush_cache=False))
+                    if payloads.by_reference:
+                        window.keep(payloads)
+                    del payloads  # a bucket sent by value is released here: the trainer holds one at a time
+        finally:
+            window.release()
         tag_version(servers, version)
 
 
@@ -172,16 +217,19 @@ def open_sender_group(*, master_address: str, master_port: int, world_size: int,
                       timeout: timedelta) -> torch.distributed.ProcessGroup:
     """Join the weight-update group as rank 0, the way SGLang's ``init_custom_process_group`` joins it.
 
-    The group is independent of any default process group this process may have (Megatron's): it comes from a TCP
-    rendezvous on ``master_address:master_port`` (rank 0 hosts the store) whose keys are prefixed with
-    ``group_name`` like the servers' side, and is registered so ``torch.distributed.broadcast(group=...)`` accepts
-    it. That needs torch's private ``_new_process_group_helper``, the call SGLang makes on the other end; both ends
-    must run the same torch version.
+    The group is independent of any default process group this process may have (Megatron's): this process hosts the
+    TCP store on ``master_address:master_port`` that the servers' ``tcp://`` rendezvous dials, its keys prefixed with
+    ``group_name`` like the servers' side, and the group is registered so ``torch.distributed.broadcast(group=...)``
+    accepts it. That needs torch's private ``_new_process_group_helper``, the call SGLang makes on the other end;
+    both ends must run the same torch version.
+
+    The store is made here rather than by ``c10d.rendezvous``: under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``)
+    the rendezvous makes rank 0 a client of a store it expects torchrun's agent to host on that port, nobody hosts
+    it, and the group would wait out ``timeout`` (torch/distributed/rendezvous.py, ``_create_c10d_store``).
     """
-    store, rank, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    store = torch.distributed.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
     group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
+        world_size, 0, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
         group_name=group_name, backend_options=None, timeout=timeout,
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
@@ -206,7 +254,8 @@ class DistributedTransport(WeightTransport):
         self._groups_formed = 0
         self._group: torch.distributed.ProcessGroup | None = None
         self._group_servers: list[ServerTarget] = []
-        self._lock = threading.Lock()
+        self._stale = False  # reset() was called: the next push forms a new group
+        self._lock = threading.Lock()  # held by a push (and close): the group is never torn down under a broadcast
 
     @property
     def device(self) -> torch.device:
@@ -241,8 +290,9 @@ class DistributedTransport(WeightTransport):
     def send(self, servers, buckets, version):
         with self._lock:
             urls = [server.client.base_url for server in servers]
-            if self._group is None or [s.client.base_url for s in self._group_servers] != urls:
-                self.reset()
+            if self._stale or self._group is None or [s.client.base_url for s in self._group_servers] != urls:
+                self._stale = False  # before connecting: a reset() from now on is for the group formed next
+                self._drop_group()
                 self.connect(servers)
             with weight_update_session(servers):
                 for bucket in buckets:
@@ -262,7 +312,7 @@ class DistributedTransport(WeightTransport):
             try:
                 self._broadcast(bucket, announcements)
             except Exception as error:
-                self.reset()
+                self._drop_group()  # under send's lock
                 rejected = [a.exception() for a in announcements if a.done() and a.exception() is not None]
                 said = f"; the server said: {rejected[0]}" if rejected else ""
                 raise RolloutError(f"weight broadcast over the {self.backend} group failed: {error}{said}") from error
@@ -285,7 +335,13 @@ class DistributedTransport(WeightTransport):
             work.wait()
 
     def reset(self) -> None:
-        """Drop the local end of the group (restarted servers lost theirs); the next push forms a new group."""
+        """Restarted servers lost their end of the group: the next push forms a new one. Any thread may call this
+        (a stream worker recovers a server while the trainer's thread may be broadcasting): it only marks the group,
+        which the next push, holding the lock a push holds, tears down."""
+        self._stale = True
+
+    def _drop_group(self) -> None:
+        """Destroy the local end of the group; only with ``_lock`` held."""
         if self._group is not None:
             try:
                 torch.distributed.destroy_process_group(self._group)
@@ -294,11 +350,12 @@ class DistributedTransport(WeightTransport):
         self._group, self._group_servers = None, []
 
     def close(self, servers):
-        if self._group is None:
-            return
-        for server in self._group_servers:
-            try:
-                server.client.destroy_weights_update_group(self.group_name)
-            except RolloutError:
-                pass
-        self.reset()
+        with self._lock:
+            if self._group is None:
+                return
+            for server in self._group_servers:
+                try:
+                    server.client.destroy_weights_update_group(self.group_name)
+                except RolloutError:
+                    pass
+            self._drop_group()

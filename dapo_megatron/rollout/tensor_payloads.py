@@ -11,8 +11,10 @@ SGLang 0.5.23 (``TpModelWorker.deserialize_own_rank``) has TP rank ``r`` of a se
   UUID rather than by index, which is how SGLang's ``monkey_patch_torch_reductions`` (applied by the server before it
   deserializes) finds the GPU when the server's ``CUDA_VISIBLE_DEVICES`` differs from the trainer's. The UUID is put
   in by this module's own pickler for these payloads only; torch's reducers stay untouched in the trainer, where a
-  global patch would also rewrite CPU tensors' reductions. Servers enqueue their copies from that memory before they
-  answer, so the caller keeps :attr:`BucketPayloads.tensors` alive until ``/end_weight_update`` returned.
+  global patch would also rewrite CPU tensors' reductions. Servers load (enqueue their copies from) that memory before
+  they answer, and torch keeps a block a consumer still holds in its IPC limbo when this process drops it, so the
+  transport drops :attr:`BucketPayloads.tensors` a few buckets after the answers
+  (:class:`dapo_megatron.rollout.sglang_transports.HandleWindow`).
 
 CPU tensors are never sent as shared-memory handles: with torch's default ``file_descriptor`` strategy the server
 crashes (it fetches the fd from this process's resource sharer, which rejects the server's authkey), and the
@@ -41,19 +43,22 @@ _rebuild_cuda_tensor = getattr(reductions, "_rebuild_cuda_tensor_original", redu
 DEVICE_ARGUMENT = list(inspect.signature(_rebuild_cuda_tensor).parameters).index("storage_device")
 
 
-def serialize_by_value(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """Base64 of a standard pickle of CPU copies of the tensors."""
-    tensors = [(name, tensor.detach().cpu().contiguous()) for name, tensor in named_tensors]
-    return base64.b64encode(pickle.dumps(tensors, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+def serialize_by_value(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    """Base64 (ASCII bytes) of a standard pickle of CPU copies of the tensors. The copies go before the base64 is
+    made: at most the pickle and the copies (2× the bucket) or the pickle and its base64 (2.3×) are alive at once,
+    the base64 (1.3×) after."""
+    pickled = pickle.dumps([(name, tensor.detach().cpu().contiguous()) for name, tensor in named_tensors],
+                           protocol=pickle.HIGHEST_PROTOCOL)
+    return base64.b64encode(pickled)
 
 
-def serialize_by_reference(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
-    """Base64 of a ``ForkingPickler`` pickle of CUDA tensors: IPC handles whose GPU is named by UUID."""
+def serialize_by_reference(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    """Base64 (ASCII bytes) of a ``ForkingPickler`` pickle of CUDA tensors: IPC handles whose GPU is named by UUID."""
     buffer = io.BytesIO()
     pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table[torch.Tensor] = _reduce_cuda_tensor
     pickler.dump(list(named_tensors))
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return base64.b64encode(buffer.getvalue())
 
 
 def _reduce_cuda_tensor(tensor: torch.Tensor):
@@ -95,22 +100,22 @@ class PayloadDestination(Protocol):
 class BucketPayloads:
     """One bucket's ``serialized_named_tensors`` for each server (:meth:`for_server`).
 
-    ``by_reference``: some server got handles into :attr:`tensors`, which must then outlive the update session.
+    ``by_reference``: some server got handles into :attr:`tensors` (see the module docstring for how long they live).
     """
 
     def __init__(self, bucket: Bucket, servers: Sequence[PayloadDestination]) -> None:
         self.tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
         on_cuda = bucket_on_cuda(self.tensors)
         self.by_reference = False
-        self._per_server: dict[int, list[str]] = {}
+        self._per_server: dict[int, list[bytes]] = {}
         by_value = None
         for server in servers:
             if sends_by_reference(on_cuda, server.same_host):
                 self._per_server[id(server)] = [serialize_by_reference(self.tensors) for _ in range(server.tp_size)]
                 self.by_reference = True
-            else:
+            else:  # the same object for every rank and server: the client sends it without copying
                 by_value = by_value or serialize_by_value(self.tensors)
                 self._per_server[id(server)] = [by_value] * server.tp_size
 
-    def for_server(self, server: PayloadDestination) -> list[str]:
+    def for_server(self, server: PayloadDestination) -> list[bytes]:
         return self._per_server[id(server)]

@@ -7,7 +7,8 @@
 * the user's model folder (``model.source = hf``): :func:`dapo_megatron.trainer.model_source.check_model_folder`,
   whether it splits over ``parallel.tensor`` × ``parallel.pipeline``, and, for training, whether its estimated
   memory (:mod:`dapo_megatron.policy.memory`) fits what a GPU has — or, on CPU, what this host has for the trainer
-  ranks it runs (:func:`check_training_memory`);
+  ranks it runs (:func:`check_training_memory`); with ``rollout.engine: embedded``, whether the engine's fp32 host
+  copy fits this host next to its trainer ranks (:func:`check_embedded_engine_memory`);
 * the data files (``data.source = dapo_math``): read and validated, every row (the trainer reuses what was read);
 * the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory (none
   is fine: the run starts at step 0), ``eval --ckpt`` the one named.
@@ -32,6 +33,8 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, r
         spec = check_user_model(config)
         if checkpoint is None:
             check_training_memory(config, spec, world_size=world_size, fused_attention=backend.uses_transformer_engine)
+        if config.rollout.engine == "embedded":
+            check_embedded_engine_memory(config, spec, world_size=world_size, backend=backend)
     check_data_files(config)
     if resume:
         check_resume_checkpoint(Path(config.trainer.run_dir) / "checkpoints", world_size)
@@ -69,13 +72,11 @@ def check_training_memory(config: DAPOConfig, spec, *, world_size: int, fused_at
     import torch
 
     from dapo_megatron.platform import local_world_size
-    from dapo_megatron.policy.memory import plan_stages
 
     p = config.parallel
     data_parallel = max(world_size // (p.tensor * p.pipeline), 1)
-    stages, _ = plan_stages(config, spec, data_parallel=data_parallel, local_spec=not fused_attention)
-    largest = max(stages, key=lambda stage: stage.total_bytes)
     on_gpu = torch.cuda.is_available()
+    largest = _largest_stage(config, spec, world_size=world_size, fused_attention=fused_attention)
     if on_gpu:
         need, ranks = largest.total_bytes, 1
     else:
@@ -89,6 +90,46 @@ def check_training_memory(config: DAPOConfig, spec, *, world_size: int, fused_at
             f"vocab {spec.vocab_size}) at TP={p.tensor} PP={p.pipeline} DP={data_parallel} in "
             f"{config.model.precision} needs an estimated {need / 2**30:.1f} GiB ({per}pipeline stage "
             f"{largest.stage}: `dapo-megatron plan` breaks it down), but {what} has {have / 2**30:.1f} GiB")
+
+
+def _largest_stage(config: DAPOConfig, spec, *, world_size: int, fused_attention: bool):
+    from dapo_megatron.policy.memory import plan_stages
+
+    p = config.parallel
+    data_parallel = max(world_size // (p.tensor * p.pipeline), 1)
+    stages, _ = plan_stages(config, spec, data_parallel=data_parallel, local_spec=not fused_attention)
+    return max(stages, key=lambda stage: stage.total_bytes)
+
+
+def check_embedded_engine_memory(config: DAPOConfig, spec, *, world_size: int, backend: Backend,
+                                 available_host_bytes: int | None = None, ranks_on_host: int | None = None) -> None:
+    """Refuse ``rollout.engine: embedded`` when its fp32 host copy (:mod:`dapo_megatron.rollout.embedded_memory`)
+    and the trainer ranks of this host do not fit the host memory available now, naming every number. The trainer
+    ranks' host share: a process's own cost on GPU; on CPU their stage's estimate too (as
+    :func:`check_training_memory`). ``available_host_bytes``, ``ranks_on_host``: for tests; default: this machine's."""
+    import psutil
+
+    from dapo_megatron.platform import local_world_size
+    from dapo_megatron.rollout.embedded_memory import embedded_engine_bytes, embedded_parameters
+
+    engine = embedded_engine_bytes(spec, config.rollout.embedded)
+    ranks = min(local_world_size(), world_size) if ranks_on_host is None else ranks_on_host
+    per_rank = CPU_PROCESS_BYTES
+    if backend.device_type == "cpu":
+        largest = _largest_stage(config, spec, world_size=world_size, fused_attention=False)
+        per_rank += largest.total_bytes - largest.margin_bytes
+    need = sum(engine.values()) + ranks * per_rank
+    have = psutil.virtual_memory().available if available_host_bytes is None else available_host_bytes
+    if need <= have:
+        return
+    gib = 2**30
+    where = "on its CPU (the GPUs only train)" if backend.device_type == "cuda" else "on its CPU"
+    raise ConfigError(
+        f"rollout.engine=embedded keeps an fp32 copy of {config.model.hf_path} "
+        f"({embedded_parameters(spec) / 1e9:.2f}B parameters: {engine['weights'] / gib:.1f} GiB) and its KV cache and "
+        f"logits ({(engine['kv_cache'] + engine['logits']) / gib:.1f} GiB, rollout.embedded) in rank 0's host memory "
+        f"and decodes {where}; with {ranks} trainer rank(s) on this host ({ranks * per_rank / gib:.1f} GiB) that is "
+        f"{need / gib:.1f} GiB, but this host has {have / gib:.1f} GiB available: use rollout.engine=sglang")
 
 
 def _available_memory(on_gpu: bool) -> tuple[int, str]:

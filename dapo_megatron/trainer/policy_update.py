@@ -152,7 +152,8 @@ class PolicyUpdate:
                   for g in groups for i in range(len(g.responses))] if self.masks_stale else None)
         a = self.algorithm
         return rollout_correction(
-            [s.old_logprobs for s in samples], [torch.tensor(lps) for g in groups for lps in g.engine_logprobs],
+            [s.old_logprobs for s in samples],
+            [torch.as_tensor(lps, dtype=torch.float32) for g in groups for lps in g.engine_logprobs],
             mode=a.rollout_correction, tis_cap=a.tis_cap, mis_threshold=a.mis_threshold, stale=stale)
 
     def corrected(self, samples: list[PolicySample], correction: Correction) -> list[PolicySample]:

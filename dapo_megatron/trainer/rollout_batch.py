@@ -6,6 +6,10 @@ paper's scale 8,192 responses of up to 20k tokens): every per-token and per-resp
 tensor with a tensor of lengths, the strings and the step's rollout metrics travel as a small object. Rank 0 trains
 on the unpacked copy too, so every rank holds the same batch; packing is exact (:func:`pack_rollout_batch` stores a
 value in a narrower dtype only when that loses nothing).
+
+Unpacked, the per-token fields stay tensors: each response's token ids, engine log-probs and token versions are views
+into the flat tensors that crossed (ids and versions as int64, log-probs in the dtype they crossed in). Python lists
+of ~80M tokens and log-probs on every rank cost ~30 bytes per value more and seconds to build.
 """
 
 from __future__ import annotations
@@ -73,9 +77,9 @@ def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) ->
 
 def unpack_rollout_batch(packed: Packed) -> RolloutBatch:
     t, meta = packed.tensors, packed.meta
-    prompts = _split(t["prompt_ids"].tolist(), t["prompt_lengths"].tolist())
-    responses = _split(t["response_ids"].tolist(), t["response_lengths"].tolist())
-    logprobs = _split(t["engine_logprobs"].double().tolist(), t["logprob_lengths"].tolist())
+    prompts = _views(t["prompt_ids"].long(), t["prompt_lengths"])
+    responses = _views(t["response_ids"].long(), t["response_lengths"])
+    logprobs = _views(t["engine_logprobs"], t["logprob_lengths"])
     names = meta["finish_reason_names"]
     per_response = {
         "responses": responses, "engine_logprobs": logprobs,
@@ -87,7 +91,7 @@ def unpack_rollout_batch(packed: Packed) -> RolloutBatch:
     by_group = {name: _split(values, sizes) for name, values in per_response.items()}
     versioned = t["has_token_versions"].tolist()
     versioned_lengths = [len(r) for responses, has in zip(by_group["responses"], versioned) if has for r in responses]
-    token_versions = iter(_split(_split(t["token_versions"].tolist(), versioned_lengths),
+    token_versions = iter(_split(_views(t["token_versions"].long(), versioned_lengths),
                                  [size for size, has in zip(sizes, versioned) if has]))
     groups = [
         RolloutGroup(prompt_ids=prompt, ground_truth=truth, data_source=source, weight_version=version,
@@ -104,8 +108,17 @@ def _lengths(lists: list[list]) -> torch.Tensor:
     return torch.tensor([len(values) for values in lists], dtype=torch.int64)
 
 
-def _flat(lists: list[list], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([torch.tensor(values, dtype=dtype) for values in lists]) if lists else torch.empty(0, dtype=dtype)
+def _flat(lists: list, dtype: torch.dtype) -> torch.Tensor:
+    """Lists or tensors (a batch unpacked before is packed again) as one flat tensor."""
+    if not lists:
+        return torch.empty(0, dtype=dtype)
+    return torch.cat([torch.as_tensor(values, dtype=dtype).reshape(-1) for values in lists])
+
+
+def _views(flat: torch.Tensor, lengths: torch.Tensor | list[int]) -> list[torch.Tensor]:
+    """``flat`` cut into consecutive pieces of ``lengths``, as views (no copy)."""
+    lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
+    return list(torch.split(flat, lengths)) if lengths else []
 
 
 def _split(values: list, lengths: list[int]) -> list[list]:

@@ -5,12 +5,13 @@ punishment). Both collectors (:mod:`.rollout_collector`, :mod:`.async_collector`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from dapo_megatron.algorithm import math_reward, overlong_penalty
-from dapo_megatron.algorithm.staleness import response_staleness, version_span
+from dapo_megatron.algorithm.staleness import TokenVersions, response_staleness, version_span
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.rollout.engine import Sample, SamplingParams
@@ -26,29 +27,33 @@ class RolloutGroup:
     (:mod:`dapo_megatron.algorithm.staleness`). ``token_versions`` gives each response's per-token versions when
     they differ from ``weight_version`` (a partial rollout continued across a weight update); None when every
     token was sampled by ``weight_version``.
+
+    Per-token fields (prompt and response ids, engine log-probs, token versions) are lists as the collector scores
+    them on rank 0 and tensors once the batch reached every rank (:mod:`.rollout_batch`); everything reading them
+    takes either, and none walks them token by token in Python.
     """
 
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]
     ground_truth: str
     data_source: str
-    responses: list[list[int]]
-    engine_logprobs: list[list[float]]
+    responses: list[Sequence[int]]
+    engine_logprobs: list[Sequence[float]]
     finish_reasons: list[str]
     accs: list[bool]
     scores: list[float]
     overlong_penalties: list[float]
     weight_version: int
-    token_versions: list[list[int]] | None = None
+    token_versions: list[TokenVersions] | None = None
 
     @property
     def truncated(self) -> list[bool]:
         return [reason == "length" for reason in self.finish_reasons]
 
-    def response_versions(self, index: int) -> list[int]:
+    def response_versions(self, index: int) -> TokenVersions:
         """The weight version that sampled each token of response ``index``."""
         if self.token_versions is not None:
             return self.token_versions[index]
-        return [self.weight_version] * len(self.responses[index])
+        return torch.full((len(self.responses[index]),), self.weight_version, dtype=torch.int64)
 
     def response_staleness(self, index: int, policy_version: int) -> int:
         """:func:`~dapo_megatron.algorithm.staleness.response_staleness` of response ``index``; a response of one
@@ -59,10 +64,10 @@ class RolloutGroup:
         """:func:`~dapo_megatron.algorithm.staleness.version_span` of response ``index``, as cheaply."""
         return version_span(self._distinct_versions(index))
 
-    def _distinct_versions(self, index: int) -> list[int]:
+    def _distinct_versions(self, index: int) -> TokenVersions:
         if self.token_versions is not None:
             return self.token_versions[index]
-        return [self.weight_version] if self.responses[index] else []
+        return [self.weight_version] if len(self.responses[index]) else []
 
 
 def generation_seed(run_seed: int, step: int, round_index: int) -> int:

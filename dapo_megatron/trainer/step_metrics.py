@@ -62,7 +62,8 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
     lengths = [len(resp) for g in batch for resp in g.responses]
     prompt_lengths = [len(g.prompt_ids) for g in batch]
     accs = [acc for g in batch for acc in g.accs]
-    token_logprobs = [lp for g in batch for lps in g.engine_logprobs for lp in lps]
+    token_logprobs = torch.cat([torch.as_tensor(lps, dtype=torch.float32).reshape(-1)
+                                for g in batch for lps in g.engine_logprobs])
     metrics.update({
         "critic/score/mean": sum(scores) / len(scores),
         "critic/score/max": max(scores),
@@ -74,7 +75,7 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
         "response_length/min": min(lengths),
         "response_length/clip_ratio": sum(length >= max_response_length for length in lengths) / len(lengths),
         "prompt_length/mean": sum(prompt_lengths) / len(prompt_lengths),
-        "rollout/gen_prob/mean": float(torch.tensor(token_logprobs).exp().mean()) if token_logprobs else 0.0,
+        "rollout/gen_prob/mean": float(token_logprobs.exp().mean()) if token_logprobs.numel() else 0.0,
     })
     return metrics
 
@@ -100,7 +101,7 @@ def policy_metrics(groups: list[RolloutGroup], samples: list["PolicySample"], ol
     # weights sampled (stale ones differ by the updates since, not by the engine's numerics).
     fresh = [g.weight_version == policy_version for g in groups for _ in g.responses]
     flat_engine = [lps for g in groups for lps in g.engine_logprobs]
-    gaps = [(torch.tensor(flat_engine[i], dtype=torch.float32) - old.logprobs[i]).abs()
+    gaps = [(torch.as_tensor(flat_engine[i], dtype=torch.float32) - old.logprobs[i]).abs()
             for i, is_fresh in enumerate(fresh) if is_fresh]
     gap = torch.cat(gaps) if gaps else torch.empty(0)
     entropy = torch.cat(old.entropy)
