@@ -155,6 +155,7 @@ def engine_on(pool: Pool, transport: Transport) -> SGLangEngine:
     engine._weight_version = 0
     engine._closed = False
     engine._update_lock, engine._serving_lock = threading.Lock(), threading.Lock()
+    engine.placement, engine._server_memory = "separate", {}
     return engine
 
 
