@@ -76,7 +76,8 @@ def _init_distributed(config):
     p = config.parallel
     backend = select_backend(config.model.kernels)
     logging.getLogger(__name__).info("policy backend: %s", backend.name)
-    return init_distributed(p.tensor, p.pipeline, p.data, backend=backend, timeout_s=p.collective_timeout_s)
+    return init_distributed(p.tensor, p.pipeline, p.data, expert_parallel=p.expert, backend=backend,
+                            timeout_s=p.collective_timeout_s)
 
 
 def cmd_prepare_tiny(args: argparse.Namespace) -> int:

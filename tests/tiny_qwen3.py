@@ -59,3 +59,27 @@ def save_random_model(model_dir: str | Path, config, seed: int):
                 param.normal_(0.0, 0.5)
     model.save_pretrained(model_dir, safe_serialization=True)
     return model
+
+
+def build_tiny_qwen3_folder(directory: str | Path, *, moe: bool, seed: int = 0) -> Path:
+    """A complete HF folder an SGLang server loads offline (config, generation config, fp32 safetensors, the tiny
+    tokenizer of :mod:`tiny_models`): Qwen3, or Qwen3-MoE with 6 experts, top-2 (EP=2 splits them). Weights drawn
+    with ``initializer_range=0.3`` as :func:`tiny_models.build_tiny_qwen2` does: greedy decoding has clear winners."""
+    from tiny_models import END_OF_TEXT, IM_END, build_tiny_tokenizer
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(seed)
+    config = (tiny_qwen3_moe_config(num_experts=EVEN_EXPERTS, topk=2, vocab_size=len(tokenizer), num_layers=2)
+              if moe else tiny_qwen3_config(vocab_size=len(tokenizer), num_layers=2))
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    config.max_position_embeddings = 512
+    config.initializer_range = 0.3
+    config.eos_token_id, config.pad_token_id, config.bos_token_id = eos_id, pad_id, None
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

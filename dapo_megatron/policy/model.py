@@ -224,10 +224,10 @@ def moe_arguments(spec: ModelSpec, *, expert_parallel: int, aux_loss_coeff: floa
       other (``SequentialMLP``: megatron's other expert module needs the ``grouped_gemm`` CUDA package).
     """
     if spec.moe is None:
-        if expert_parallel > 1 or routing_replay:
-            raise ParallelLayoutError(f"expert parallelism and routing replay need a mixture-of-experts model; "
-                                      f"{spec.arch} is dense")
-        return {}
+        if routing_replay:
+            raise UnsupportedModelError(f"routing replay (algorithm.moe_routing_replay) needs a mixture-of-experts "
+                                        f"model; {spec.arch} is dense")
+        return {}  # expert_parallel > 1 was refused by check_parallel_layout
     moe = spec.moe
     return dict(
         num_moe_experts=moe.num_experts,

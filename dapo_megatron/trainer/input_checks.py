@@ -46,10 +46,10 @@ def check_user_model(config: DAPOConfig):
     spec = check_model_folder(config.model.hf_path, tokenizer_path=config.model.tokenizer_path)
     p = config.parallel
     try:
-        check_parallel_layout(spec, p.tensor, p.pipeline)
+        check_parallel_layout(spec, p.tensor, p.pipeline, p.expert)
     except ParallelLayoutError as error:
-        raise ConfigError(f"parallel.tensor={p.tensor} / parallel.pipeline={p.pipeline} do not fit the model in "
-                          f"{config.model.hf_path}: {error}") from None
+        raise ConfigError(f"parallel.tensor={p.tensor} / parallel.pipeline={p.pipeline} / parallel.expert={p.expert} "
+                          f"do not fit the model in {config.model.hf_path}: {error}") from None
     return spec
 
 
