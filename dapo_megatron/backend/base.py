@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
-from dapo_megatron.backend.megatron_fixes import define_missing_transformer_engine_names
+from dapo_megatron.backend.megatron_fixes import apply_megatron_fixes
 from dapo_megatron.config.schema import Recompute
 from dapo_megatron.handoff.tp_gather import ProcessGroupGather, TensorParallelGather
 from dapo_megatron.policy.model_spec import ModelSpec
@@ -28,7 +28,7 @@ class Backend:
     def prepare_process(self) -> None:
         """Run once per process before megatron-core does anything (on CUDA: only the megatron-core fixes every
         backend needs, :mod:`dapo_megatron.backend.megatron_fixes`)."""
-        define_missing_transformer_engine_names()
+        apply_megatron_fixes()
 
     def layer_spec(self, spec: ModelSpec, num_layers: int | None):
         """megatron's layer spec for ``spec``; with ``num_layers`` (this pipeline stage's) it may be a block spec."""
