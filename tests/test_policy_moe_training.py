@@ -24,7 +24,7 @@ from dapo_megatron.policy.moe_routing import moe_routers
 from dapo_megatron.trainer.policy_update import PolicyUpdate
 from dapo_megatron.trainer.rollout_group import RolloutGroup
 
-TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+TINY_MOE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu_moe.yaml"
 VOCAB = 101
 
 
@@ -105,8 +105,8 @@ def group(weight_version: int) -> RolloutGroup:
 
 
 def policy_update_job(hf_dir: str) -> dict:
-    config = load_config(TINY, ["trainer.train_batch_size=4", "trainer.mini_batch_size=2", "rollout.n_samples=2",
-                                "algorithm.moe_routing_replay=replay_old"])
+    config = load_config(TINY_MOE, ["trainer.train_batch_size=4", "trainer.mini_batch_size=2", "rollout.n_samples=2",
+                                    "algorithm.moe_routing_replay=replay_old"])
     actor, _ = build_test_actor(hf_dir, 1, 1, moe_settings())
     stage = PolicyUpdate(actor, config)
     mixed = [group(3), group(2), group(3), group(3)]  # one group of an older version: no reuse with replay

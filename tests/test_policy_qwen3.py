@@ -114,7 +114,8 @@ def test_expert_parallel_ranks_bind_their_own_experts_and_every_expert_once():
     fc2 = by_name["decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"]
     assert fc2.hf_names == ("model.layers.2.mlp.experts.4.down_proj.weight",) and fc2.split is Split.ROW
     fc1 = with_expert(by_name["decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"], 1)
-    assert fc1.hf_names == ("model.layers.2.mlp.experts.1.gate_proj.weight", "model.layers.2.mlp.experts.1.up_proj.weight")
+    assert fc1.hf_names == ("model.layers.2.mlp.experts.1.gate_proj.weight",
+                            "model.layers.2.mlp.experts.1.up_proj.weight")
     router = by_name["decoder.layers.0.mlp.router.weight"]
     assert router.hf_names == ("model.layers.0.mlp.gate.weight",) and router.split is Split.REPLICATED
     # Over both ranks every HF expert tensor is bound exactly once; shared tensors on each rank.

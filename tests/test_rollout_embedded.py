@@ -509,9 +509,10 @@ def test_moe_models_decode_through_the_model_and_load_per_expert_checkpoint_tens
     assert all(torch.equal(targets[name], tensor) for name, tensor in saved.items())
     engine = EmbeddedEngine(config)
     assert isinstance(engine._decode_step, ModelDecodeStep)
-    with pytest.raises(ValueError, match="model.layers.0.mlp.experts.2.down_proj.weight"):  # one expert missing
-        engine.update_weights([[(n, t) for n, t in saved.items() if n != "model.layers.0.mlp.experts.2.down_proj.weight"]], 0)
-    swapped = {**saved, "model.layers.0.mlp.experts.2.gate_proj.weight": saved["model.layers.0.mlp.experts.2.up_proj.weight"]}
+    expert = "model.layers.0.mlp.experts.2."
+    with pytest.raises(ValueError, match=expert + "down_proj.weight"):  # one expert's tensor missing
+        engine.update_weights([[(n, t) for n, t in saved.items() if n != expert + "down_proj.weight"]], 0)
+    swapped = {**saved, expert + "gate_proj.weight": saved[expert + "up_proj.weight"]}
     engine.update_weights([list(swapped.items())], 1)  # control: gate and up of one expert exchanged
     assert not torch.equal(engine.model.model.layers[0].mlp.experts.gate_up_proj,
                            model.model.layers[0].mlp.experts.gate_up_proj)

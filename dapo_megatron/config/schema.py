@@ -321,6 +321,11 @@ class DAPOConfig:
         _require(p.expert >= 1, "parallel.expert", f"must be >= 1, got {p.expert}")
         _require(self.model.moe.aux_loss_coeff >= 0, "model.moe.aux_loss_coeff",
                  f"must be >= 0, got {self.model.moe.aux_loss_coeff}")
+        dense_tiny = self.model.source == "tiny" and self.model.tiny.arch != "qwen3_moe"
+        _require(not (dense_tiny and p.expert > 1), "parallel.expert",
+                 f"expert parallelism needs a mixture-of-experts model (model.tiny.arch: qwen3_moe), got {p.expert}")
+        _require(not (dense_tiny and a.moe_routing_replay != "none"), "algorithm.moe_routing_replay",
+                 "replay_old needs a mixture-of-experts model (model.tiny.arch: qwen3_moe)")
         _require(not p.overlap_param_gather or p.use_distributed_optimizer, "parallel.overlap_param_gather",
                  "needs parallel.use_distributed_optimizer: true (only the distributed optimizer all-gathers "
                  "parameters)")

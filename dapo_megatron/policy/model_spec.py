@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+
 @dataclass(frozen=True)
 class Family:
     """What an HF ``model_type`` fixes: its architecture class, whether q/k/v carry a bias, whether queries and keys

@@ -54,11 +54,11 @@ class RouterLoadMonitor:
         self.routers = moe_routers(model)
         self.num_layers = num_layers
         self.sequence_parallel = sequence_parallel
-        experts = self.routers[0].config.num_moe_experts if self.routers else 0
+        self.experts = self.routers[0].config.num_moe_experts if self.routers else 0
         self.topk = self.routers[0].topk if self.routers else 0
-        # per local layer: [assignments per expert, Σ probability per expert], and the token count
-        self._sums = torch.zeros(len(self.routers), 2, experts, dtype=torch.float64)
-        self._tokens = torch.zeros(len(self.routers), dtype=torch.float64)
+        # per local layer: [assignments per expert, Σ probability per expert, tokens], on the routers' device (made
+        # at the first forward): nothing leaves the device until finish()
+        self._sums: Tensor | None = None
         self._active = False
         for index, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(index))
@@ -71,14 +71,17 @@ class RouterLoadMonitor:
             with torch.no_grad():
                 hidden = args[0].reshape(-1, args[0].shape[-1])
                 probs = torch.softmax(torch.nn.functional.linear(hidden.float(), router.weight.float()), dim=-1)
-                self._sums[index, 0] += routing_map.sum(0).to(torch.float64).cpu()
-                self._sums[index, 1] += probs.sum(0).to(torch.float64).cpu()
-                self._tokens[index] += hidden.shape[0]
+                if self._sums is None:
+                    self._sums = torch.zeros(len(self.routers), 2 * self.experts + 1, dtype=torch.float64,
+                                             device=routing_map.device)
+                self._sums[index, :self.experts] += routing_map.sum(0)
+                self._sums[index, self.experts:-1] += probs.sum(0)
+                self._sums[index, -1] += hidden.shape[0]
         return record
 
     def start(self) -> None:
-        self._sums.zero_()
-        self._tokens.zero_()
+        if self._sums is not None:
+            self._sums.zero_()
         self._active = True
 
     def finish(self, device: torch.device) -> dict[str, float]:
@@ -86,12 +89,11 @@ class RouterLoadMonitor:
         self._active = False
         if not self.routers:
             return {}
-        experts = self._sums.shape[-1]
-        every = torch.zeros(self.num_layers, 2 * experts + 1, dtype=torch.float64)
-        layers = [router.layer_number - 1 for router in self.routers]  # megatron numbers layers from 1
-        every[layers, :2 * experts] = self._sums.reshape(len(self.routers), -1)
-        every[layers, -1] = self._tokens
-        every = every.to(device)
+        experts = self.experts
+        every = torch.zeros(self.num_layers, 2 * experts + 1, dtype=torch.float64, device=device)
+        if self._sums is not None:  # a rank without tokens this update (a filler micro-batch) adds zeros
+            layers = [router.layer_number - 1 for router in self.routers]  # megatron numbers layers from 1
+            every[layers] = self._sums.to(device)
         groups = [parallel_state.get_data_parallel_group()]
         if self.sequence_parallel:
             groups.append(parallel_state.get_tensor_model_parallel_group())

@@ -47,12 +47,12 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy full HF-named tensors into ``model``'s parameters, checking that they match it exactly.
 
-    Every checkpoint tensor of the model (:func:`checkpoint_targets`) must be provided once, with its exact shape, as a finite floating-point tensor. A parameter
-    shared under several names (``lm_head.weight`` tied to ``model.embed_tokens.weight``) needs only one of them; if
-    several are sent they must be equal. Tensors are copied (cast to the parameter's dtype) one at a time as the
-    iterator yields them, so memory stays at what the producer holds beyond the model. All problems are collected
-    and raised together as one ``ValueError`` naming the tensors; the model is then partially overwritten and must
-    not serve.
+    Every checkpoint tensor of the model (:func:`checkpoint_targets`) must be provided once, with its exact shape,
+    as a finite floating-point tensor. A parameter shared under several names (``lm_head.weight`` tied to
+    ``model.embed_tokens.weight``) needs only one of them; if several are sent they must be equal. Tensors are copied
+    (cast to the parameter's dtype) one at a time as the iterator yields them, so memory stays at what the producer
+    holds beyond the model. All problems are collected and raised together as one ``ValueError`` naming the tensors;
+    the model is then partially overwritten and must not serve.
     """
     name_to_param = checkpoint_targets(model)
     aliases: dict[tuple, list[str]] = {}
