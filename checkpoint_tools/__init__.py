@@ -1,8 +1,8 @@
-"""Hugging Face ↔ megatron-core checkpoint conversion at any TP/PP.
+"""Hugging Face ↔ megatron-core checkpoint conversion at any TP/PP (and EP for mixture-of-experts models).
 
-* ``python -m checkpoint_tools.hf_to_megatron --hf-dir DIR --out DIR --tp N --pp M`` — an HF folder becomes a
-  megatron-core distributed checkpoint (``<out>/model/``, the trainer's format, loadable at any TP/PP) plus the
-  config and tokenizer (``<out>/hf/``).
+* ``python -m checkpoint_tools.hf_to_megatron --hf-dir DIR --out DIR --tp N --pp M [--ep E]`` — an HF folder
+  becomes a megatron-core distributed checkpoint (``<out>/model/``, the trainer's format, loadable at any TP/PP)
+  plus the config and tokenizer (``<out>/hf/``).
 * ``python -m checkpoint_tools.megatron_to_hf --ckpt DIR --out DIR`` — a distributed checkpoint (the trainer's or
   the one above) becomes an HF folder (sharded safetensors + index, config, generation config, tokenizer).
 

@@ -45,7 +45,7 @@ def bad_input() -> Iterator[None]:
         raise ConversionError(str(exc)) from None
 
 
-def checked_spec(config_dir: Path, tensor_parallel: int, pipeline_parallel: int):
+def checked_spec(config_dir: Path, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1):
     """The model spec of ``config_dir``'s config, after checking the model is supported at this layout."""
     from dapo_megatron.policy.model_spec import (
         ParallelLayoutError,
@@ -58,7 +58,7 @@ def checked_spec(config_dir: Path, tensor_parallel: int, pipeline_parallel: int)
         config = load_hf_config(config_dir)
     try:
         spec = model_spec_from_hf(config)
-        check_parallel_layout(spec, tensor_parallel, pipeline_parallel)
+        check_parallel_layout(spec, tensor_parallel, pipeline_parallel, expert_parallel)
     except (UnsupportedModelError, ParallelLayoutError) as exc:
         raise ConversionError(f"{config_dir / CONFIG_FILE}: {exc}") from None
     return spec
@@ -84,6 +84,7 @@ class ConversionJob(abc.ABC):
     out: Path
     tensor_parallel: int
     pipeline_parallel: int
+    expert_parallel: int  # a MoE model's experts over this many ranks (the conversion's data-parallel ranks)
     force: bool
 
     tool: ClassVar[str]  # the module name, for log lines and CLI errors
@@ -91,7 +92,7 @@ class ConversionJob(abc.ABC):
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
+        return self.tensor_parallel * self.pipeline_parallel * self.expert_parallel
 
     @property
     @abc.abstractmethod
@@ -140,8 +141,8 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: ConversionJob, stagi
     from dapo_megatron.policy.model import build_model, transformer_config
     from dapo_megatron.policy.model_spec import model_spec_from_hf
 
-    backend = init_distributed(job.tensor_parallel, job.pipeline_parallel, backend=select_backend(job.kernels),
-                               environ=environ).backend
+    backend = init_distributed(job.tensor_parallel, job.pipeline_parallel, expert_parallel=job.expert_parallel,
+                               backend=select_backend(job.kernels), environ=environ).backend
     staging = shared_staging_dir(staging, job.out)
     rank0 = dist.get_rank() == 0
     try:
@@ -151,13 +152,14 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: ConversionJob, stagi
         precision = "bf16" if job.params_dtype == torch.bfloat16 else "fp32"
         tconfig = transformer_config(spec, backend, tensor_parallel=job.tensor_parallel,
                                      pipeline_parallel=job.pipeline_parallel, params_dtype=job.params_dtype,
-                                     precision=precision)
+                                     precision=precision, expert_parallel=job.expert_parallel)
         tconfig.perform_initialization = False  # every parameter is loaded below; skip the random init
         model = build_model(spec, tconfig, backend)
         with bad_input():
             job.fill(model, spec)
         if rank0:
             log(job.tool, f"read {job.input_dir} at TP={job.tensor_parallel} PP={job.pipeline_parallel} "
+                          f"EP={job.expert_parallel} "
                           f"({time.perf_counter() - started:.1f} s)")
         part = job.write_rank_part(model, spec, staging)
         del model
@@ -182,7 +184,8 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: ConversionJob, stagi
 
 
 def run_conversion(job: ConversionJob) -> Path:
-    """Run ``job`` on its ``tensor_parallel × pipeline_parallel`` ranks (this process is one under torchrun);
+    """Run ``job`` on its ``tensor_parallel × pipeline_parallel × expert_parallel`` ranks (this process is one under
+    torchrun);
     returns ``job.out`` (or raises ConversionError / RankFailedError)."""
     if launched_by_torchrun():
         convert_on_rank(None, job, None)

@@ -1,6 +1,7 @@
-"""Hugging Face folder → megatron-core distributed checkpoint, loadable by the trainer at any TP/PP.
+"""Hugging Face folder → megatron-core distributed checkpoint, loadable by the trainer at any TP/PP (and EP).
 
-    python -m checkpoint_tools.hf_to_megatron --hf-dir DIR --out DIR --tp N --pp M [--dtype bf16|fp32] [--force]
+    python -m checkpoint_tools.hf_to_megatron --hf-dir DIR --out DIR --tp N --pp M [--ep E] [--dtype bf16|fp32]
+                                              [--force]
 
 Output layout (the same as a trainer checkpoint's ``model/`` and ``hf/``; :mod:`dapo_megatron.checkpoint.layout`)::
 
@@ -15,7 +16,10 @@ every parameter is overwritten), read only their slice of each HF tensor (:func:
 load_hf_weights`) and write their shards with ``dist_checkpointing``. Peak memory per rank is about its own share
 of the model (1/(N·M) of it) plus one tensor slice being read; no rank ever holds the full state dict.
 
-Ranks come from ``torchrun`` when RANK/WORLD_SIZE are set (the world may then be N·M·DP), else N·M processes are
+A mixture-of-experts model (Qwen3-MoE) may also split its experts over ``--ep`` E ranks: N·M·E ranks, each reading
+only its own experts.
+
+Ranks come from ``torchrun`` when RANK/WORLD_SIZE are set (the world may then be N·M·DP), else N·M·E processes are
 spawned here (gloo on CPU, NCCL with one GPU per rank). The checkpoint's parameter dtype is ``--dtype``, by default
 the dtype the HF weights are stored in.
 """
@@ -108,7 +112,7 @@ def weights_dtype(stored: dict[str, StoredTensor], expected: dict[str, tuple[int
 
 
 def plan_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                        dtype: str | None = None, force: bool = False) -> HfToMegatronJob:
+                        expert_parallel: int = 1, dtype: str | None = None, force: bool = False) -> HfToMegatronJob:
     """Check the request reading no weight: config supported, layout possible, tensors complete, files sound."""
     hf_dir, out = Path(hf_dir), Path(out)
     if not hf_dir.is_dir():
@@ -116,7 +120,7 @@ def plan_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parallel:
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_output_dir(out, force=force, inputs=(hf_dir,))
-    spec = checked_spec(hf_dir, tensor_parallel, pipeline_parallel)
+    spec = checked_spec(hf_dir, tensor_parallel, pipeline_parallel, expert_parallel)
     expected = expected_hf_tensors(spec)
     with bad_input():
         stored = list_tensors(hf_dir)
@@ -127,14 +131,17 @@ def plan_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parallel:
             raise ConversionError(f"{hf_dir} stores its weights as {stored_dtype}: pass --dtype bf16 or --dtype fp32")
         dtype = DTYPE_NAMES[stored_dtype]
     return HfToMegatronJob(out=out, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                           force=force, hf_dir=hf_dir, dtype=dtype)
+                           expert_parallel=expert_parallel, force=force, hf_dir=hf_dir, dtype=dtype)
 
 
 def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parallel: int = 1,
-                           pipeline_parallel: int = 1, dtype: str | None = None, force: bool = False) -> Path:
-    """Check, then convert on ``tensor_parallel × pipeline_parallel`` ranks; returns ``out`` (or ConversionError)."""
+                           pipeline_parallel: int = 1, expert_parallel: int = 1, dtype: str | None = None,
+                           force: bool = False) -> Path:
+    """Check, then convert on ``tensor_parallel × pipeline_parallel × expert_parallel`` ranks; returns ``out`` (or
+    ConversionError)."""
     return run_conversion(plan_hf_to_megatron(hf_dir, out, tensor_parallel=tensor_parallel,
-                                              pipeline_parallel=pipeline_parallel, dtype=dtype, force=force))
+                                              pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
+                                              dtype=dtype, force=force))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, type=Path, help="output folder (gets model/ and hf/)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used for the conversion")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks used for the conversion (MoE models; the world is TP×PP×EP)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="parameter dtype of the checkpoint (default: the dtype of the HF weights)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -153,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run_cli(HfToMegatronJob.tool, lambda: convert_hf_to_megatron(
-        args.hf_dir, args.out, tensor_parallel=args.tp, pipeline_parallel=args.pp, dtype=args.dtype,
-        force=args.force))
+        args.hf_dir, args.out, tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
+        dtype=args.dtype, force=args.force))
 
 
 if __name__ == "__main__":  # required: dist_checkpointing's writer spawns a Manager that re-imports __main__

@@ -1,6 +1,6 @@
 """megatron-core distributed checkpoint → Hugging Face folder that ``transformers`` and SGLang load.
 
-    python -m checkpoint_tools.megatron_to_hf --ckpt DIR --out DIR [--hf-config-from DIR] [--tp N --pp M]
+    python -m checkpoint_tools.megatron_to_hf --ckpt DIR --out DIR [--hf-config-from DIR] [--tp N --pp M --ep E]
                                               [--dtype bf16|fp32] [--max-shard-size 2GB] [--force]
 
 ``--ckpt`` is a trainer checkpoint, the output of :mod:`checkpoint_tools.hf_to_megatron`, a distributed checkpoint
@@ -66,14 +66,12 @@ def parse_size(text: str) -> int:
 def stage_layout(model, spec, dtype: torch.dtype) -> Bucket:
     """Every HF tensor this rank's pipeline stage exports, in the exporter's order, as ``meta`` tensors (name,
     shape and dtype, no data): what the stage's files are planned from."""
-    from megatron.core import parallel_state
-
-    from dapo_megatron.policy.hf_loader import model_stage_mappings
+    from dapo_megatron.handoff.exporter import stage_export_mappings
     from dapo_megatron.policy.weight_mapping import ShardGeometry, hf_shapes
 
-    geometry = ShardGeometry(spec, parallel_state.get_tensor_model_parallel_world_size())
+    geometry = ShardGeometry(spec, 1)  # full HF shapes: independent of the TP size
     return [(name, torch.empty(shape, dtype=dtype, device="meta"))
-            for mapping in model_stage_mappings(model, spec) if mapping.exported
+            for mapping in stage_export_mappings(model, spec)
             for name, shape in zip(mapping.hf_names, hf_shapes(mapping, geometry), strict=True)]
 
 
@@ -149,8 +147,9 @@ class MegatronToHfJob(ConversionJob):
 
 
 def plan_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from: str | Path | None = None,
-                        tensor_parallel: int = 1, pipeline_parallel: int = 1, dtype: str | None = None,
-                        max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, force: bool = False) -> MegatronToHfJob:
+                        tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
+                        dtype: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                        force: bool = False) -> MegatronToHfJob:
     """Check the request without loading weights: checkpoint found and intact, config supported, layout possible."""
     ckpt, out = Path(ckpt), Path(out)
     source = resolve_checkpoint(ckpt, Path(hf_config_from) if hf_config_from is not None else None)
@@ -158,21 +157,25 @@ def plan_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from: st
     if dtype is not None and dtype not in OUTPUT_DTYPES:
         raise ConversionError(f"--dtype must be one of {sorted(OUTPUT_DTYPES)}, got {dtype!r}")
     max_shard_bytes = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
-    checked_spec(source.side_files_dir, tensor_parallel, pipeline_parallel)
+    checked_spec(source.side_files_dir, tensor_parallel, pipeline_parallel, expert_parallel)
     stored = dominant_dtype(read_checkpoint_metadata(source.model_dir))
-    return MegatronToHfJob(out=out, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, force=force,
+    return MegatronToHfJob(out=out, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                           expert_parallel=expert_parallel, force=force,
                            source=source, model_dtype=stored if stored in MODEL_DTYPES else torch.float32,
                            output_dtype=OUTPUT_DTYPES[dtype] if dtype is not None else stored,
                            max_shard_bytes=max_shard_bytes)
 
 
 def convert_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from: str | Path | None = None,
-                           tensor_parallel: int = 1, pipeline_parallel: int = 1, dtype: str | None = None,
-                           max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, force: bool = False) -> Path:
-    """Check, then convert on ``tensor_parallel × pipeline_parallel`` ranks; returns ``out`` (or ConversionError)."""
+                           tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
+                           dtype: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                           force: bool = False) -> Path:
+    """Check, then convert on ``tensor_parallel × pipeline_parallel × expert_parallel`` ranks; returns ``out`` (or
+    ConversionError)."""
     return run_conversion(plan_megatron_to_hf(ckpt, out, hf_config_from=hf_config_from,
                                               tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                                              dtype=dtype, max_shard_size=max_shard_size, force=force))
+                                              expert_parallel=expert_parallel, dtype=dtype,
+                                              max_shard_size=max_shard_size, force=force))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="take config.json, generation_config.json and the tokenizer from this folder")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used for the conversion")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks used for the conversion (MoE models; the world is TP×PP×EP)")
     parser.add_argument("--dtype", choices=sorted(OUTPUT_DTYPES), default=None,
                         help="dtype of the written weights (default: the dtype of the checkpoint's weights)")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
@@ -197,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run_cli(MegatronToHfJob.tool, lambda: convert_megatron_to_hf(
         args.ckpt, args.out, hf_config_from=args.hf_config_from, tensor_parallel=args.tp, pipeline_parallel=args.pp,
+        expert_parallel=args.ep,
         dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force))
 
 

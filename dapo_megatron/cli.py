@@ -75,7 +75,8 @@ def _init_distributed(config):
     os.environ.update(trainer_nccl_env(config, cuda_available=torch.cuda.is_available()))  # before any NCCL group
     p = config.parallel
     backend = select_backend(config.model.kernels)
-    return init_distributed(p.tensor, p.pipeline, p.data, backend=backend, timeout_s=p.collective_timeout_s)
+    return init_distributed(p.tensor, p.pipeline, p.data, expert_parallel=p.expert, backend=backend,
+                            timeout_s=p.collective_timeout_s)
 
 
 def cmd_prepare_tiny(args: argparse.Namespace) -> int:

@@ -13,7 +13,9 @@
   (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
   first host of SLURM_JOB_NODELIST); a plain ``python`` launch is a world of one.
 * :func:`init_distributed` — torch.distributed + megatron ``parallel_state`` with the TP/PP layout; DP is what is
-  left of the world. A world that is not TP×PP×DP, or a rendezvous port already taken, is a clear error up front.
+  left of the world, and a mixture-of-experts model's experts are split over EP of those DP ranks (megatron's
+  ``expert_model_parallel_size``; EP must divide DP). A world that is not TP×PP×DP, an EP that does not divide DP,
+  or a rendezvous port already taken, is a clear error up front.
 * :func:`seed_everything` — every generator, the same on every rank (megatron's CPU-initialized weights are drawn from
   the CPU generator on every rank and then sliced, so they must agree).
 """
@@ -240,11 +242,13 @@ class ParallelLayout:
     data_parallel: int
     device: DeviceInfo
     backend: "Backend"
+    expert_parallel: int = 1
 
 
 def resolve_data_parallel(world_size: int, tensor_parallel: int, pipeline_parallel: int,
-                          data_parallel: int | None = None) -> int:
-    """DP = world / (TP×PP); a given DP must agree. Raises :class:`LaunchError` naming the numbers otherwise."""
+                          data_parallel: int | None = None, expert_parallel: int = 1) -> int:
+    """DP = world / (TP×PP); a given DP must agree, and EP must divide it. Raises :class:`LaunchError` naming the
+    numbers otherwise."""
     if tensor_parallel < 1 or pipeline_parallel < 1:
         raise LaunchError(f"tensor_parallel ({tensor_parallel}) and pipeline_parallel ({pipeline_parallel}) must be >= 1")
     model_parallel = tensor_parallel * pipeline_parallel
@@ -258,6 +262,12 @@ def resolve_data_parallel(world_size: int, tensor_parallel: int, pipeline_parall
         raise LaunchError(
             f"world size {world_size} != tensor_parallel × pipeline_parallel × data_parallel = "
             f"{tensor_parallel} × {pipeline_parallel} × {data_parallel} = {model_parallel * data_parallel}"
+        )
+    if expert_parallel < 1 or derived % expert_parallel:
+        raise LaunchError(
+            f"expert_parallel={expert_parallel} must divide the data-parallel size {derived} (world {world_size} / "
+            f"(tensor_parallel {tensor_parallel} × pipeline_parallel {pipeline_parallel})): the experts are split "
+            f"over data-parallel ranks"
         )
     return derived
 
@@ -279,12 +289,14 @@ def init_distributed(
     pipeline_parallel: int = 1,
     data_parallel: int | None = None,
     *,
+    expert_parallel: int = 1,
     backend: "Backend | None" = None,
     environ: Mapping[str, str] | None = None,
     timeout_s: float = 600.0,
 ) -> ParallelLayout:
     """Initialize torch.distributed and megatron ``parallel_state`` for this process, on ``backend``'s platform
-    (default: :func:`dapo_megatron.backend.select_backend` with ``model.kernels: auto``).
+    (default: :func:`dapo_megatron.backend.select_backend` with ``model.kernels: auto``); ``expert_parallel``
+    ranks share a MoE model's experts.
 
     Idempotent for the same layout in one process (a second call returns the layout already set up).
     """
@@ -295,7 +307,7 @@ def init_distributed(
     from dapo_megatron.backend import select_backend
 
     env = launch_env(environ)
-    dp = resolve_data_parallel(env.world_size, tensor_parallel, pipeline_parallel, data_parallel)
+    dp = resolve_data_parallel(env.world_size, tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
     backend = select_backend() if backend is None else backend
     apply_cuda_connections(tensor_parallel)  # before prepare_device: binding the GPU may create the CUDA context
     device = prepare_device(backend, env.local_rank)
@@ -319,11 +331,14 @@ def init_distributed(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
+            expert_model_parallel_size=expert_parallel,
         )
     elif (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
-          or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel):
-        raise LaunchError("megatron parallel_state is already initialized with a different TP/PP layout")
-    return ParallelLayout(env.rank, env.world_size, tensor_parallel, pipeline_parallel, dp, device, backend)
+          or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel
+          or parallel_state.get_expert_model_parallel_world_size() != expert_parallel):
+        raise LaunchError("megatron parallel_state is already initialized with a different TP/PP/EP layout")
+    return ParallelLayout(env.rank, env.world_size, tensor_parallel, pipeline_parallel, dp, device, backend,
+                          expert_parallel)
 
 
 def destroy_distributed() -> None:

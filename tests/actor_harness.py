@@ -64,14 +64,14 @@ def actor_settings(**overrides) -> dict:
 
 
 def build_test_actor(hf_dir: str | Path, tensor_parallel: int, pipeline_parallel: int, settings: dict,
-                     seed: int = 0):
-    """Initialize this rank's TP/PP layout and build the actor from ``settings`` (:func:`actor_settings`) with the
-    HF weights loaded, the way the trainer does."""
+                     seed: int = 0, expert_parallel: int = 1):
+    """Initialize this rank's TP/PP(/EP) layout and build the actor from ``settings`` (:func:`actor_settings`) with
+    the HF weights loaded, the way the trainer does."""
     from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 
-    backend = init_distributed(tensor_parallel, pipeline_parallel).backend
+    backend = init_distributed(tensor_parallel, pipeline_parallel, expert_parallel=expert_parallel).backend
     seed_everything(seed)
     spec = load_model_spec(hf_dir)
     actor = build_actor(spec, backend=backend, **settings)

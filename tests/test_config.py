@@ -54,11 +54,25 @@ def test_overrides_are_typed_and_win_over_yaml(tmp_path):
     ("optim.warmup_steps=-1", "optim.warmup_steps: must be >= 0"),
     ("optim.grad_clip=-1", "optim.grad_clip: must be >= 0"),
     ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens: must be >= 1"),
+    ("parallel.expert=0", "parallel.expert: must be >= 1"),
+    ("algorithm.moe_routing_replay=always", "algorithm.moe_routing_replay: must be one of"),
+    ("model.moe.aux_loss_coeff=-0.1", "model.moe.aux_loss_coeff: must be >= 0"),
+    ("model.tiny.arch=qwen4", "model.tiny.arch: must be one of"),
     ("noequals", "dotted.key=value"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, MINIMAL + [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.expert=2", "parallel.expert: expert parallelism needs a mixture-of-experts model"),
+    ("algorithm.moe_routing_replay=replay_old", "algorithm.moe_routing_replay: replay_old needs a mixture"),
+])
+def test_moe_settings_on_a_dense_tiny_model_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, MINIMAL + ["model.source=tiny", override])
+    load_config(None, MINIMAL + ["model.source=tiny", "model.tiny.arch=qwen3_moe", override])  # control
 
 
 def test_attached_servers_need_no_server_count():

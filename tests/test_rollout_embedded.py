@@ -1,9 +1,12 @@
-"""The embedded rollout engine against HF transformers on tiny random Qwen2 / Llama models (CPU, seconds)."""
+"""The embedded rollout engine against HF transformers on tiny random Qwen2 / Llama / Qwen3 / Qwen3-MoE models (CPU,
+seconds)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from tiny_qwen3 import tiny_qwen3_config, tiny_qwen3_moe_config
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from dapo_megatron.backend import select_backend
@@ -12,7 +15,8 @@ from dapo_megatron.rollout import RolloutError, SamplingParams
 from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill
 from dapo_megatron.rollout.embedded import NO_WEIGHTS_VERSION, EmbeddedEngine
 from dapo_megatron.rollout.factory import build_rollout_engine
-from dapo_megatron.rollout.lean_decode import LeanDecoder
+from dapo_megatron.rollout.lean_decode import LeanDecoder, ModelDecodeStep
+from dapo_megatron.rollout.named_tensors import checkpoint_targets
 
 VOCAB = 101
 
@@ -64,6 +68,27 @@ def reference_model(config, seed: int = 0) -> torch.nn.Module:
             else:
                 param.add_(torch.randn_like(param) * 0.1)
     return model
+
+
+def qwen3_config() -> object:
+    """Qwen3: q/k norms, head_dim 12 (hidden 48 / 6 heads would be 8), vocab as the other configs."""
+    config = tiny_qwen3_config(vocab_size=VOCAB, num_layers=2)
+    config.max_position_embeddings = 128
+    return config
+
+
+def qwen3_moe_config() -> object:
+    """Qwen3-MoE: 5 experts, top-3, renormalized."""
+    config = tiny_qwen3_moe_config(vocab_size=VOCAB, num_layers=2)
+    config.max_position_embeddings = 128
+    return config
+
+
+def checkpoint_tensors(model, directory) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of ``model`` as its checkpoint names them: transformers' own ``save_pretrained`` (which splits
+    fused experts back into per-expert tensors), read back."""
+    model.save_pretrained(directory, safe_serialization=True)
+    return list(load_file(str(directory / "model.safetensors")).items())
 
 
 def loaded_engine(config, model, version: int = 0, **kwargs) -> EmbeddedEngine:
@@ -163,11 +188,13 @@ def test_samples_do_not_depend_on_chunking_or_dropping_finished_rows():
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
-@pytest.mark.parametrize("make_config", [qwen2_config, llama_config], ids=["qwen2", "llama"])
-def test_greedy_equals_hf_generate(make_config):
+@pytest.mark.parametrize("make_config", [qwen2_config, llama_config, qwen3_config, qwen3_moe_config],
+                         ids=["qwen2", "llama", "qwen3", "qwen3_moe"])
+def test_greedy_equals_hf_generate(make_config, tmp_path):
     config = make_config()
     model = reference_model(config)
-    engine = loaded_engine(config, model)
+    engine = EmbeddedEngine(config)
+    engine.update_weights([checkpoint_tensors(model, tmp_path)], 0)
     groups = engine.generate(PROMPTS, SamplingParams(n=2, temperature=0.0, max_new_tokens=12))
     for prompt, group in zip(PROMPTS, groups):
         expected = hf_greedy(model, prompt, 12)
@@ -437,7 +464,7 @@ def llama3_scaled_tied_config() -> LlamaConfig:
 
 
 @pytest.mark.parametrize("make", [qwen2_config, lambda: qwen2_config(tie=False), llama_config,
-                                  llama3_scaled_tied_config])
+                                  llama3_scaled_tied_config, qwen3_config])
 def test_lean_decode_step_equals_the_model(make):
     config = make()
     model = reference_model(config)
@@ -469,3 +496,26 @@ def test_lean_decode_step_equals_the_model(make):
     assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(lean, reference))
     # control: the comparison is not vacuous (one step later, other positions, other logits)
     assert (reference[0] - reference[1]).abs().max() > 1e-2
+
+
+def test_moe_models_decode_through_the_model_and_load_per_expert_checkpoint_tensors(tmp_path):
+    """transformers 5 keeps a MoE layer's experts fused ([E, 2I, H] gate/up, [E, H, I] down); the handoff sends the
+    checkpoint's per-expert tensors. Every checkpoint name maps to exactly the elements save_pretrained wrote there."""
+    config = qwen3_moe_config()
+    model = reference_model(config)
+    saved = dict(checkpoint_tensors(model, tmp_path))
+    targets = checkpoint_targets(model)
+    assert set(targets) == set(saved) and "model.layers.1.mlp.experts.4.up_proj.weight" in targets
+    assert all(torch.equal(targets[name], tensor) for name, tensor in saved.items())
+    engine = EmbeddedEngine(config)
+    assert isinstance(engine._decode_step, ModelDecodeStep)
+    expert = "model.layers.0.mlp.experts.2."
+    with pytest.raises(ValueError, match=expert + "down_proj.weight"):  # one expert's tensor missing
+        engine.update_weights([[(n, t) for n, t in saved.items() if n != expert + "down_proj.weight"]], 0)
+    swapped = {**saved, expert + "gate_proj.weight": saved[expert + "up_proj.weight"]}
+    engine.update_weights([list(swapped.items())], 1)  # control: gate and up of one expert exchanged
+    assert not torch.equal(engine.model.model.layers[0].mlp.experts.gate_up_proj,
+                           model.model.layers[0].mlp.experts.gate_up_proj)
+    engine.update_weights([list(saved.items())], 2)
+    assert torch.equal(engine.model.model.layers[0].mlp.experts.gate_up_proj,
+                       model.model.layers[0].mlp.experts.gate_up_proj)

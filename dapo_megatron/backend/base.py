@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
+from dapo_megatron.backend.megatron_fixes import apply_megatron_fixes
 from dapo_megatron.config.schema import Recompute
 from dapo_megatron.handoff.tp_gather import ProcessGroupGather, TensorParallelGather
 from dapo_megatron.policy.model_spec import ModelSpec
@@ -25,7 +26,9 @@ class Backend:
         self.tp_gather: TensorParallelGather = ProcessGroupGather()
 
     def prepare_process(self) -> None:
-        """Run once per process before megatron-core does anything (nothing on CUDA)."""
+        """Run once per process before megatron-core does anything (on CUDA: only the megatron-core fixes every
+        backend needs, :mod:`dapo_megatron.backend.megatron_fixes`)."""
+        apply_megatron_fixes()
 
     def layer_spec(self, spec: ModelSpec, num_layers: int | None):
         """megatron's layer spec for ``spec``; with ``num_layers`` (this pipeline stage's) it may be a block spec."""

@@ -16,7 +16,10 @@ class TransformerEngineBackend(Backend):
     uses_transformer_engine = True
 
     def layer_spec(self, spec: ModelSpec, num_layers: int | None):
-        return get_gpt_layer_with_transformer_engine_spec()
+        # MoE: TE's grouped GEMM for the experts (moe_grouped_gemm, set by policy.model.moe_arguments)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.moe.num_experts if spec.moe else None, moe_grouped_gemm=spec.moe is not None,
+            qk_layernorm=spec.qk_norm)
 
 
 class CudaLocalBackend(Backend):
@@ -26,4 +29,4 @@ class CudaLocalBackend(Backend):
     name = "cuda+local_sdpa"
 
     def layer_spec(self, spec: ModelSpec, num_layers: int | None):
-        return sdpa_layer_spec()
+        return sdpa_layer_spec(qk_norm=spec.qk_norm, num_experts=spec.moe.num_experts if spec.moe else None)

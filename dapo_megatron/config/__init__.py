@@ -10,6 +10,7 @@ from dapo_megatron.config.schema import (
     EmbeddedConfig,
     EvalConfig,
     ModelConfig,
+    MoEConfig,
     OptimConfig,
     ParallelConfig,
     RolloutConfig,
@@ -22,6 +23,7 @@ from dapo_megatron.config.schema import (
 
 __all__ = [
     "AlgorithmConfig", "ConfigError", "DAPOConfig", "DataConfig", "EmbeddedConfig", "EvalConfig", "ModelConfig",
-    "OptimConfig", "ParallelConfig", "RolloutConfig", "SGLangConfig", "SyntheticDataConfig", "TinyModelConfig",
-    "TrainerConfig", "WarmStartConfig", "config_to_dict", "load_config", "parse_override", "save_config",
+    "MoEConfig", "OptimConfig", "ParallelConfig", "RolloutConfig", "SGLangConfig", "SyntheticDataConfig",
+    "TinyModelConfig", "TrainerConfig", "WarmStartConfig", "config_to_dict", "load_config", "parse_override",
+    "save_config",
 ]

@@ -29,8 +29,11 @@ class ConfigError(UserError, ValueError, kind="config"):
 
 @dataclass
 class TinyModelConfig:
-    """A random-init Qwen2-style model built locally (the CPU demo and tests); used when ``model.source = tiny``."""
+    """A random-init model built locally (the CPU demo and tests); used when ``model.source = tiny``. ``arch``:
+    Qwen2-style (the default), Qwen3 (q/k norms, ``head_dim`` of its own) or Qwen3-MoE (Qwen3 attention, every MLP
+    ``num_experts`` experts of ``moe_intermediate_size``, ``num_experts_per_tok`` per token)."""
 
+    arch: Literal["qwen2", "qwen3", "qwen3_moe"] = "qwen2"
     hidden_size: int = 128
     num_layers: int = 3
     num_attention_heads: int = 4
@@ -39,6 +42,21 @@ class TinyModelConfig:
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
+    head_dim: int | None = None  # qwen3 / qwen3_moe; null: hidden_size / num_attention_heads
+    num_experts: int = 8  # qwen3_moe
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True
+
+
+@dataclass
+class MoEConfig:
+    """Training settings of a mixture-of-experts policy (Qwen3-MoE); the model's shape comes from its config.json."""
+
+    # Weight of megatron's Switch load-balancing loss per MoE layer, added to the policy loss. 0: the policy loss
+    # alone (RL steps are small; balance is then only watched: actor/moe_aux_loss and actor/moe_load_imbalance are
+    # logged either way). Qwen3-MoE was pretrained with 0.001 (its config's router_aux_loss_coef).
+    aux_loss_coeff: float = 0.0
 
 
 Kernels = Literal["auto", "transformer_engine", "local"]
@@ -62,12 +80,16 @@ class ModelConfig:
     # megatron's local layers with torch's SDPA attention, and logs that; "transformer_engine" refuses to start
     # without it; "local" takes the local layers on purpose. Without CUDA the CPU layers run (dapo_megatron.cpu).
     kernels: Kernels = "auto"
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
 class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
+    # A mixture-of-experts model's experts split over this many of the data-parallel ranks (megatron's expert
+    # parallelism, tokens exchanged by all-to-all); must divide the data-parallel size and the number of experts.
+    expert: int = 1
     data: int | None = None  # derived from the world size; when given, it must agree
     use_distributed_optimizer: bool = True
     # Timeout of the training collectives. Ranks waiting for rank 0's rollouts or validation wait in a gloo group
@@ -192,6 +214,10 @@ class AlgorithmConfig:
     rollout_correction: Literal["none", "token_tis", "seq_mis", "both"] = "none"
     tis_cap: float = 2.0  # token_tis: weight = min(π_old / π_rollout, tis_cap)
     mis_threshold: float = 2.0  # seq_mis: drop a response whose geometric-mean ratio leaves [1/τ, τ]
+    # Mixture-of-experts policies: "replay_old" records which experts π_old's forward chose for every token and makes
+    # each update's forward use the same ones (megatron's RouterReplay), so a routing flip between the two passes
+    # cannot move the importance ratio; "none" lets each forward route by itself (dapo_megatron/policy/moe_routing.py).
+    moe_routing_replay: Literal["none", "replay_old"] = "none"
 
     @property
     def resolved_surplus_policy(self) -> Literal["keep", "drop"]:
@@ -318,6 +344,14 @@ class DAPOConfig:
         _require(self.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(self.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
         p = self.parallel
+        _require(p.expert >= 1, "parallel.expert", f"must be >= 1, got {p.expert}")
+        _require(self.model.moe.aux_loss_coeff >= 0, "model.moe.aux_loss_coeff",
+                 f"must be >= 0, got {self.model.moe.aux_loss_coeff}")
+        dense_tiny = self.model.source == "tiny" and self.model.tiny.arch != "qwen3_moe"
+        _require(not (dense_tiny and p.expert > 1), "parallel.expert",
+                 f"expert parallelism needs a mixture-of-experts model (model.tiny.arch: qwen3_moe), got {p.expert}")
+        _require(not (dense_tiny and a.moe_routing_replay != "none"), "algorithm.moe_routing_replay",
+                 "replay_old needs a mixture-of-experts model (model.tiny.arch: qwen3_moe)")
         _require(not p.overlap_param_gather or p.use_distributed_optimizer, "parallel.overlap_param_gather",
                  "needs parallel.use_distributed_optimizer: true (only the distributed optimizer all-gathers "
                  "parameters)")

@@ -29,10 +29,12 @@ class CpuBackend(Backend):
         self.tp_gather = SharedMemoryGather()
 
     def prepare_process(self) -> None:
+        super().prepare_process()
         megatron_compat.install()
 
     def layer_spec(self, spec: ModelSpec, num_layers: int | None):
-        return local_layer_spec(RotarySettings(spec.rope_theta, spec.rope_llama3_factor), num_layers)
+        return local_layer_spec(RotarySettings(spec.rope_theta, spec.rope_llama3_factor), num_layers,
+                                qk_norm=spec.qk_norm, num_experts=spec.moe.num_experts if spec.moe else None)
 
     def host_compute(self) -> AbstractContextManager:
         return megatron_compat.suspended()

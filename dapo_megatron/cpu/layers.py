@@ -126,17 +126,28 @@ class SwiGLUMLP(MLP):
         return self.linear_fc2(swiglu(intermediate))
 
 
-def local_layer_spec(rotary: RotarySettings, num_layers: int | None = None):
+def local_layer_spec(rotary: RotarySettings, num_layers: int | None = None, *, qk_norm: bool = False,
+                     num_experts: int | None = None):
     """megatron's local GPT layer spec with :class:`LocalRMSNorm`, :class:`SwiGLUMLP` and the packed-sequence core
     attention that applies ``rotary`` itself.
 
+    ``qk_norm``: a :class:`LocalRMSNorm` of each query and key head (megatron's ``q_layernorm`` / ``k_layernorm``);
+    megatron applies them in ``get_query_key_value_tensors``, before the core attention, so queries and keys are
+    normalized before this spec's attention rotates them — Qwen3's order. ``num_experts``: the MLP is megatron's
+    ``MoELayer`` with its ``SequentialMLP`` experts (one megatron ``MLP`` per local expert, run one after the other:
+    megatron's grouped-GEMM experts need Transformer Engine or the ``grouped_gemm`` CUDA package).
+
     With ``num_layers`` (this pipeline stage's), a block spec whose final norm is a :class:`LocalRMSNorm` too."""
-    layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                   qk_layernorm=qk_norm, normalization="RMSNorm"))
     layer.submodules.input_layernorm = LocalRMSNorm
     layer.submodules.pre_mlp_layernorm = LocalRMSNorm
-    layer.submodules.mlp = SwiGLUMLP
-    layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=PackedSequenceAttention, params={"rotary": rotary})
+    if num_experts is None:
+        layer.submodules.mlp = SwiGLUMLP
+    attention = layer.submodules.self_attention.submodules
+    attention.core_attention = ModuleSpec(module=PackedSequenceAttention, params={"rotary": rotary})
+    if qk_norm:
+        attention.q_layernorm = attention.k_layernorm = LocalRMSNorm
     if num_layers is None:
         return layer
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LocalRMSNorm)

@@ -35,6 +35,17 @@ Exactly what it changes, and why:
    without this thread's function-mode stack: its ``backward`` is wrapped to run under a :class:`CudaToCpuMode`
    when none is active (the recomputed attention would otherwise allocate its causal mask with ``device="cuda"``).
 
+5. CUDA streams and events: megatron's MoE all-to-all token dispatcher copies its routing counts to the host on a
+   side stream (``torch.cuda.Stream()`` at construction, ``torch.cuda.stream(...)``, ``wait_stream``,
+   ``record_event().synchronize()``). On the CPU every operation is complete when it returns, so
+   ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` become a :class:`HostStream` with nothing to order and
+   a :class:`HostEvent` that is always complete.
+
+6. The same dispatcher turns its split sizes into NumPy arrays for ``all_to_all_single`` while moving them to the
+   host (``maybe_move_tensor_to_cpu(..., as_numpy=True)``), which only does anything to CUDA tensors: on the CPU
+   the sizes stayed tensors, which gloo's ``all_to_all_single`` refuses. The dispatcher's copy of that function
+   (:func:`_host_counts`) also converts CPU tensors.
+
 Nothing else is touched: no megatron source is edited, no numerics change (the CPU kernels megatron falls back to
 when Transformer Engine and apex are absent are its own torch implementations).
 """
@@ -42,11 +53,12 @@ when Transformer Engine and apex are absent are its own torch implementations).
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
 from megatron.core.tensor_parallel import random as megatron_random
+from megatron.core.transformer.moe import token_dispatcher
 from torch.overrides import (
     TorchFunctionMode,
     _get_current_function_mode,
@@ -120,6 +132,48 @@ def _cpu_rng_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+class HostEvent:
+    """A CUDA event stand-in on the CPU: the work before it is already done (point 5)."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def wait(self, stream: "HostStream | None" = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+
+class HostStream:
+    """A CUDA stream stand-in on the CPU: operations run in program order, so there is nothing to order (point 5)."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream: "HostStream") -> None:
+        """Everything issued on ``stream`` has already run."""
+
+    def wait_event(self, event: HostEvent) -> None:
+        """The event's work has already run."""
+
+    def record_event(self, event: HostEvent | None = None) -> HostEvent:
+        return event or HostEvent()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+_HOST_STREAM = HostStream()
+
+
+def _host_counts(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the host (point 6): a NumPy copy when asked."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy().copy()
+    return tensor
+
+
 def _mode_active() -> bool:
     return any(isinstance(mode, CudaToCpuMode) for mode in _get_current_function_mode_stack())
 
@@ -152,6 +206,10 @@ def install() -> bool:
         # Not torch.manual_seed: that one calls torch.cuda.manual_seed_all itself.
         torch.cuda.manual_seed = _cpu_rng_manual_seed
         torch.cuda.manual_seed_all = _cpu_rng_manual_seed
+        torch.cuda.Stream = HostStream
+        torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+        torch.cuda.stream = lambda stream=None: nullcontext()
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_counts
         megatron_random._get_cuda_rng_state = _cpu_rng_get_state
         megatron_random._set_cuda_rng_state = _cpu_rng_set_state
         checkpoint_function = megatron_random.CheckpointFunction

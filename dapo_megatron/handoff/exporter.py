@@ -7,6 +7,12 @@ Who does what (every rank calls the same function; it returns/yields nothing on 
   the backend's :class:`~dapo_megatron.handoff.tp_gather.TensorParallelGather` (``tp_gather``; default: one
   process-group ``gather`` per parameter) — which turns the shards into full HF tensors through :mod:`dapo_megatron.policy.weight_mapping` (QKV and fc1
   un-interleaved, vocabulary padding removed). Replicated tensors (norms) are not gathered.
+* A mixture-of-experts layer's experts live on the expert-parallel ranks (carved out of the DP ranks): the ranks of
+  one expert replica (expert-DP rank 0) take part too. For each local expert slot, one gather over the expert
+  TP × EP group (:func:`megatron.core.parallel_state.get_expert_tensor_and_model_parallel_group`, whose rank 0 is the
+  stage's source) brings that slot's shards of every EP rank to the source, which yields the EP experts one at a
+  time: the source holds one parameter of EP experts, never a layer's worth, and no rank the whole model.
+  :func:`stage_export_mappings` is the order the HF tensors come out in (dense ones, then the experts).
 * The source packs the tensors into buckets of at most ``bucket_bytes`` (a single larger tensor travels alone;
   :func:`dapo_megatron.hf_format.bucketed`) and yields them: :func:`export_hf_buckets`. Each HF name appears exactly
   once over all stages. These are the buckets a rollout engine's ``update_weights`` receives, as they are.
@@ -38,7 +44,7 @@ from dapo_megatron.hf_format.buckets import Bucket, bucketed, nbytes
 from dapo_megatron.policy.hf_loader import model_stage_mappings, unwrap_model
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.policy.optimizer import sync_params
-from dapo_megatron.policy.weight_mapping import ShardGeometry, Split, hf_from_shards
+from dapo_megatron.policy.weight_mapping import BoundMapping, ShardGeometry, Split, hf_from_shards, with_expert
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 PROCESS_GROUP_GATHER = ProcessGroupGather()
@@ -47,6 +53,33 @@ _ALIGN = 16  # byte alignment of each tensor inside a packed p2p buffer, so ever
 
 def _is_export_source_group_member() -> bool:
     return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def _is_expert_export_member(spec: ModelSpec) -> bool:
+    """Holds experts of the replica that is exported (expert-DP rank 0): every EP rank of it takes part."""
+    return spec.moe is not None and parallel_state.get_expert_data_parallel_rank() == 0
+
+
+def _split_mappings(model: torch.nn.Module, spec: ModelSpec) -> tuple[list[BoundMapping], list[BoundMapping]]:
+    """This stage's exported mappings: (the dense ones, this rank's experts), each in model order."""
+    mappings = [m for m in model_stage_mappings(model, spec) if m.exported]
+    return [m for m in mappings if m.expert is None], [m for m in mappings if m.expert is not None]
+
+
+def _local_experts(spec: ModelSpec) -> int:
+    return spec.moe.num_experts // parallel_state.get_expert_model_parallel_world_size()
+
+
+def stage_export_mappings(model: torch.nn.Module, spec: ModelSpec) -> list[BoundMapping]:
+    """Every mapping this pipeline stage exports, in the order the HF tensors come out: the dense ones, then for each
+    local expert parameter the same parameter of every EP rank's expert in that slot (EP rank order)."""
+    dense, experts = _split_mappings(model, spec)
+    if not experts:
+        return dense
+    local, ep_rank = _local_experts(spec), parallel_state.get_expert_model_parallel_rank()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    return dense + [with_expert(m, rank * local + m.expert - ep_rank * local)
+                    for m in experts for rank in range(ep_size)]
 
 
 def _standalone(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,14 +92,30 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if whole else tensor.clone(memory_format=torch.contiguous_format)
 
 
+def _full_tensors(mapping: BoundMapping, geometry: ShardGeometry, shards: list[torch.Tensor],
+                  dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in zip(mapping.hf_names, hf_from_shards(mapping, geometry, shards), strict=True):
+        tensor = _standalone(tensor) if geometry.tensor_parallel == 1 else tensor.contiguous()
+        yield name, tensor if dtype is None else tensor.to(dtype)
+
+
 def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None,
                       tp_gather: TensorParallelGather) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for this stage, on its TP rank 0; other TP ranks only take part in the gathers."""
+    """(HF name, full tensor) for this stage, on its source (TP rank 0 of DP rank 0), in
+    :func:`stage_export_mappings` order; the other members only take part in the gathers."""
+    params = dict(unwrap_model(model).named_parameters())
+    dense, experts = _split_mappings(model, spec)
+    if _is_export_source_group_member():
+        yield from _dense_hf_tensors(dense, params, spec, dtype, tp_gather)
+    if experts and _is_expert_export_member(spec):
+        yield from _expert_hf_tensors(experts, params, spec, dtype, tp_gather)
 
+
+def _dense_hf_tensors(mappings: list[BoundMapping], params: dict, spec: ModelSpec, dtype: torch.dtype | None,
+                      tp_gather: TensorParallelGather) -> Iterator[tuple[str, torch.Tensor]]:
+    """The non-expert tensors: TP shards gathered to TP rank 0 (norms and the router are replicated)."""
     geometry = ShardGeometry(spec, parallel_state.get_tensor_model_parallel_world_size())
     is_source = parallel_state.get_tensor_model_parallel_rank() == 0
-    params = dict(unwrap_model(model).named_parameters())
-    mappings = [m for m in model_stage_mappings(model, spec) if m.exported]
     split = [params[m.megatron_name].detach() for m in mappings if m.split is not Split.REPLICATED]
     gather = tp_gather.open(parallel_state.get_tensor_model_parallel_group(), split)
     number = 0
@@ -77,11 +126,38 @@ def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtyp
         else:
             shards = gather.shards(number, shard.detach())
             number += 1
+        if is_source:
+            yield from _full_tensors(mapping, geometry, shards, dtype)
+    gather.finish()
+
+
+def _expert_hf_tensors(mappings: list[BoundMapping], params: dict, spec: ModelSpec, dtype: torch.dtype | None,
+                       tp_gather: TensorParallelGather) -> Iterator[tuple[str, torch.Tensor]]:
+    """The experts: each local slot's shards of every EP rank gathered over the expert TP × EP group to its rank 0
+    (the stage's source), which yields them expert by expert."""
+    group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    geometry = ShardGeometry(spec, parallel_state.get_expert_tensor_parallel_world_size())
+    # (expert-TP rank, EP rank) of every group rank: the source sorts each EP rank's TP shards out of the gather
+    coordinates: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(coordinates, (parallel_state.get_expert_tensor_parallel_rank(),
+                                         parallel_state.get_expert_model_parallel_rank()), group=group)
+    is_source = dist.get_rank(group) == 0
+    if is_source and not (_is_export_source_group_member() and parallel_state.get_tensor_model_parallel_rank() == 0):
+        raise RuntimeError("rank 0 of the expert TP x EP group is not the stage's export source: unexpected "
+                           "megatron rank order")
+    ep_size, local = parallel_state.get_expert_model_parallel_world_size(), _local_experts(spec)
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    gather = tp_gather.open(group, [params[m.megatron_name].detach() for m in mappings])
+    for number, mapping in enumerate(mappings):
+        shards = gather.shards(number, params[mapping.megatron_name].detach())
         if not is_source:
             continue
-        for name, tensor in zip(mapping.hf_names, hf_from_shards(mapping, geometry, shards), strict=True):
-            tensor = _standalone(tensor) if geometry.tensor_parallel == 1 else tensor.contiguous()
-            yield name, tensor if dtype is None else tensor.to(dtype)
+        slot = mapping.expert - ep_rank * local
+        for rank in range(ep_size):
+            owned = sorted(((tp, shard) for (tp, ep), shard in zip(coordinates, shards, strict=True) if ep == rank),
+                           key=lambda pair: pair[0])
+            yield from _full_tensors(with_expert(mapping, rank * local + slot), geometry,
+                                     [shard for _, shard in owned], dtype)
     gather.finish()
 
 
@@ -97,7 +173,7 @@ def export_hf_buckets(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: 
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     sync_params(model)  # every DP rank takes part; a no-op unless overlap_param_gather deferred the gather
-    if not _is_export_source_group_member():
+    if not (_is_export_source_group_member() or _is_expert_export_member(spec)):
         return
     yield from bucketed(_stage_hf_tensors(model, spec, dtype, tp_gather), bucket_bytes)
 

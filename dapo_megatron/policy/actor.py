@@ -32,6 +32,7 @@ finite is skipped: no optimizer update, no scheduler advance, gradients zeroed, 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Sequence
@@ -46,6 +47,7 @@ from dapo_megatron.algorithm import policy_loss
 from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
 from dapo_megatron.policy.model import build_model, config_row_multiple, sequence_parallel_enabled, transformer_config
+from dapo_megatron.policy.moe_routing import RecordedRouting, RouterLoadMonitor, RoutingReplay
 from dapo_megatron.policy.optimizer import clip_and_step, sync_params, wrap_for_training
 from dapo_megatron.policy.packing import MicroBatch, PolicySample
 
@@ -59,10 +61,12 @@ METRIC_NAMES = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "
 
 @dataclass
 class PolicyLogProbs:
-    """Per-sample response log-probs and entropies (float32 ``[R_i]``, CPU), in the order the samples were given."""
+    """Per-sample response log-probs and entropies (float32 ``[R_i]``, CPU), in the order the samples were given;
+    with ``record_routing``, the experts this stage's routers chose (:mod:`dapo_megatron.policy.moe_routing`)."""
 
     logprobs: list[Tensor]
     entropy: list[Tensor]
+    routing: RecordedRouting | None = None
 
 
 def aligned_batching(batching: PackedBatching, multiple: int) -> PackedBatching:
@@ -92,6 +96,9 @@ def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", 
         sequence_parallel=sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,
                                                     use_transformer_engine=backend.uses_transformer_engine),
         recompute=backend.recompute(model.recompute),
+        expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
+        moe_aux_loss_coeff=model.moe.aux_loss_coeff,
+        moe_routing_replay=algorithm.moe_routing_replay == "replay_old",
     )
     ddp_model, optimizer, scheduler = wrap_for_training(
         build_model(spec, tconfig, backend), optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
@@ -134,6 +141,10 @@ class Actor:
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        # mixture of experts: the routers' load per update, and π_old's routing replayed when the model allows it
+        self.router_load = RouterLoadMonitor(model, num_layers=tconfig.num_layers,
+                                             sequence_parallel=tconfig.sequence_parallel)
+        self.routing_replay = RoutingReplay(model) if tconfig.moe_enable_routing_replay else None
 
     # ----------------------------------------------------------------------------------------------- helpers
 
@@ -226,19 +237,22 @@ class Actor:
             metrics.update(mb=mb, logprobs=logprobs.detach(), entropy=entropy)
         return loss * scale, metrics
 
-    def train_minibatch(self, samples: Sequence[PolicySample], batching: PackedBatching | None = None
-                        ) -> dict[str, float]:
+    def train_minibatch(self, samples: Sequence[PolicySample], batching: PackedBatching | None = None,
+                        routing: RecordedRouting | None = None) -> dict[str, float]:
         """One optimizer update on the mini-batch ``samples`` (the whole mini-batch, the same on every rank).
 
-        ``batching`` overrides the actor's batching for this call.
+        ``batching`` overrides the actor's batching for this call. ``routing``: a mixture-of-experts policy's
+        routers take the experts recorded by ``compute_logprobs(..., record_routing=True)`` of this same mini-batch
+        and batching (:mod:`dapo_megatron.policy.moe_routing`) instead of choosing their own.
 
         Returns the same metrics on every rank: ``pg_loss`` (the mini-batch loss L), the token-weighted means
         ``clipfrac_high``, ``clipfrac_low``, ``clipfrac_dual``, ``approx_kl``, ``ratio_mean``, ``entropy``,
         then ``grad_norm`` (before clipping), ``lr`` (used by this update), ``num_tokens`` (loss tokens),
         ``num_sequences``, ``num_micro_batches`` (per DP rank), ``packing_efficiency`` (whole mini-batch) and
-        ``skipped`` (1.0 when the loss or gradient norm was not finite and no update was applied).
+        ``skipped`` (1.0 when the loss or gradient norm was not finite and no update was applied); a MoE policy's
+        routing statistics ``moe_aux_loss``, ``moe_load_imbalance`` and ``moe_load_imbalance/layer_NN``.
         """
-        return self._train(samples, batching, reuse=None)[0]
+        return self._train(samples, batching, reuse=None, routing=routing)[0]
 
     def train_minibatch_reusing_logprobs(self, samples: Sequence[PolicySample], reuse: Sequence[bool],
                                          batching: PackedBatching | None = None) -> tuple[dict[str, float], PolicyLogProbs]:
@@ -251,7 +265,10 @@ class Actor:
         metrics, outputs = self._train(samples, batching, reuse=list(reuse))
         return metrics, self._per_sample(samples, outputs)
 
-    def _train(self, samples: Sequence[PolicySample], batching: PackedBatching | None, reuse: list[bool] | None):
+    def _train(self, samples: Sequence[PolicySample], batching: PackedBatching | None, reuse: list[bool] | None,
+               routing: RecordedRouting | None = None):
+        if routing is not None and self.routing_replay is None:
+            raise ValueError("routing to replay, but the model was built without routing replay")
         plan = self._plan(samples, batching)
         num_micro_batches = len(plan.micro_batches)
         self.model.train()
@@ -261,7 +278,10 @@ class Actor:
             self._training_loss, scale=float(num_micro_batches * self.dp_size),
             num_tokens=plan.num_loss_tokens, num_sequences=plan.num_loss_sequences, reuse=reuse,
         )
-        per_micro_batch = self._run_schedule(plan.micro_batches, loss_func, forward_only=False)
+        self.router_load.start()
+        with nullcontext() if routing is None else self.routing_replay.replaying(routing):
+            per_micro_batch = self._run_schedule(plan.micro_batches, loss_func, forward_only=False)
+        routing_metrics = self.router_load.finish(self.device)
 
         # [pg_loss, Σ n·metric for METRIC_NAMES, Σ n·entropy, n, real tokens, processed tokens]
         summary = torch.zeros(len(METRIC_NAMES) + 5, dtype=torch.float64)
@@ -303,6 +323,7 @@ class Actor:
             num_micro_batches=float(num_micro_batches),
             packing_efficiency=float(summary[-2] / max(float(summary[-1]), 1.0)),
             skipped=float(skipped),
+            **routing_metrics,
         )
         return result, per_micro_batch
 
@@ -314,23 +335,27 @@ class Actor:
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[PolicySample], temperature: float | None = None,
-                         batching: PackedBatching | None = None) -> PolicyLogProbs:
+                         batching: PackedBatching | None = None, record_routing: bool = False) -> PolicyLogProbs:
         """Per-token log-probs (and entropy) of every sample's response, on every rank, in input order.
 
         ``temperature`` defaults to the actor's rollout temperature, ``batching`` to the actor's (a forward pass
-        keeps no activations for backward, so it can afford a larger token budget).
+        keeps no activations for backward, so it can afford a larger token budget). ``record_routing``: also
+        return the experts this rank's routers chose (for :meth:`train_minibatch` of the same samples).
         """
         temperature = self.temperature if temperature is None else temperature
         sync_params(self.model)  # with overlap_param_gather the last update's all-gather waits for a training forward
         plan = self._plan(samples, batching)
+        if record_routing and self.routing_replay is None:
+            raise ValueError("record_routing needs a model built with routing replay (algorithm.moe_routing_replay)")
         self.model.eval()
         try:
-            outputs = self._run_schedule(
-                plan.micro_batches, partial(self._collect_logprobs, temperature=temperature), forward_only=True
-            )
+            with self.routing_replay.recording() if record_routing else nullcontext() as routing:
+                outputs = self._run_schedule(
+                    plan.micro_batches, partial(self._collect_logprobs, temperature=temperature), forward_only=True
+                )
         finally:
             self.model.train()
-        return self._per_sample(samples, outputs)
+        return replace(self._per_sample(samples, outputs), routing=routing)
 
     def _per_sample(self, samples: Sequence[PolicySample], outputs: list[dict]) -> PolicyLogProbs:
         """The ``logprobs``/``entropy`` rows of the last stage's per-micro-batch outputs as per-sample tensors in

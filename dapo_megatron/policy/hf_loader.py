@@ -1,6 +1,7 @@
-"""Hugging Face safetensors → this rank's tensor/pipeline-parallel shard of a megatron ``GPTModel``.
+"""Hugging Face safetensors → this rank's tensor/pipeline/expert-parallel shard of a megatron ``GPTModel``.
 
-Each rank reads only what it holds: the tensors of its pipeline stage, and of those only its tensor-parallel slice,
+Each rank reads only what it holds: the tensors of its pipeline stage (of a MoE layer, its expert-parallel rank's
+experts), and of those only its tensor-parallel slice,
 as :mod:`dapo_megatron.policy.weight_mapping` prescribes, through :class:`dapo_megatron.hf_format.HFWeights` (a single
 ``model.safetensors`` or a sharded folder with its index; every file's header checked first).
 
@@ -67,7 +68,9 @@ def model_stage_mappings(model: torch.nn.Module, spec: ModelSpec) -> list[BoundM
     names = [n for n, _ in model.named_parameters()]
     mappings = stage_mappings(spec, layer_offset=offset, num_local_layers=len(layers),
                               first_stage=model.pre_process, last_stage=model.post_process,
-                              transformer_engine=uses_transformer_engine_names(names))
+                              transformer_engine=uses_transformer_engine_names(names),
+                              expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
+                              expert_rank=parallel_state.get_expert_model_parallel_rank())
     mapped = {m.megatron_name for m in mappings}
     unmapped = [n for n in names if n not in mapped]
     absent = [m for m in sorted(mapped) if m not in set(names)]
@@ -107,6 +110,7 @@ def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, model_dir: str | Pa
     """
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    expert_tp_rank = parallel_state.get_expert_tensor_parallel_rank()  # experts split over their own TP group
     geometry = ShardGeometry(spec, parallel_state.get_tensor_model_parallel_world_size())
     mappings = model_stage_mappings(model, spec)
     params = dict(unwrap_model(model).named_parameters())
@@ -115,7 +119,8 @@ def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, model_dir: str | Pa
         check_checkpoint(weights, mappings, geometry)
         for mapping in mappings:
             pieces = [weights.read(piece.name, piece.dim, piece.start, piece.stop)
-                      for piece in slices_for_rank(mapping, geometry, tp_rank)]
+                      for piece in slices_for_rank(mapping, geometry,
+                                                   tp_rank if mapping.expert is None else expert_tp_rank)]
             elements += sum(p.numel() for p in pieces)
             shard = assemble_shard(mapping, geometry, pieces)
             param = params[mapping.megatron_name]

@@ -10,6 +10,15 @@ over T) plus the QKV bias ``(q + 2k)/T`` and the two norms ``2h`` (replicated); 
 stage, the output layer ``V·h/T`` and the final norm on the last (a tied output layer is a second copy there when
 ``P > 1``: megatron keeps the last stage's copy in sync by an all-reduce of its gradient).
 
+**Mixture of experts** (Qwen3-MoE, ``E`` experts of width ``M``, top ``k``, split over ``X`` expert-parallel
+ranks; :func:`moe_layer_parameters`, :func:`moe_activation_values_per_token`): a layer's MLP is the router ``E·h``
+(replicated, float32 routing but stored in the weights' dtype) and this rank's ``E/X`` experts of ``3·M·h/T`` each;
+expert parameters' optimizer state is divided by the expert-data-parallel size ``D/X`` (megatron's distributed
+optimizer shards experts over their own DP group), not by D. Activations per token: each of its ``k`` dispatched
+copies keeps the expert's input ``h``, SwiGLU's input ``2M/T`` and output ``M/T`` and the expert output ``h`` (scaled
+by its routing probability in the combine) — counted at the average load of an EP rank (``k·t`` routed tokens); a
+router that sends most tokens to one rank's experts can put several times this there.
+
 **Bytes per parameter** — weights 2 (bf16 / fp8: Transformer Engine keeps bf16 parameters and casts per GEMM) or
 4 (fp32); gradients 4 (``DistributedDataParallelConfig(grad_reduce_in_fp32=True)``, :mod:`.optimizer`); Adam's two
 moments 8 plus an fp32 master copy 4 when the weights are not fp32, divided by D with the distributed optimizer
@@ -96,11 +105,23 @@ class StageMemory:
 
 
 def layer_parameters(spec: ModelSpec, tensor_parallel: int) -> int:
-    """Parameters of one transformer layer held by one TP rank."""
+    """Parameters of one transformer layer held by one TP rank, besides a MoE layer's experts
+    (:func:`moe_layer_parameters`)."""
     q, k, h, f = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, \
         spec.ffn_hidden_size
-    sharded = (q + 2 * k) * h + q * h + 3 * f * h + ((q + 2 * k) if spec.qkv_bias else 0)
-    return sharded // tensor_parallel + 2 * h
+    mlp = 3 * f * h if spec.moe is None else 0
+    sharded = (q + 2 * k) * h + q * h + mlp + ((q + 2 * k) if spec.qkv_bias else 0)
+    qk_norms = 2 * spec.head_dim if spec.qk_norm else 0
+    router = spec.moe.num_experts * h if spec.moe is not None else 0
+    return sharded // tensor_parallel + 2 * h + qk_norms + router
+
+
+def moe_layer_parameters(spec: ModelSpec, tensor_parallel: int, expert_parallel: int) -> int:
+    """Parameters of one MoE layer's experts held by one rank: its ``E / X`` experts, fc1 and fc2 split over TP."""
+    if spec.moe is None:
+        return 0
+    per_expert = 3 * spec.moe.ffn_hidden_size * spec.hidden_size // tensor_parallel
+    return spec.moe.num_experts // expert_parallel * per_expert
 
 
 def activation_values_per_token(spec: ModelSpec, tensor_parallel: int, *, sequence_parallel: bool) -> float:
@@ -108,7 +129,15 @@ def activation_values_per_token(spec: ModelSpec, tensor_parallel: int, *, sequen
     q, k, h, f = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, \
         spec.ffn_hidden_size
     sp = tensor_parallel if sequence_parallel else 1
-    return 4 * h / sp + (q + 2 * k + q + 3 * f) / tensor_parallel
+    mlp = 3 * f / tensor_parallel if spec.moe is None else moe_activation_values_per_token(spec, tensor_parallel)
+    return 4 * h / sp + (q + 2 * k + q) / tensor_parallel + mlp
+
+
+def moe_activation_values_per_token(spec: ModelSpec, tensor_parallel: int) -> float:
+    """What a MoE layer's experts keep per token at an EP rank's average load: ``k`` copies of (the expert's input,
+    SwiGLU's input and output, the expert's output) — see the module docstring."""
+    k, m, h = spec.moe.topk, spec.moe.ffn_hidden_size, spec.hidden_size
+    return k * (2 * h + 3 * m / tensor_parallel)
 
 
 def logprob_buffers(logit_values: int, act_bytes: int) -> dict[str, int]:
@@ -131,13 +160,17 @@ def estimate_memory(
     recompute: Recompute = "selective",
     sequence_parallel: bool = True,
     fused_attention: bool = True,
+    expert_parallel: int = 1,
 ) -> list[StageMemory]:
     """Per-stage memory of one GPU (see the module docstring for the model and its sources), stage 0 first.
 
     ``sequence_parallel`` is whether it is in effect (it needs TP > 1); ``fused_attention`` whether the attention
-    kernel keeps no score matrix (Transformer Engine) or megatron's local attention is used.
+    kernel keeps no score matrix (Transformer Engine) or megatron's local attention is used; ``expert_parallel``
+    ranks (of the ``data_parallel`` ones) share a MoE model's experts.
     """
-    check_parallel_layout(spec, tensor_parallel, pipeline_parallel)
+    check_parallel_layout(spec, tensor_parallel, pipeline_parallel, expert_parallel)
+    if data_parallel % expert_parallel:
+        raise ValueError(f"expert_parallel ({expert_parallel}) must divide data_parallel ({data_parallel})")
     if data_parallel < 1 or micro_batch_tokens < 1:
         raise ValueError(f"data_parallel ({data_parallel}) and micro_batch_tokens ({micro_batch_tokens}) must be >= 1")
     if precision not in ("fp32", "bf16", "fp8"):
@@ -150,6 +183,8 @@ def estimate_memory(
     weight_bytes = 4 if precision == "fp32" else 2
     act_bytes = 4 if precision == "fp32" else 2
     optimizer_per_param = (8 + (0 if precision == "fp32" else 4)) / (data_parallel if distributed_optimizer else 1)
+    # experts' optimizer state is sharded over their own data-parallel group, D / X ranks
+    expert_optimizer_per_param = optimizer_per_param * expert_parallel if distributed_optimizer else optimizer_per_param
     vocab_rows = padded_vocab_size(spec.vocab_size, tp) * h // tp
     layers = spec.num_layers // pp
 
@@ -165,7 +200,8 @@ def estimate_memory(
     stages = []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
-        parameters = layers * layer_parameters(spec, tp)
+        experts = layers * moe_layer_parameters(spec, tp, expert_parallel)
+        parameters = layers * layer_parameters(spec, tp) + experts
         if first:
             parameters += vocab_rows
         if last:
@@ -179,7 +215,8 @@ def estimate_memory(
         stages.append(StageMemory(
             stage=stage, layers=layers, parameters=parameters, micro_batches_in_flight=in_flight,
             params_bytes=parameters * weight_bytes, grads_bytes=parameters * 4,
-            optimizer_bytes=int(parameters * optimizer_per_param), activations_bytes=activations,
+            optimizer_bytes=int((parameters - experts) * optimizer_per_param + experts * expert_optimizer_per_param),
+            activations_bytes=activations,
             logits_bytes=logits, margin_bytes=int(FIXED_MARGIN_BYTES + FRAGMENTATION * (activations + logits)),
         ))
     return stages
@@ -209,7 +246,7 @@ def plan_stages(config: DAPOConfig, spec: ModelSpec, *, data_parallel: int, loca
         spec, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline, data_parallel=data_parallel,
         micro_batch_tokens=config.trainer.micro_batch_tokens, distributed_optimizer=p.use_distributed_optimizer,
         precision=config.model.precision, recompute=config.model.recompute, sequence_parallel=sequence_parallel,
-        fused_attention=not local_spec,
+        fused_attention=not local_spec, expert_parallel=p.expert,
     )
     return stages, sequence_parallel
 
@@ -233,8 +270,9 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
     sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
     fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
     lines = [
-        f"model: {spec.arch}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size} ({origin})",
-        f"layout: TP {p.tensor} x PP {p.pipeline} x DP {dp}"
+        f"model: {spec.arch}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}"
+        + (f", {spec.moe.num_experts} experts (top {spec.moe.topk})" if spec.moe is not None else "") + f" ({origin})",
+        f"layout: TP {p.tensor} x PP {p.pipeline} x DP {dp}" + (f" (EP {p.expert})" if spec.moe is not None else "")
         + ("" if data_parallel or p.data else " (parallel.data unset: DP 1 assumed, the largest optimizer share)")
         + f", {'distributed' if p.use_distributed_optimizer else 'replicated'} optimizer, {config.model.precision}",
         f"per micro-batch: {config.trainer.micro_batch_tokens} tokens; recompute: {config.model.recompute}; "

@@ -129,6 +129,9 @@ def transformer_config_arguments(
     cuda_available: bool,
     sequence_parallel: bool | None = None,
     recompute: Recompute = "none",
+    expert_parallel: int = 1,
+    moe_aux_loss_coeff: float = 0.0,
+    moe_routing_replay: bool = False,
 ) -> dict[str, Any]:
     """The keyword arguments of megatron's ``TransformerConfig`` for ``spec`` at this layout and precision.
 
@@ -143,8 +146,12 @@ def transformer_config_arguments(
     (TP > 1 needed; the local spec's norms then carry megatron's ``sequence_parallel`` mark).
     ``recompute``: see :func:`recompute_settings`. ``use_transformer_engine`` and ``cuda_available`` are the
     backend's (:func:`transformer_config` fills them in).
+
+    A mixture-of-experts spec adds megatron's MoE layer (:func:`moe_arguments`): ``expert_parallel`` ranks share the
+    experts, ``moe_aux_loss_coeff`` weights the load-balancing loss, ``moe_routing_replay`` gives every router
+    megatron's ``RouterReplay`` (:mod:`dapo_megatron.policy.moe_routing`).
     """
-    check_parallel_layout(spec, tensor_parallel, pipeline_parallel)
+    check_parallel_layout(spec, tensor_parallel, pipeline_parallel, expert_parallel)
     if precision not in ("fp32", "bf16", "fp8"):
         raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp8', got {precision!r}")
     use_te = use_transformer_engine
@@ -175,6 +182,7 @@ def transformer_config_arguments(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tensor_parallel,
@@ -193,6 +201,49 @@ def transformer_config_arguments(
         persist_layer_norm=False,
         **recompute_settings(recompute),
         **fp8_settings,
+        **moe_arguments(spec, expert_parallel=expert_parallel, aux_loss_coeff=moe_aux_loss_coeff,
+                        routing_replay=moe_routing_replay, use_transformer_engine=use_te),
+    )
+
+
+def moe_arguments(spec: ModelSpec, *, expert_parallel: int, aux_loss_coeff: float, routing_replay: bool,
+                  use_transformer_engine: bool) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a mixture-of-experts spec (none for a dense one), megatron-core 0.16.1's names.
+
+    * Routing as Hugging Face's Qwen3-MoE routes: softmax scores, top ``k``. With ``norm_topk_prob`` HF renormalizes
+      the k chosen probabilities; megatron's ``moe_router_pre_softmax=False`` takes the top k of the logits and a
+      softmax over those k — the same numbers. Without it HF keeps the softmax over all experts, which is
+      ``moe_router_pre_softmax=True``. The router's GEMM and softmax run in float32 (``moe_router_dtype``) whatever
+      the parameters' dtype.
+    * Experts are split over ``expert_parallel`` ranks (carved out of the data-parallel ones); tokens travel to their
+      experts and back with the all-to-all dispatcher (gloo's ``all_to_all_single`` on CPU). No token is dropped
+      (no capacity factor): every token reaches its k experts, as in HF.
+    * ``aux_loss_coeff`` > 0 adds megatron's Switch-style load-balancing loss per layer ("aux_loss"); 0 trains on
+      the policy loss alone (the load statistics are logged either way: :mod:`dapo_megatron.policy.moe_routing`).
+    * ``moe_grouped_gemm`` with Transformer Engine (its grouped GEMM); without it the experts run one after the
+      other (``SequentialMLP``: megatron's other expert module needs the ``grouped_gemm`` CUDA package).
+    """
+    if spec.moe is None:
+        if routing_replay:
+            raise UnsupportedModelError(f"routing replay (algorithm.moe_routing_replay) needs a mixture-of-experts "
+                                        f"model; {spec.arch} is dense")
+        return {}  # expert_parallel > 1 was refused by check_parallel_layout
+    moe = spec.moe
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_topk=moe.topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=use_transformer_engine,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_enable_routing_replay=routing_replay,
+        expert_model_parallel_size=expert_parallel,
     )
 
 
@@ -207,10 +258,13 @@ def build_model(spec: ModelSpec, tconfig: "TransformerConfig", backend: "Backend
         raise UnsupportedModelError(f"an FP8 TransformerConfig needs the Transformer Engine layer spec, not {backend}")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if (tp, pp) != (tconfig.tensor_model_parallel_size, tconfig.pipeline_model_parallel_size):
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    configured = (tconfig.tensor_model_parallel_size, tconfig.pipeline_model_parallel_size,
+                  tconfig.expert_model_parallel_size)
+    if (tp, pp, ep) != configured:
         raise ParallelLayoutError(
-            f"TransformerConfig is for TP={tconfig.tensor_model_parallel_size}/PP={tconfig.pipeline_model_parallel_size} "
-            f"but parallel_state is initialized with TP={tp}/PP={pp}"
+            f"TransformerConfig is for TP={configured[0]}/PP={configured[1]}/EP={configured[2]} "
+            f"but parallel_state is initialized with TP={tp}/PP={pp}/EP={ep}"
         )
     return GPTModel(
         config=tconfig,

@@ -88,8 +88,11 @@ def unsupported_by_packed_attention(module: DotProductAttention, attention_bias)
     return unsupported
 
 
-def sdpa_layer_spec() -> ModuleSpec:
-    """megatron's local GPT layer spec (RMSNorm) with :class:`ThdSdpaAttention` as its core attention."""
-    layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+def sdpa_layer_spec(*, qk_norm: bool = False, num_experts: int | None = None) -> ModuleSpec:
+    """megatron's local GPT layer spec (RMSNorm) with :class:`ThdSdpaAttention` as its core attention; with per-head
+    q/k RMSNorm (``qk_norm``, megatron's ``qk_layernorm``) and megatron's MoE layer with its sequential experts
+    (``num_experts``) when the model has them."""
+    layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                   qk_layernorm=qk_norm, normalization="RMSNorm"))
     layer.submodules.self_attention.submodules.core_attention = ThdSdpaAttention
     return layer

@@ -4,17 +4,23 @@
 this machine (the 32B example points at a cluster path), :func:`published_hf_config` supplies the shape by the
 folder's name. The GPU check builds random models of the small shapes. The numbers are those of each model's
 ``config.json`` on the Hugging Face hub (Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-1.5B, Qwen/Qwen2.5-Math-1.5B, Qwen/Qwen2.5-7B,
-Qwen/Qwen2.5-14B, Qwen/Qwen2.5-32B).
+Qwen/Qwen2.5-14B, Qwen/Qwen2.5-32B, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import Qwen2Config
+from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 _QWEN25_COMMON = dict(model_type="qwen2", hidden_act="silu", rope_theta=1000000.0, use_sliding_window=False,
                       bos_token_id=151643, eos_token_id=151643)
+
+_QWEN3_COMMON = dict(hidden_act="silu", vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+                     bos_token_id=151643, eos_token_id=151645)
+_QWEN3_MOE_COMMON = dict(num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[], router_aux_loss_coef=0.001)
 
 PUBLISHED_SHAPES: dict[str, dict] = {
     "Qwen2.5-0.5B": dict(_QWEN25_COMMON, vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -37,7 +43,16 @@ PUBLISHED_SHAPES: dict[str, dict] = {
     "Qwen2.5-32B": dict(_QWEN25_COMMON, vocab_size=152064, hidden_size=5120, intermediate_size=27648,
                         num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "Qwen3-8B": dict(_QWEN3_COMMON, model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "Qwen3-30B-A3B": dict(_QWEN3_COMMON, model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          **_QWEN3_MOE_COMMON, moe_intermediate_size=768),
+    "Qwen3-235B-A22B": dict(_QWEN3_COMMON, model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288,
+                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+                            **_QWEN3_MOE_COMMON, moe_intermediate_size=1536),
 }
+_CONFIG_CLASSES = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
 
 
 def published_name(path: str | Path) -> str | None:
@@ -48,9 +63,10 @@ def published_name(path: str | Path) -> str | None:
 
 
 def published_hf_config(name: str, **overrides):
-    """A ``transformers`` ``Qwen2Config`` of a published shape; ``overrides`` change fields (e.g. fewer layers)."""
+    """A ``transformers`` config (``Qwen2Config``, ``Qwen3Config`` or ``Qwen3MoeConfig``) of a published shape;
+    ``overrides`` change fields (e.g. fewer layers)."""
 
     if name not in PUBLISHED_SHAPES:
         raise KeyError(f"unknown model shape {name!r}; known: {', '.join(PUBLISHED_SHAPES)}")
-    values = {key: value for key, value in {**PUBLISHED_SHAPES[name], **overrides}.items() if key != "model_type"}
-    return Qwen2Config(**values)
+    values = {**PUBLISHED_SHAPES[name], **overrides}
+    return _CONFIG_CLASSES[values.pop("model_type")](**values)

@@ -1,10 +1,12 @@
-"""THE mapping between Hugging Face (Qwen2 / Llama) tensors and megatron-core ``GPTModel`` parameters.
+"""THE mapping between Hugging Face (Qwen2 / Llama / Qwen3 / Qwen3-MoE) tensors and megatron-core ``GPTModel``
+parameters.
 
 One table (:data:`MAPPING_RULES`) and pure functions over it; the HF loader, the exporter, the checkpoint tools and
 the SGLang handoff all go through here. Every rule says which HF tensors make one megatron parameter and how the
 tensor-parallel (TP) shard of rank ``r`` of ``T`` is cut from them (:class:`Split`):
 
-* ``REPLICATED`` — norms: every rank holds the full tensor.
+* ``REPLICATED`` — norms (the per-head q/k norms of Qwen3 too: one ``[head_dim]`` weight shared by every head),
+  the MoE router: every rank holds the full tensor.
 * ``ROW`` — ``linear_proj`` (o_proj), ``linear_fc2`` (down_proj): input dim split, ``W[:, r·n/T:(r+1)·n/T]``.
 * ``VOCAB`` — embedding / output layer: rows padded with zeros from ``V`` to ``V_pad`` (a multiple of
   ``T × VOCAB_DIVISIBLE_BY``), then row-split; the padding is cut off again on the way back.
@@ -13,6 +15,13 @@ tensor-parallel (TP) shard of rank ``r`` of ``T`` is cut from them (:class:`Spli
   holds groups ``r·G..(r+1)·G-1`` with ``G = num_kv_heads / T``. A plain ``cat(q, k, v)`` is wrong (max logit error 3.8).
 * ``GATE_UP`` — ``linear_fc1`` on rank ``r`` is ``cat(gate shard r, up shard r)``, NOT shard ``r`` of
   ``cat(gate, up)`` (identical at T=1, wrong at T≥2).
+
+Mixture-of-experts layers (Qwen3-MoE): the router ``mlp.router.weight`` ← ``mlp.gate.weight``; expert ``e`` is
+megatron's ``mlp.experts.local_experts.{l}`` (local spec; ``mlp.experts.linear_fc1.weight{l}`` with Transformer
+Engine's grouped GEMM) on expert-parallel rank ``e // n`` with ``l = e mod n``, ``n = num_experts / EP``, and its
+``linear_fc1`` / ``linear_fc2`` split over TP like a dense MLP's (``GATE_UP`` from gate_proj/up_proj, ``ROW`` from
+down_proj). A rank's table holds its own experts (:func:`stage_mappings` with ``expert_parallel`` and
+``expert_rank``); :func:`with_expert` rebinds one of them to the same local slot on another EP rank (the exporter).
 
 Pipeline stages hold a contiguous run of layers; megatron names them with stage-local indices ``0..L-1`` while HF
 uses global indices ``offset + i`` (:func:`stage_mappings` binds the table for one stage). With tied embeddings the
@@ -27,7 +36,7 @@ and ``slices_for_rank`` says which contiguous slice of each HF tensor one rank n
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
 import torch
@@ -43,15 +52,17 @@ class Split(enum.Enum):
     GATE_UP = "gate_up"
 
 
-Placement = Literal["first_stage", "layer", "last_stage"]
-Condition = Literal["always", "qkv_bias", "untied", "tied_copy"]
-# Symbolic HF shapes: V vocab, H hidden, Q = heads × head_dim, KV = kv_heads × head_dim, F = ffn (intermediate) size.
-Dim = Literal["V", "H", "Q", "KV", "F"]
+Placement = Literal["first_stage", "layer", "expert", "last_stage"]
+Condition = Literal["always", "qkv_bias", "untied", "tied_copy", "qk_norm", "dense", "moe"]
+# Symbolic HF shapes: V vocab, H hidden, Q = heads × head_dim, KV = kv_heads × head_dim, F = ffn (intermediate) size,
+# D = head_dim, X = number of experts, M = one expert's ffn size.
+Dim = Literal["V", "H", "Q", "KV", "F", "D", "X", "M"]
 
 
 @dataclass(frozen=True)
 class MappingRule:
-    """One megatron parameter and the HF tensors it is made of. ``{layer}``: stage-local (megatron) / global (HF)."""
+    """One megatron parameter and the HF tensors it is made of. ``{layer}``: stage-local (megatron) / global (HF);
+    ``{expert}``: this EP rank's local expert (megatron) / the global expert (HF)."""
 
     megatron: str  # name with megatron's local layer spec
     megatron_te: str  # name with the Transformer Engine layer spec (fused norm + linear)
@@ -65,6 +76,8 @@ class MappingRule:
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
 _QKV = tuple(_H + f"self_attn.{p}_proj." for p in "qkv")
+_EXPERT = _L + "mlp.experts.local_experts.{expert}."
+_HF_EXPERT = _H + "mlp.experts.{expert}."
 
 MAPPING_RULES: tuple[MappingRule, ...] = (
     MappingRule("embedding.word_embeddings.weight", "embedding.word_embeddings.weight",
@@ -75,15 +88,29 @@ MAPPING_RULES: tuple[MappingRule, ...] = (
                 tuple(n + "weight" for n in _QKV), (("Q", "H"), ("KV", "H"), ("KV", "H")), Split.QKV, "layer"),
     MappingRule(_L + "self_attention.linear_qkv.bias", _L + "self_attention.linear_qkv.bias",
                 tuple(n + "bias" for n in _QKV), (("Q",), ("KV",), ("KV",)), Split.QKV, "layer", "qkv_bias"),
+    MappingRule(_L + "self_attention.q_layernorm.weight", _L + "self_attention.q_layernorm.weight",
+                (_H + "self_attn.q_norm.weight",), (("D",),), Split.REPLICATED, "layer", "qk_norm"),
+    MappingRule(_L + "self_attention.k_layernorm.weight", _L + "self_attention.k_layernorm.weight",
+                (_H + "self_attn.k_norm.weight",), (("D",),), Split.REPLICATED, "layer", "qk_norm"),
     MappingRule(_L + "self_attention.linear_proj.weight", _L + "self_attention.linear_proj.weight",
                 (_H + "self_attn.o_proj.weight",), (("H", "Q"),), Split.ROW, "layer"),
     MappingRule(_L + "pre_mlp_layernorm.weight", _L + "mlp.linear_fc1.layer_norm_weight",
-                (_H + "post_attention_layernorm.weight",), (("H",),), Split.REPLICATED, "layer"),
+                (_H + "post_attention_layernorm.weight",), (("H",),), Split.REPLICATED, "layer", "dense"),
     MappingRule(_L + "mlp.linear_fc1.weight", _L + "mlp.linear_fc1.weight",
                 (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), (("F", "H"), ("F", "H")),
-                Split.GATE_UP, "layer"),
+                Split.GATE_UP, "layer", "dense"),
     MappingRule(_L + "mlp.linear_fc2.weight", _L + "mlp.linear_fc2.weight",
-                (_H + "mlp.down_proj.weight",), (("H", "F"),), Split.ROW, "layer"),
+                (_H + "mlp.down_proj.weight",), (("H", "F"),), Split.ROW, "layer", "dense"),
+    # MoE layers: Transformer Engine keeps the pre-MLP norm a module of its own (nothing to fuse it into)
+    MappingRule(_L + "pre_mlp_layernorm.weight", _L + "pre_mlp_layernorm.weight",
+                (_H + "post_attention_layernorm.weight",), (("H",),), Split.REPLICATED, "layer", "moe"),
+    MappingRule(_L + "mlp.router.weight", _L + "mlp.router.weight",
+                (_H + "mlp.gate.weight",), (("X", "H"),), Split.REPLICATED, "layer", "moe"),
+    MappingRule(_EXPERT + "linear_fc1.weight", _L + "mlp.experts.linear_fc1.weight{expert}",
+                (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"), (("M", "H"), ("M", "H")),
+                Split.GATE_UP, "expert", "moe"),
+    MappingRule(_EXPERT + "linear_fc2.weight", _L + "mlp.experts.linear_fc2.weight{expert}",
+                (_HF_EXPERT + "down_proj.weight",), (("H", "M"),), Split.ROW, "expert", "moe"),
     MappingRule("decoder.final_layernorm.weight", "decoder.final_layernorm.weight",
                 ("model.norm.weight",), (("H",),), Split.REPLICATED, "last_stage"),
     MappingRule("output_layer.weight", "output_layer.weight", ("lm_head.weight",), (("V", "H"),),
@@ -95,13 +122,17 @@ MAPPING_RULES: tuple[MappingRule, ...] = (
 
 @dataclass(frozen=True)
 class BoundMapping:
-    """A rule bound to one pipeline stage: concrete names. ``exported`` is False for the tied output-layer copy."""
+    """A rule bound to one pipeline stage: concrete names. ``exported`` is False for the tied output-layer copy.
+    An expert's binding also knows its global expert index and where it came from (:func:`with_expert`)."""
 
     megatron_name: str
     hf_names: tuple[str, ...]
     hf_shapes: tuple[tuple[Dim, ...], ...]
     split: Split
     exported: bool = True
+    expert: int | None = None  # global expert index (expert rules only)
+    rule: MappingRule | None = field(default=None, compare=False, repr=False)
+    hf_layer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,8 +162,12 @@ class ShardGeometry:
 
     def size(self, dim: Dim) -> int:
         s = self.spec
+        if dim in ("X", "M"):
+            if s.moe is None:
+                raise ValueError(f"{s.arch} has no experts: no size for {dim!r}")
+            return s.moe.num_experts if dim == "X" else s.moe.ffn_hidden_size
         return {"V": s.vocab_size, "H": s.hidden_size, "Q": s.num_attention_heads * s.head_dim,
-                "KV": s.num_kv_heads * s.head_dim, "F": s.ffn_hidden_size}[dim]
+                "KV": s.num_kv_heads * s.head_dim, "F": s.ffn_hidden_size, "D": s.head_dim}[dim]
 
 
 def pipeline_layer_offset(spec: ModelSpec, pipeline_parallel: int, pipeline_rank: int) -> int:
@@ -143,6 +178,10 @@ def pipeline_layer_offset(spec: ModelSpec, pipeline_parallel: int, pipeline_rank
 def _applies(rule: MappingRule, spec: ModelSpec, first_stage: bool) -> bool:
     if rule.condition == "qkv_bias":
         return spec.qkv_bias
+    if rule.condition == "qk_norm":
+        return spec.qk_norm
+    if rule.condition in ("dense", "moe"):
+        return (spec.moe is not None) == (rule.condition == "moe")
     if rule.condition == "untied":
         return not spec.tie_embeddings
     if rule.condition == "tied_copy":  # PP=1 with tied embeddings has no output_layer.weight at all
@@ -150,28 +189,46 @@ def _applies(rule: MappingRule, spec: ModelSpec, first_stage: bool) -> bool:
     return True
 
 
-def stage_mappings(spec: ModelSpec, *, layer_offset: int, num_local_layers: int, first_stage: bool,
-                   last_stage: bool, transformer_engine: bool = False) -> list[BoundMapping]:
-    """The table bound to one pipeline stage, in model order (embedding, layers, final norm, output layer)."""
+def _bind(rule: MappingRule, transformer_engine: bool, megatron_layer: int | None = None,
+          hf_layer: int | None = None, local_expert: int | None = None, expert: int | None = None) -> BoundMapping:
+    name = rule.megatron_te if transformer_engine else rule.megatron
+    return BoundMapping(name.format(layer=megatron_layer, expert=local_expert),
+                        tuple(h.format(layer=hf_layer, expert=expert) for h in rule.hf),
+                        rule.hf_shapes, rule.split, exported=rule.condition != "tied_copy", expert=expert,
+                        rule=rule, hf_layer=hf_layer)
 
-    def bind(rule: MappingRule, megatron_layer: int | None = None, hf_layer: int | None = None) -> BoundMapping:
-        name = rule.megatron_te if transformer_engine else rule.megatron
-        return BoundMapping(name.format(layer=megatron_layer), tuple(h.format(layer=hf_layer) for h in rule.hf),
-                            rule.hf_shapes, rule.split, exported=rule.condition != "tied_copy")
+
+def stage_mappings(spec: ModelSpec, *, layer_offset: int, num_local_layers: int, first_stage: bool,
+                   last_stage: bool, transformer_engine: bool = False, expert_parallel: int = 1,
+                   expert_rank: int = 0) -> list[BoundMapping]:
+    """The table bound to one pipeline stage, in model order (embedding, layers, final norm, output layer); a MoE
+    layer's experts are those of expert-parallel rank ``expert_rank`` of ``expert_parallel``, in local order."""
 
     def rules(placement: Placement) -> list[MappingRule]:
         return [r for r in MAPPING_RULES if r.placement == placement and _applies(r, spec, first_stage)]
 
-    bound = [bind(r) for r in rules("first_stage")] if first_stage else []
+    local_experts = spec.moe.num_experts // expert_parallel if spec.moe is not None else 0
+    bound = [_bind(r, transformer_engine) for r in rules("first_stage")] if first_stage else []
     for local in range(num_local_layers):
-        bound += [bind(r, local, layer_offset + local) for r in rules("layer")]
+        bound += [_bind(r, transformer_engine, local, layer_offset + local) for r in rules("layer")]
+        for slot in range(local_experts):
+            bound += [_bind(r, transformer_engine, local, layer_offset + local, slot,
+                            expert_rank * local_experts + slot) for r in rules("expert")]
     if last_stage:
-        bound += [bind(r) for r in rules("last_stage")]
+        bound += [_bind(r, transformer_engine) for r in rules("last_stage")]
     return bound
 
 
+def with_expert(mapping: BoundMapping, expert: int) -> BoundMapping:
+    """The HF names of expert ``expert`` for the same megatron parameter (the same local slot on another EP rank)."""
+    if mapping.expert is None or mapping.rule is None:
+        raise ValueError(f"{mapping.megatron_name} is not an expert's parameter")
+    return replace(mapping, hf_names=tuple(h.format(layer=mapping.hf_layer, expert=expert) for h in mapping.rule.hf),
+                   expert=expert)
+
+
 def full_model_mappings(spec: ModelSpec) -> list[BoundMapping]:
-    """The table for an unsplit model (PP=1): one entry per megatron parameter of the whole model."""
+    """The table for an unsplit model (PP=1, EP=1): one entry per megatron parameter of the whole model."""
     return stage_mappings(spec, layer_offset=0, num_local_layers=spec.num_layers, first_stage=True, last_stage=True)
 
 

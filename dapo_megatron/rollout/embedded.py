@@ -11,8 +11,9 @@ Generation (:meth:`EmbeddedEngine.generate`) is a custom decode loop rather than
 * a chunk is left-padded, masked and cached as :mod:`dapo_megatron.rollout.decode_batch` describes (positions that
   ignore the padding, masks that keep pad slots finite, a KV cache preallocated for the whole decode);
 * the prompt goes through the HF model, once per distinct prompt (its ``n`` rows copy the cache and logits); every
-  decode step after it through :mod:`dapo_megatron.rollout.lean_decode` (the model's operations without
-  transformers' per-call machinery, and an attention written for one query per row; logits equal up to rounding);
+  decode step after it through :mod:`dapo_megatron.rollout.lean_decode` (dense models: the model's operations
+  without transformers' per-call machinery, and an attention written for one query per row; logits equal up to
+  rounding; mixture-of-experts models: the model's own forward);
 * a row finishes on a stop token (kept in its ``token_ids``, reason ``"stop"``) or after ``max_new_tokens``
   (``"length"``); finished rows are dropped from the batch once they are a large enough share of it, which
   shrinks every later forward at the cost of one copy of the cache. The steps of one chunk's decode:
@@ -54,7 +55,7 @@ from dapo_megatron.rollout.engine import (
     Sample,
     SamplingParams,
 )
-from dapo_megatron.rollout.lean_decode import LeanDecoder
+from dapo_megatron.rollout.lean_decode import decode_step_for
 from dapo_megatron.rollout.named_tensors import load_named_tensors
 from dapo_megatron.rollout.request_book import RequestBook
 from dapo_megatron.rollout.sampling import TokenSampler, per_sample_seeds, resolve_call_seed
@@ -63,14 +64,14 @@ from dapo_megatron.rollout.weight_gate import WeightGate
 NO_WEIGHTS_VERSION = -1
 """``weight_version`` of an engine that has not received (valid) weights yet; :meth:`generate` refuses to run."""
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # ----------------------------------------------------------------------------------------------------------------
 # Engine
 
 
 class EmbeddedEngine(RolloutEngine):
-    """Rollout engine running an HF causal LM (Qwen2 / Llama family) in this process, fp32 on CPU.
+    """Rollout engine running an HF causal LM (Qwen2 / Llama / Qwen3 / Qwen3-MoE) in this process, fp32 on CPU.
 
     Args:
         hf_config: the model's HF config; the model is built from it with random weights, which are never used:
@@ -90,7 +91,7 @@ class EmbeddedEngine(RolloutEngine):
         config = copy.deepcopy(hf_config)
         self._model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         self._model.eval().requires_grad_(False)
-        self._decode_step = LeanDecoder(self._model)  # the model's decode step without its per-call machinery
+        self._decode_step = decode_step_for(self._model)  # without transformers' per-call machinery where it can
         self._config = self._model.config
         self._version = NO_WEIGHTS_VERSION
         self._gate = gate or WeightGate()  # decode steps vs. weight updates

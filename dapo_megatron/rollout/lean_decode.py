@@ -5,7 +5,9 @@ transformers' per-call machinery (output capturing, kwargs merging, mask prepara
 the CPU demo's ~1M-parameter model costs more than the arithmetic. :class:`LeanDecoder` performs the model's
 operations in the model's order on the same tensors — embedding, RMSNorm, q/k/v projections, RoPE from the model's
 own rotary module, the cache write, attention, o-projection, SwiGLU MLP, final norm, LM head — for the Qwen2 /
-Llama decoder layout :func:`dapo_megatron.rollout.embedded.check_supported_config` admits.
+Llama / Qwen3 decoder layout (Qwen3: each query and key head RMS-normalized before RoPE) with dense MLPs.
+A mixture-of-experts model (Qwen3-MoE) decodes through :class:`ModelDecodeStep`, the model's own forward on the same
+cache: routing is data-dependent and its forward is HF's reference (:func:`decode_step_for` picks).
 
 Three steps are written differently, each to cut the number of small torch calls a step makes: q/k/v are one
 projection and gate/up another (their weights concatenated once and rebuilt when a weight update writes them), RoPE
@@ -34,6 +36,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     variance = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(variance + eps)
     return weight * x.to(dtype)
+
+
+def _head_norm(heads: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """Qwen3's per-head q/k RMSNorm (weights ``[head_dim]``) of ``heads [B, H, 1, D]``."""
+    return _rms_norm(heads, norm.weight, norm.variance_epsilon)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,14 +77,40 @@ class _Concatenated:
         return self.value
 
 
+def has_dense_mlps(model: torch.nn.Module) -> bool:
+    """Whether every layer's MLP is one SwiGLU (gate/up/down projections), the layout :class:`LeanDecoder` runs."""
+    return all(hasattr(layer.mlp, "gate_proj") for layer in model.model.layers)
+
+
+def decode_step_for(model: torch.nn.Module):
+    """The decode step for ``model``: :class:`LeanDecoder` for dense MLPs, else :class:`ModelDecodeStep`."""
+    return LeanDecoder(model) if has_dense_mlps(model) else ModelDecodeStep(model)
+
+
+class ModelDecodeStep:
+    """A decode step through ``model(...)`` itself (the generic path: any decoder ``transformers`` builds), with the
+    same inputs and cache as :class:`LeanDecoder`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, tokens: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 cache: Cache) -> torch.Tensor:
+        return self.model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=position_ids,
+                          cache=cache, use_cache=True).logits[:, -1]
+
+
 class LeanDecoder:
-    """Decode steps of ``model`` (a Qwen2ForCausalLM / LlamaForCausalLM with SDPA attention), reading its
-    parameters as they are at each call (weight updates need no rebuild)."""
+    """Decode steps of ``model`` (a Qwen2ForCausalLM / LlamaForCausalLM / Qwen3ForCausalLM with SDPA attention),
+    reading its parameters as they are at each call (weight updates need no rebuild)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         if model.config._attn_implementation != "sdpa":
             raise ValueError(f"LeanDecoder follows the SDPA attention path, the model uses "
                              f"{model.config._attn_implementation!r}")
+        if not has_dense_mlps(model):
+            raise ValueError("LeanDecoder runs dense SwiGLU MLPs; a mixture-of-experts model decodes through "
+                             "ModelDecodeStep")
         self.model = model
         self.base = model.model
         self.fused = []  # per layer: q/k/v weight and bias, gate/up weight and bias
@@ -109,6 +142,9 @@ class LeanDecoder:
             hidden = _rms_norm(hidden, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
             qkv = F.linear(hidden, qkv_weight, qkv_bias).view(batch, 1, -1, attn.head_dim).transpose(1, 2)
             query_key = qkv[:, :rotated]
+            if hasattr(attn, "q_norm"):  # Qwen3: each head RMS-normalized before RoPE
+                query_key = torch.cat([_head_norm(query_key[:, :query_heads], attn.q_norm),
+                                       _head_norm(query_key[:, query_heads:], attn.k_norm)], dim=1)
             query_key = (query_key * cos) + (_rotate_half(query_key) * sin)
             key, value = cache.layers[index].update(query_key[:, query_heads:], qkv[:, rotated:])
             context = _one_query_attention(query_key[:, :query_heads], key, value, key_bias, attn.scaling)

@@ -1,4 +1,12 @@
-"""Full HF-named tensors into a model's parameters, checked against it: how the embedded engine takes new weights."""
+"""Full HF-named tensors into a model's parameters, checked against it: how the embedded engine takes new weights.
+
+The names are the checkpoint's (what the handoff sends, what SGLang loads): a parameter's own name, except for the
+experts of a mixture-of-experts layer, which ``transformers`` 5 keeps fused in memory — ``mlp.experts.gate_up_proj``
+``[E, 2I, H]`` (expert ``e``'s gate rows, then its up rows) and ``mlp.experts.down_proj`` ``[E, H, I]`` — while the
+checkpoint stores ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj`` per expert (transformers'
+``qwen2_moe`` conversion: stack the experts, concatenate gate and up). :func:`checkpoint_targets` maps each
+checkpoint name to the parameter, or the view of one, it fills.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +20,44 @@ from dapo_megatron.hf_format import TensorMismatch, WrongShape
 _MAX_NAMES_IN_ERROR = 20
 
 
+def checkpoint_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint tensor name → the parameter or parameter view it fills (see the module docstring). A parameter
+    shared under several names (tied embeddings) appears under each of them."""
+    targets: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        experts = name.removesuffix("gate_up_proj").removesuffix("down_proj")
+        if not (experts.endswith("experts.") and param.dim() == 3):
+            targets[name] = param
+        elif name.endswith("gate_up_proj"):
+            half = param.shape[1] // 2
+            for expert in range(param.shape[0]):
+                targets[f"{experts}{expert}.gate_proj.weight"] = param[expert, :half]
+                targets[f"{experts}{expert}.up_proj.weight"] = param[expert, half:]
+        else:
+            for expert in range(param.shape[0]):
+                targets[f"{experts}{expert}.down_proj.weight"] = param[expert]
+    return targets
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    """The same elements of the same storage: two names of one tied parameter, never two experts' slices."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride()
+
+
 def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy full HF-named tensors into ``model``'s parameters, checking that they match it exactly.
 
-    Every parameter must be provided once, with its exact shape, as a finite floating-point tensor. A parameter
-    shared under several names (``lm_head.weight`` tied to ``model.embed_tokens.weight``) needs only one of them; if
-    several are sent they must be equal. Tensors are copied (cast to the parameter's dtype) one at a time as the
-    iterator yields them, so memory stays at what the producer holds beyond the model. All problems are collected
-    and raised together as one ``ValueError`` naming the tensors; the model is then partially overwritten and must
-    not serve.
+    Every checkpoint tensor of the model (:func:`checkpoint_targets`) must be provided once, with its exact shape,
+    as a finite floating-point tensor. A parameter shared under several names (``lm_head.weight`` tied to
+    ``model.embed_tokens.weight``) needs only one of them; if several are sent they must be equal. Tensors are copied
+    (cast to the parameter's dtype) one at a time as the iterator yields them, so memory stays at what the producer
+    holds beyond the model. All problems are collected and raised together as one ``ValueError`` naming the tensors;
+    the model is then partially overwritten and must not serve.
     """
-    name_to_param = dict(model.named_parameters(remove_duplicate=False))
-    aliases: dict[int, list[str]] = {}
+    name_to_param = checkpoint_targets(model)
+    aliases: dict[tuple, list[str]] = {}
     for name, param in name_to_param.items():
-        aliases.setdefault(id(param), []).append(name)
+        aliases.setdefault(_storage_key(param), []).append(name)
 
     received: set[str] = set()
     provided_twice: list[str] = []
@@ -52,7 +84,7 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
             if not _all_finite(tensor):
                 bad_values.append(f"{name}: contains NaN or inf")
                 continue
-            already_loaded = [alias for alias in aliases[id(param)] if alias != name and alias in received]
+            already_loaded = [alias for alias in aliases[_storage_key(param)] if alias != name and alias in received]
             if already_loaded and not torch.equal(param, tensor.to(param.dtype)):
                 tied_disagree.append(f"{name} differs from {already_loaded[0]} (the model ties them)")
                 continue

@@ -7,6 +7,6 @@ written as an ordinary Hugging Face folder. Training then loads it exactly as it
   engine).
 """
 
-from dapo_megatron.tiny_model.build import prepare_tiny_model, tiny_qwen2_config
+from dapo_megatron.tiny_model.build import prepare_tiny_model, tiny_hf_config, tiny_qwen2_config
 
-__all__ = ["prepare_tiny_model", "tiny_qwen2_config"]
+__all__ = ["prepare_tiny_model", "tiny_hf_config", "tiny_qwen2_config"]

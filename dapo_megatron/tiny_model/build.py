@@ -1,5 +1,8 @@
 """``model.tiny`` + ``warm_start`` → an HF folder (config.json, model.safetensors, tokenizer files, warm_start.json).
 
+``model.tiny.arch`` picks the family: a Qwen2-style model (the default demo), Qwen3, or Qwen3-MoE
+(``examples/tiny_cpu_moe.yaml``): :func:`tiny_hf_config`.
+
 The folder is built under ``<out>.tmp`` and renamed into place with a ``COMPLETE`` marker inside, so a run killed
 half-way leaves nothing that looks finished, and a complete folder is reused as is (a resumed run does not warm-start
 again). Everything is seeded by ``trainer.seed``: the same config gives the same folder, byte for byte.
@@ -13,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from dapo_megatron.config import ConfigError, DAPOConfig, TinyModelConfig
 from dapo_megatron.data.tokenizer import build_tiny_tokenizer
@@ -26,7 +29,25 @@ WARM_START_REPORT = "warm_start.json"
 
 
 def tiny_qwen2_config(tiny: TinyModelConfig, tokenizer) -> Qwen2Config:
-    return Qwen2Config(
+    return Qwen2Config(**_common_fields(tiny, tokenizer))
+
+
+def tiny_hf_config(tiny: TinyModelConfig, tokenizer) -> PretrainedConfig:
+    """The HF config of ``model.tiny``: Qwen2 (``arch: qwen2``), Qwen3 (q/k norms, ``head_dim``) or Qwen3-MoE (every
+    MLP ``num_experts`` experts of ``moe_intermediate_size``, ``num_experts_per_tok`` per token)."""
+    if tiny.arch == "qwen2":
+        return tiny_qwen2_config(tiny, tokenizer)
+    head_dim = tiny.head_dim or tiny.hidden_size // tiny.num_attention_heads
+    qwen3 = dict(_common_fields(tiny, tokenizer), head_dim=head_dim)
+    if tiny.arch == "qwen3":
+        return Qwen3Config(**qwen3, architectures=["Qwen3ForCausalLM"])
+    return Qwen3MoeConfig(**qwen3, num_experts=tiny.num_experts, num_experts_per_tok=tiny.num_experts_per_tok,
+                          moe_intermediate_size=tiny.moe_intermediate_size, norm_topk_prob=tiny.norm_topk_prob,
+                          architectures=["Qwen3MoeForCausalLM"])
+
+
+def _common_fields(tiny: TinyModelConfig, tokenizer) -> dict:
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=tiny.hidden_size,
         num_hidden_layers=tiny.num_layers,
@@ -58,10 +79,8 @@ def prepare_tiny_model(config: DAPOConfig, out_dir: str | Path) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
 
-
-
     tokenizer = build_tiny_tokenizer(tmp)
-    hf_config = tiny_qwen2_config(config.model.tiny, tokenizer)
+    hf_config = tiny_hf_config(config.model.tiny, tokenizer)
     torch.manual_seed(config.trainer.seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     if config.warm_start.enabled:

@@ -29,6 +29,7 @@ from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic import make_split
 from dapo_megatron.rollout.embedded import EmbeddedEngine
 from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
+from dapo_megatron.rollout.named_tensors import checkpoint_targets
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer, *, train_records: S
         step += 1
         if step % config.eval_every == 0 or step == config.max_steps:
             model.eval()
-            engine.update_weights([[(n, p.detach()) for n, p in model.named_parameters()]], version=step)
+            engine.update_weights([[(n, p.detach()) for n, p in checkpoint_targets(model).items()]], version=step)
             accuracy = greedy_accuracy(engine, val_records, tokenizer=tokenizer, max_new_tokens=max_new_tokens)
             history.append((step, accuracy))
             logger.info("warm-start step %d: loss %.3f, validation greedy accuracy %.3f", step, loss.item(), accuracy)

@@ -49,10 +49,13 @@ def check_user_model(config: DAPOConfig):
     spec = check_model_folder(config.model.hf_path, tokenizer_path=config.model.tokenizer_path)
     p = config.parallel
     try:
-        check_parallel_layout(spec, p.tensor, p.pipeline)
+        check_parallel_layout(spec, p.tensor, p.pipeline, p.expert)
     except ParallelLayoutError as error:
-        raise ConfigError(f"parallel.tensor={p.tensor} / parallel.pipeline={p.pipeline} do not fit the model in "
-                          f"{config.model.hf_path}: {error}") from None
+        raise ConfigError(f"parallel.tensor={p.tensor} / parallel.pipeline={p.pipeline} / parallel.expert={p.expert} "
+                          f"do not fit the model in {config.model.hf_path}: {error}") from None
+    if spec.moe is None and config.algorithm.moe_routing_replay != "none":
+        raise ConfigError(f"algorithm.moe_routing_replay={config.algorithm.moe_routing_replay} needs a "
+                          f"mixture-of-experts model; {config.model.hf_path} is {spec.arch}")
     return spec
 
 

@@ -129,6 +129,8 @@ def policy_metrics(groups: list[RolloutGroup], samples: list["PolicySample"], ol
            if gap.numel() else {}),
         "perf/num_tokens": float(sum(s.length for s in samples)),
         **correction,
+        # a mixture-of-experts policy's routing (policy/moe_routing.py): actor/moe_aux_loss, actor/moe_load_imbalance
+        **{f"actor/{key}": mean(key) for key in (applied[0] if applied else {}) if key.startswith("moe_")},
     }
 
 
