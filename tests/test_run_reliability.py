@@ -89,7 +89,7 @@ class WatchedRun:
         (os.killpg if group else os.kill)(self.proc.pid, signum)
         return time.monotonic()
 
-    def finish(self, timeout: float = 120) -> int:
+    def finish(self, timeout: float = 180) -> int:
         try:
             return self.proc.wait(timeout=timeout)
         finally:
@@ -148,7 +148,7 @@ def test_a_stop_signal_saves_the_step_reached_and_ends_every_process(tmp_path, s
     metrics = run_dir / "metrics.jsonl"
     run.wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 7, "step 6's metrics")
     signalled = run.signal(signum, group=group)
-    _assert_ended_cleanly(run, run.finish(), STOPPED_EXIT_CODE, signalled, within_s=60)
+    _assert_ended_cleanly(run, run.finish(), STOPPED_EXIT_CODE, signalled, within_s=90)
     scheduled, stopped = list_checkpoints(run_dir / "checkpoints")
     last = int(stopped.name.removeprefix("step_"))
     assert scheduled.name == "step_000005" and 6 <= last <= 9, (scheduled, stopped)  # the stop's own checkpoint
@@ -189,7 +189,8 @@ def test_the_first_ctrl_c_ends_the_run_promptly_with_the_newest_checkpoint_whole
     else:
         time.sleep(0.05)
     signalled = run.signal(signal.SIGINT, group=True)
-    _assert_ended_cleanly(run, run.finish(), INTERRUPTED_EXIT_CODE, signalled, within_s=30)
+    # A loaded 2-core machine takes up to ~20 s to exit the interpreter; a swallowed Ctrl-C would run on (exit 0)
+    _assert_ended_cleanly(run, run.finish(), INTERRUPTED_EXIT_CODE, signalled, within_s=90)
     assert "interrupted (Ctrl-C); `--resume` continues from" in run.text()
     complete = list_checkpoints(run_dir / "checkpoints")
     assert complete and all(checkpoint_problems(path, world_size=1) == [] for path in complete)
