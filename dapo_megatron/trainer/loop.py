@@ -214,7 +214,7 @@ class DAPOTrainer:
                 "stopped_by": stopped_by}
 
     def shutdown(self) -> None:
-        with self.stop.protected():  # a first Ctrl-C lets the servers and threads stop before the process ends
+        with self.stop.protected("stopping the rollout engine"):  # no server or thread outlives the process
             if self.collector is not None:
                 self.collector.close()  # async mode: the driver thread stops before its engine does
             if self.engine is not None:
@@ -230,7 +230,7 @@ class DAPOTrainer:
                 "last_eval_step": step if self.last_eval is not self._eval_before_step else self.last_eval_step}
 
     def save(self, step: int) -> None:
-        with self.stop.protected():  # a first Ctrl-C waits for the checkpoint being written
+        with self.stop.protected(f"finishing checkpoint {step}"):  # never half a checkpoint, nor a hung writer
             ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model], optimizer=self.actor.optimizer,
                                  trainer_state=self._trainer_state(step), side_files_from=self.model_dir,
                                  keep=self.config.trainer.keep_checkpoints, run_id=self.run_id, config=self.config)

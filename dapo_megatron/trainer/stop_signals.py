@@ -57,7 +57,7 @@ class StopSignals:
         self._stop: BaseException | None = None  # a stop raised (or to be raised) in the main thread
         self._owner = os.getpid()
         self._in_loop = False
-        self._protected = 0
+        self._protected: list[str] = []  # what the sections being finished do, innermost last
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -89,7 +89,7 @@ class StopSignals:
             stop = StopNow(signum, STOPPED_EXIT_CODE if nothing_lost else TERMINATED_EXIT_CODE)
         if self._protected and self._stop is None:
             self._stop = stop
-            logger.warning("%s: finishing the checkpoint being written first (press Ctrl-C again to abandon it)", name)
+            logger.warning("%s: %s first (press Ctrl-C again to abandon it)", name, self._protected[-1])
             return
         self._stop = stop
         raise stop
@@ -107,14 +107,15 @@ class StopSignals:
             self._in_loop = False
 
     @contextlib.contextmanager
-    def protected(self) -> Iterator[None]:
-        """A section a first Ctrl-C (or an immediate stop) lets finish; the stop is raised at its end."""
-        self._protected += 1
+    def protected(self, what: str) -> Iterator[None]:
+        """A section a first Ctrl-C (or an immediate stop) lets finish; the stop is raised at its end. ``what``: what
+        the section does, for the message (``finishing checkpoint 12``)."""
+        self._protected.append(what)
         try:
             yield
         finally:
-            self._protected -= 1
-        if self._protected == 0:
+            self._protected.pop()
+        if not self._protected:
             self._raise_pending()
 
     def agreed_stop(self) -> int | None:
