@@ -29,7 +29,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["dapo_megatron", "dapo_megatron.*", "checkpoint_tools", "checkpoint_tools.*"]),
-    package_data={"dapo_megatron": ["data/fixtures/*", "rollout/sglang_cpu/**/*"]},
+    package_data={"dapo_megatron": ["data/fixtures/*", "cpu/sglang/**/*"]},
     include_package_data=True,
     install_requires=CORE,
     extras_require={

@@ -59,7 +59,7 @@ def write_random_hf_model(directory: Path, shape: ModelShape, *, max_file_bytes:
 
     from checkpoint_tools.hf_to_megatron import expected_hf_tensors
     from dapo_megatron.hf_format import bucketed, write_hf_folder
-    from dapo_megatron.policy.model import model_spec_from_hf
+    from dapo_megatron.policy.model_spec import model_spec_from_hf
 
     config = Qwen2Config(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                          num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,

@@ -18,7 +18,9 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from dapo_megatron.rollout import EmbeddedEngine, SamplingParams
+from dapo_megatron.config import EmbeddedConfig
+from dapo_megatron.rollout import SamplingParams
+from dapo_megatron.rollout.embedded import EmbeddedEngine
 
 
 def demo_sized_config(vocab_size: int, hidden_size: int, num_layers: int) -> Qwen2Config:
@@ -113,7 +115,7 @@ def main() -> None:
 
     contenders: dict[str, Callable[[], int]] = {"hf model.generate": hf_generate_fn(model, prompts, params)}
     for fraction in args.drop_finished_fractions:
-        engine = EmbeddedEngine(config, drop_finished_fraction=fraction)
+        engine = EmbeddedEngine(config, EmbeddedConfig(drop_finished_fraction=fraction))
         engine.update_weights([list(model.state_dict().items())], version=0)
         contenders[f"engine drop>={fraction:g}"] = engine_generate_fn(engine, prompts, params)
 

@@ -15,7 +15,7 @@ training tokens per CPU-second packed/padded x1.77 at a 512-token budget (9 vs 8
 on the loaded machine are not trustworthy.
 
 Notes on what it measures: on CPU the model's core attention
-(:class:`dapo_megatron.policy.cpu_attention.PackedSequenceAttention`) attends per sample inside a packed row, so
+(:class:`dapo_megatron.cpu.attention.PackedSequenceAttention`) attends per sample inside a packed row, so
 packing saves the padded tokens' work in every layer without paying attention across the samples of a row (before
 it, a packed row was one dense masked ``S x S`` square and the ratio was x1.03). With Transformer Engine (THD,
 ``cu_seqlens``) attention is per sample too; that path needs a GPU and is not measured here.
@@ -67,24 +67,24 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from baseline_packing import PaddedPacker
+
     from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
-    from dapo_megatron.policy.batch_plan import PackedBatching, PaddedBatching, plan_data_parallel
-    from dapo_megatron.policy.model import ModelSpec
+    from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
+    from dapo_megatron.policy.model_spec import ModelSpec
 
-    init_distributed(1, 1)
+    backend = init_distributed(1, 1).backend
     seed_everything(args.seed)
     heads = max(2, args.hidden // 32)
     spec = ModelSpec(arch="qwen2", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                      num_attention_heads=heads, num_kv_heads=heads // 2, head_dim=args.hidden // heads,
                      ffn_hidden_size=3 * args.hidden, rms_norm_eps=1e-6, rope_theta=10000.0, qkv_bias=True,
                      tie_embeddings=False, max_position_embeddings=4096)
-    batchings = {
-        "packed": PackedBatching(token_budget=args.token_budget),
-        "padded": PaddedBatching(samples_per_micro_batch=args.samples_per_micro_batch),
-    }
-    actor = build_actor(spec, model=ModelConfig(precision="fp32"),
+    packers = {"packed": backend.packer, "padded": PaddedPacker(samples_per_micro_batch=args.samples_per_micro_batch)}
+    batching = PackedBatching(token_budget=args.token_budget)
+    actor = build_actor(spec, backend=backend, model=ModelConfig(precision="fp32"),
                         parallel=ParallelConfig(use_distributed_optimizer=False),
                         optim=OptimConfig(lr=1e-5, warmup_steps=0), algorithm=AlgorithmConfig(clip_ratio_c=None),
                         micro_batch_tokens=args.token_budget, temperature=1.0)
@@ -93,16 +93,17 @@ def main() -> None:
     real_tokens = sum(s.length for s in samples)
     print(f"{len(samples)} samples, response lengths {min(lengths)}..{max(lengths)} "
           f"({max(lengths) / min(lengths):.1f}x), {real_tokens} real tokens; model hidden {args.hidden}, "
-          f"{args.layers} layers, vocab {args.vocab}; {actor.layout} attention layout")
+          f"{args.layers} layers, vocab {args.vocab}; the {backend.name} backend's {type(backend.packer).__name__}")
 
-    plans = {name: plan_data_parallel(samples, cfg, data_parallel=1, data_parallel_rank=0, layout=actor.layout)
-             for name, cfg in batchings.items()}
-    times: dict[str, list[float]] = {name: [] for name in batchings}
-    cpu_times: dict[str, list[float]] = {name: [] for name in batchings}
+    plans = {name: plan_data_parallel(samples, batching, packer, data_parallel=1, data_parallel_rank=0)
+             for name, packer in packers.items()}
+    times: dict[str, list[float]] = {name: [] for name in packers}
+    cpu_times: dict[str, list[float]] = {name: [] for name in packers}
     for step in range(args.steps + 1):  # step 0 warms up both
-        for name, cfg in batchings.items():
+        for name, packer in packers.items():
+            backend.packer = packer
             start, cpu_start = time.perf_counter(), time.process_time()
-            metrics = actor.train_minibatch(samples, batching=cfg)
+            metrics = actor.train_minibatch(samples, batching=batching)
             elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
             if metrics["skipped"]:
                 raise RuntimeError(f"{name} step {step} was skipped (non-finite loss or gradient norm)")

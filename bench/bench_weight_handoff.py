@@ -14,7 +14,7 @@ then ``engine.update_weights``). Rows (best of ``--repeats``; bytes = the fp32 m
 * ``TP=1 export + engine update``: the trainer's handoff at TP=1;
 * ``TP=2 export, gloo``: the TP gather as a gloo ``gather`` per parameter over loopback;
 * ``TP=2 export, shared memory``: the same-host gather the exporter uses on CPU
-  (:mod:`dapo_megatron.handoff.shm_gather`);
+  (:mod:`dapo_megatron.cpu.shm_gather`);
 * ``TP=2 export + engine update`` and ``TP=2 export + disk snapshot`` (the SGLang disk transport's folder).
 """
 
@@ -51,32 +51,33 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     torch.set_num_threads(1)
     from transformers import Qwen2Config
 
-    import dapo_megatron.handoff.exporter as exporter
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
+    from dapo_megatron.handoff.tp_gather import ProcessGroupGather
     from dapo_megatron.hf_format import nbytes, write_hf_folder
     from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
-    from dapo_megatron.policy.model import build_model, model_spec_from_hf, transformer_config
+    from dapo_megatron.policy.model import build_model, transformer_config
+    from dapo_megatron.policy.model_spec import model_spec_from_hf
     from dapo_megatron.rollout.embedded import EmbeddedEngine
 
-    init_distributed(tensor_parallel=world, pipeline_parallel=1)
+    backend = init_distributed(tensor_parallel=world, pipeline_parallel=1).backend
     seed_everything(0)
     hf_config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                             num_attention_heads=args.hidden // 64, num_key_value_heads=4,
                             intermediate_size=args.hidden * 4, tie_word_embeddings=False,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     spec = model_spec_from_hf(hf_config)
-    model = build_model(spec, transformer_config(spec, tensor_parallel=world, pipeline_parallel=1))
+    model = build_model(spec, transformer_config(spec, backend, tensor_parallel=world, pipeline_parallel=1), backend)
     engine = EmbeddedEngine(hf_config) if rank == 0 else None
     bucket_bytes = args.bucket_mb * 2**20
     version = [0]
 
-    def timed(consume) -> tuple[float, int]:
+    def timed(consume, tp_gather=backend.tp_gather) -> tuple[float, int]:
         """Best time of ``consume(buckets)`` on rank 0 (the others drain) and the bytes it saw."""
         best, moved = float("inf"), 0
         for _ in range(args.repeats):
             torch.distributed.barrier()
             start = time.perf_counter()
-            buckets = gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes)
+            buckets = gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes, tp_gather=tp_gather)
             moved = consume(buckets) if rank == 0 else sum(1 for _ in buckets)
             torch.distributed.barrier()
             best = min(best, time.perf_counter() - start)
@@ -107,7 +108,8 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     if world == 1:
         results["TP=1 export"] = timed(count)
         ready = [[(name, tensor.clone()) for name, tensor in bucket]
-                 for bucket in gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes)]
+                 for bucket in gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes,
+                                                          tp_gather=backend.tp_gather)]
         best = float("inf")
         for _ in range(args.repeats):
             version[0] += 1
@@ -118,11 +120,8 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
         results["TP=1 export + engine update"] = timed(to_engine)
         results["memcpy"] = (memcpy_seconds(count(ready), args.repeats), count(ready))
     else:
-        shared_memory = exporter.shared_memory_gather
-        exporter.shared_memory_gather = lambda group, shards: None  # the plain gloo gather
-        results["TP=2 export, gloo"] = timed(count)
-        exporter.shared_memory_gather = shared_memory
-        results["TP=2 export, shared memory"] = timed(count)
+        results["TP=2 export, gloo"] = timed(count, ProcessGroupGather())
+        results["TP=2 export, shared memory"] = timed(count)  # the CPU backend's gather
         results["TP=2 export + engine update"] = timed(to_engine)
         results["TP=2 export + disk snapshot"] = timed(to_disk)
     if rank == 0:

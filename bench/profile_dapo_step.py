@@ -14,7 +14,7 @@ median of ``--reps``; CPU time does not count waiting for a core on a shared mac
    replaced ("mask", 512-token rows), and right-padded rows; with the share of the forward spent in core attention;
 3. the fixed cost of one micro-batch (megatron's per-layer Python work) and the planner's and optimizer's shares of
    an update;
-4. the local spec's hand-written RMSNorm/SwiGLU/RoPE forward and backward (:mod:`dapo_megatron.policy.local_layers`)
+4. the local spec's hand-written RMSNorm/SwiGLU/RoPE forward and backward (:mod:`dapo_megatron.cpu.layers`)
    against the same layers run op by op under autograd, as megatron's modules run them.
 """
 
@@ -28,7 +28,6 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-
 from bench_vs_trl import bench_config
 
 
@@ -44,7 +43,7 @@ def cpu_ms(fn, reps: int) -> float:
 @contextmanager
 def counting_mode_calls(counter: list[int]):
     """Count the calls the installed redirect mode handles (one list cell, incremented per call)."""
-    from dapo_megatron.cpu_compat import CudaToCpuMode
+    from dapo_megatron.cpu.megatron_compat import CudaToCpuMode
 
     real = CudaToCpuMode.__torch_function__
 
@@ -64,8 +63,8 @@ def op_by_op_local_layers():
     """The local spec's RMSNorm, MLP and RoPE as megatron's modules compute them, op by op under autograd."""
     from megatron.core.transformer.mlp import MLP
 
-    from dapo_megatron.policy import cpu_attention
-    from dapo_megatron.policy.local_layers import LocalRMSNorm, SwiGLUMLP
+    from dapo_megatron.cpu import attention as cpu_attention
+    from dapo_megatron.cpu.layers import LocalRMSNorm, SwiGLUMLP
 
     def rotate(x, cos, sin):
         x1, x2 = torch.chunk(x, 2, dim=-1)
@@ -110,15 +109,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
+    from baseline_packing import MaskPacker, PaddedPacker
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from dapo_megatron import cpu_compat
+    from dapo_megatron.cpu import megatron_compat
+    from dapo_megatron.cpu.segment_packing import SegmentPacker
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
     from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
+    from dapo_megatron.policy.batch_plan import PackedBatching
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
-    from dapo_megatron.policy.batch_plan import PackedBatching, PaddedBatching
     from dapo_megatron.policy.packing import PolicySample, pack_micro_batches
     from dapo_megatron.rollout.embedded import EmbeddedEngine
     from dapo_megatron.rollout.engine import SamplingParams
@@ -133,11 +134,11 @@ def main() -> None:
         tokenizer = load_tokenizer(config, model_dir)
         records = PromptSampler(train_prompts(config, tokenizer), batch_size=8 * args.batch_scale,
                                 seed=args.seed).next_batch()
-        init_distributed(1, 1)
+        backend = init_distributed(1, 1).backend
         seed_everything(args.seed)
         spec = load_model_spec(model_dir)
         c = config
-        actor = build_actor(spec, model=c.model, parallel=c.parallel, optim=c.optim, algorithm=c.algorithm,
+        actor = build_actor(spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim, algorithm=c.algorithm,
                             micro_batch_tokens=c.trainer.micro_batch_tokens, temperature=c.rollout.temperature)
         load_hf_weights(actor.model, spec, model_dir)
         actor.optimizer.reload_model_params()
@@ -161,7 +162,7 @@ def main() -> None:
           f"{padded_tokens}; trainer.micro_batch_tokens = {budget}; {reps} reps, CPU ms")
 
     def hand_off():
-        engine.update_weights(gather_hf_buckets_to_rank0(actor.model, spec), version=1)
+        engine.update_weights(gather_hf_buckets_to_rank0(actor.model, spec, tp_gather=backend.tp_gather), version=1)
 
     phases = {"gen": lambda: engine.generate(prompts, params), "forward-only": lambda: actor.compute_logprobs(samples),
               "update": lambda: actor.train_minibatch(samples), "handoff": hand_off}
@@ -178,7 +179,7 @@ def main() -> None:
             torch.add(a, b)
 
     with_mode = cpu_ms(adds, reps) / 20
-    with cpu_compat.suspended():
+    with megatron_compat.suspended():
         without = cpu_ms(adds, reps) / 20
     print(f"  one torch.add: {with_mode:.2f} us with the mode, {without:.2f} us without "
           f"({with_mode - without:.2f} us per call)")
@@ -194,15 +195,15 @@ def main() -> None:
 
     hooks = [hook for m in actor.model.modules() if isinstance(m, DotProductAttention)
              for hook in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
-    layouts = [(f"segments {n} tokens/row", "segments", PackedBatching(token_budget=n)) for n in (512, 4096, 16384)]
-    layouts += [("mask 512 tokens/row", "mask", PackedBatching(token_budget=512))]
-    layouts += [(f"padded {n} samples/mb", "segments", PaddedBatching(samples_per_micro_batch=n))
+    layouts = [(f"segments {n} tokens/row", SegmentPacker(), PackedBatching(token_budget=n))
+               for n in (512, 4096, 16384)]
+    layouts += [("mask 512 tokens/row", MaskPacker(), PackedBatching(token_budget=512))]
+    layouts += [(f"padded {n} samples/mb", PaddedPacker(samples_per_micro_batch=n), PackedBatching(token_budget=1))
                 for n in sorted({1, 64, len(samples)}) if n <= len(samples)]
     per_micro_batch = {}
-    for label, layout, batching in layouts:
-        actor.layout = layout
-        count = (len(pack_micro_batches(samples, token_budget=batching.token_budget, layout=layout))
-                 if isinstance(batching, PackedBatching) else -(-len(samples) // batching.samples_per_micro_batch))
+    for label, packer, batching in layouts:
+        backend.packer = packer
+        count = len(pack_micro_batches(samples, packer, token_budget=batching.token_budget))
         attention[0] = 0.0
         start = time.process_time()
         actor.compute_logprobs(samples, batching=batching)
@@ -212,7 +213,7 @@ def main() -> None:
         per_micro_batch[label] = (count, forward, update)
         print(f"  {label:<24}{count:4d} micro-batches  forward {forward:7.1f}  update {update:7.1f}  "
               f"attention {share:4.0%} of the forward")
-    actor.layout = "segments"
+    backend.packer = SegmentPacker()
     for hook in hooks:
         hook.remove()
 

@@ -30,6 +30,7 @@ from checkpoint_tools.launch import (
     run_ranks,
     shared_staging_dir,
 )
+from dapo_megatron.config.schema import Kernels
 from dapo_megatron.hf_format import CONFIG_FILE, HFFormatError, discard, load_hf_config, publish, staging_dir
 
 
@@ -46,7 +47,7 @@ def bad_input() -> Iterator[None]:
 
 def checked_spec(config_dir: Path, tensor_parallel: int, pipeline_parallel: int):
     """The model spec of ``config_dir``'s config, after checking the model is supported at this layout."""
-    from dapo_megatron.policy.model import (
+    from dapo_megatron.policy.model_spec import (
         ParallelLayoutError,
         UnsupportedModelError,
         check_parallel_layout,
@@ -86,7 +87,7 @@ class ConversionJob(abc.ABC):
     force: bool
 
     tool: ClassVar[str]  # the module name, for log lines and CLI errors
-    use_transformer_engine: ClassVar[bool | None] = None  # None: TE's layer spec when it is usable
+    kernels: ClassVar[Kernels] = "auto"  # the policy's layers, as model.kernels picks them (dapo_megatron.backend)
 
     @property
     def world_size(self) -> int:
@@ -134,10 +135,13 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: ConversionJob, stagi
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from dapo_megatron.backend import select_backend
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.policy.model import build_model, model_spec_from_hf, transformer_config
+    from dapo_megatron.policy.model import build_model, transformer_config
+    from dapo_megatron.policy.model_spec import model_spec_from_hf
 
-    init_distributed(job.tensor_parallel, job.pipeline_parallel, environ=environ)
+    backend = init_distributed(job.tensor_parallel, job.pipeline_parallel, backend=select_backend(job.kernels),
+                               environ=environ).backend
     staging = shared_staging_dir(staging, job.out)
     rank0 = dist.get_rank() == 0
     try:
@@ -145,11 +149,11 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: ConversionJob, stagi
         with bad_input():
             spec = model_spec_from_hf(load_hf_config(job.config_dir))
         precision = "bf16" if job.params_dtype == torch.bfloat16 else "fp32"
-        tconfig = transformer_config(spec, tensor_parallel=job.tensor_parallel,
+        tconfig = transformer_config(spec, backend, tensor_parallel=job.tensor_parallel,
                                      pipeline_parallel=job.pipeline_parallel, params_dtype=job.params_dtype,
-                                     precision=precision, use_transformer_engine=job.use_transformer_engine)
+                                     precision=precision)
         tconfig.perform_initialization = False  # every parameter is loaded below; skip the random init
-        model = build_model(spec, tconfig, use_transformer_engine=job.use_transformer_engine)
+        model = build_model(spec, tconfig, backend)
         with bad_input():
             job.fill(model, spec)
         if rank0:

@@ -97,7 +97,7 @@ class MegatronToHfJob(ConversionJob):
     max_shard_bytes: int
 
     tool = "megatron_to_hf"
-    use_transformer_engine = False  # the local spec: its checkpoint keys are TE's, and it runs everywhere
+    kernels = "local"  # megatron's local layers: their checkpoint keys are TE's, and they run everywhere
 
     @property
     def input_dir(self) -> Path:

@@ -51,7 +51,7 @@ def _rank_from_env() -> int:
     return launch_env().rank
 
 
-def _check_inputs(config, **what) -> None:
+def _check_inputs(config, backend, **what) -> None:
     """:func:`~dapo_megatron.trainer.input_checks.check_run_inputs` on rank 0; its error is raised on every rank."""
     import torch.distributed as dist
 
@@ -59,7 +59,8 @@ def _check_inputs(config, **what) -> None:
     from dapo_megatron.trainer.input_checks import check_run_inputs
 
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    run_on_rank0(lambda: check_run_inputs(config, world_size=world_size, **what), what="checking the inputs")
+    run_on_rank0(lambda: check_run_inputs(config, world_size=world_size, backend=backend, **what),
+                 what="checking the inputs")
 
 
 def _accuracy_line(first: dict, last: dict) -> str | None:
@@ -70,17 +71,20 @@ def _accuracy_line(first: dict, last: dict) -> str | None:
     return f"held-out accuracy: before={first.get(key, float('nan')):.4f} after={last[key]:.4f}"
 
 
-def _init_distributed(config) -> None:
+def _init_distributed(config):
+    """The process layout, with the backend of this platform and ``model.kernels`` chosen once, here."""
     import os
 
     import torch
 
+    from dapo_megatron.backend import select_backend
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.rollout.sglang_gpus import trainer_nccl_env
 
     os.environ.update(trainer_nccl_env(config, cuda_available=torch.cuda.is_available()))  # before any NCCL group
     p = config.parallel
-    init_distributed(p.tensor, p.pipeline, p.data, timeout_s=p.collective_timeout_s)
+    backend = select_backend(config.model.kernels)
+    return init_distributed(p.tensor, p.pipeline, p.data, backend=backend, timeout_s=p.collective_timeout_s)
 
 
 def cmd_prepare_tiny(args: argparse.Namespace) -> int:
@@ -115,15 +119,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     rank = _rank_from_env()
     _setup_logging(rank)
     with StopSignals() as stop:
-        _init_distributed(config)
+        backend = _init_distributed(config).backend
         lock = None
         try:
             lock = run_on_rank0(lambda: claim_run_directory(config.trainer.run_dir, resume=args.resume,
                                                             overwrite=args.overwrite),
                                 what="claiming the run directory", broadcast_result=False)
-            _check_inputs(config, resume=args.resume)
+            _check_inputs(config, backend, resume=args.resume)
             model_dir = prepare_initial_model(config)  # model.source = tiny: rank 0 makes it (once), the others wait
-            trainer = DAPOTrainer(config, model_dir, resume=args.resume, stop=stop)
+            trainer = DAPOTrainer(config, model_dir, backend, resume=args.resume, stop=stop)
             try:
                 result = trainer.run()
             finally:
@@ -154,10 +158,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     rank = _rank_from_env()
     _setup_logging(rank)
-    _init_distributed(config)
+    backend = _init_distributed(config).backend
     try:
-        _check_inputs(config, checkpoint=args.ckpt)
-        metrics = evaluate_checkpoint(config, args.ckpt)
+        _check_inputs(config, backend, checkpoint=args.ckpt)
+        metrics = evaluate_checkpoint(config, args.ckpt, backend)
     finally:
         destroy_distributed()
     if rank == 0:
@@ -185,11 +189,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from dapo_megatron.plan import plan_report
+    from dapo_megatron.policy.memory import plan_report
+    from dapo_megatron.trainer.model_source import model_spec_for_plan
 
     config = load_config(args.config, args.overrides)
-    report, fits = plan_report(config, data_parallel=args.data_parallel, gpu_memory_gb=args.gpu_memory_gb,
-                               local_spec=args.local_spec)
+    spec, origin = model_spec_for_plan(config)
+    report, fits = plan_report(config, spec, origin, data_parallel=args.data_parallel,
+                               gpu_memory_gb=args.gpu_memory_gb, local_spec=args.local_spec)
     print(report)
     return 0 if fits else 1
 

@@ -1,9 +1,9 @@
 """Everything device- and launch-specific, in one place.
 
-* :func:`prepare_device` — CUDA or not. Without CUDA it installs the megatron-core CPU layer
-  (:mod:`dapo_megatron.cpu_compat`, whose docstring lists exactly what it changes) once per process and picks the
-  gloo backend; with CUDA it picks NCCL and binds this process to GPU ``local_rank % visible GPUs``
-  (:func:`cuda_device_index`: a cluster that binds one GPU per task shows each process a single device 0).
+* :func:`prepare_device` — this process's device and collective backend, as the platform's backend
+  (:mod:`dapo_megatron.backend`) says: on CUDA, NCCL and GPU ``local_rank % visible GPUs`` (:func:`cuda_device_index`:
+  a cluster that binds one GPU per task shows each process a single device 0); without CUDA, gloo, after the
+  backend has prepared the process (the CPU backend installs its megatron-core compatibility layer).
 * :func:`cuda_connections_setting` — ``CUDA_DEVICE_MAX_CONNECTIONS=1`` on GPU with TP > 1, set by
   :func:`init_distributed` before CUDA creates its context (the variable is read then). megatron's tensor-parallel
   linear layers (``tensor_parallel/layers.py``) launch the all-gather / reduce-scatter of the input gradient
@@ -29,12 +29,17 @@ import socket
 import subprocess
 import warnings
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
+import numpy as np
 import torch
 
 from dapo_megatron.host_address import pin_gloo_interface
+from dapo_megatron.slurm_tasks import tasks_on_each_node
 from dapo_megatron.user_errors import UserError
+
+if TYPE_CHECKING:
+    from dapo_megatron.backend import Backend
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -46,8 +51,7 @@ class LaunchError(UserError, RuntimeError, kind="launch"):
 @dataclass(frozen=True)
 class DeviceInfo:
     device: torch.device
-    backend: str  # "nccl" or "gloo"
-    cpu_layer_installed: bool
+    collective: str  # "nccl" or "gloo"
 
 
 def cuda_device_index(local_rank: int, device_count: int) -> int:
@@ -57,23 +61,17 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
     return local_rank % device_count
 
 
-def prepare_device(local_rank: int = 0, *, cuda_available: bool | None = None,
-                   device_count: int | None = None) -> DeviceInfo:
-    """Choose the device and collective backend for this process; install the CPU layer when there is no CUDA.
+def prepare_device(backend: "Backend", local_rank: int = 0, *, device_count: int | None = None) -> DeviceInfo:
+    """This process's device and collective backend on ``backend``'s platform, the process prepared for it.
 
-    ``cuda_available`` and ``device_count`` are only for tests of the decision; by default they are
-    ``torch.cuda.is_available()`` and ``torch.cuda.device_count()``.
+    ``device_count`` (default ``torch.cuda.device_count()``) is only for tests of the decision.
     """
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    if cuda_available:
+    backend.prepare_process()
+    if backend.device_type == "cuda":
         index = cuda_device_index(local_rank, torch.cuda.device_count() if device_count is None else device_count)
         torch.cuda.set_device(index)
-        return DeviceInfo(torch.device("cuda", index), "nccl", cpu_layer_installed=False)
-    from dapo_megatron import cpu_compat
-
-    cpu_compat.install()
-    return DeviceInfo(torch.device("cpu"), "gloo", cpu_layer_installed=True)
+        return DeviceInfo(torch.device("cuda", index), backend.collective)
+    return DeviceInfo(torch.device("cpu"), backend.collective)
 
 
 CUDA_CONNECTIONS_VARIABLE = "CUDA_DEVICE_MAX_CONNECTIONS"
@@ -188,12 +186,10 @@ def local_world_size(environ: Mapping[str, str] | None = None) -> int:
     if "SLURM_NTASKS_PER_NODE" in env:
         return int(env["SLURM_NTASKS_PER_NODE"])
     if "SLURM_TASKS_PER_NODE" in env:  # e.g. "4(x2),3": 4 tasks on each of the first two nodes, 3 on the third
-        per_node = []
-        for part in env["SLURM_TASKS_PER_NODE"].split(","):
-            match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-            if match is None:
-                raise ValueError(f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']!r} is not in SLURM's format")
-            per_node += [int(match.group(1))] * int(match.group(2) or 1)
+        try:
+            per_node = tasks_on_each_node(env["SLURM_TASKS_PER_NODE"])
+        except ValueError as error:
+            raise ValueError(f"SLURM_TASKS_PER_NODE: {error}") from None
         return per_node[int(env.get("SLURM_NODEID", 0))]
     return 1
 
@@ -243,6 +239,7 @@ class ParallelLayout:
     pipeline_parallel: int
     data_parallel: int
     device: DeviceInfo
+    backend: "Backend"
 
 
 def resolve_data_parallel(world_size: int, tensor_parallel: int, pipeline_parallel: int,
@@ -282,19 +279,26 @@ def init_distributed(
     pipeline_parallel: int = 1,
     data_parallel: int | None = None,
     *,
+    backend: "Backend | None" = None,
     environ: Mapping[str, str] | None = None,
     timeout_s: float = 600.0,
 ) -> ParallelLayout:
-    """Initialize torch.distributed and megatron ``parallel_state`` for this process.
+    """Initialize torch.distributed and megatron ``parallel_state`` for this process, on ``backend``'s platform
+    (default: :func:`dapo_megatron.backend.select_backend` with ``model.kernels: auto``).
 
     Idempotent for the same layout in one process (a second call returns the layout already set up).
     """
+    # Not at the top: megatron-core and the backend take seconds to import, and the launch helpers above are read
+    # by commands that never train (the rank of an error message, `prepare-tiny`).
     from megatron.core import parallel_state
+
+    from dapo_megatron.backend import select_backend
 
     env = launch_env(environ)
     dp = resolve_data_parallel(env.world_size, tensor_parallel, pipeline_parallel, data_parallel)
+    backend = select_backend() if backend is None else backend
     apply_cuda_connections(tensor_parallel)  # before prepare_device: binding the GPU may create the CUDA context
-    device = prepare_device(env.local_rank)
+    device = prepare_device(backend, env.local_rank)
 
     if not torch.distributed.is_initialized():
         # Ranks on other nodes must reach this one's gloo address (gloo carries the CPU collectives, and megatron
@@ -305,7 +309,7 @@ def init_distributed(
             # a taken port otherwise surfaces as a hang on the other ranks.
             _check_port_free(env.master_addr, env.master_port)
         torch.distributed.init_process_group(
-            backend=device.backend,
+            backend=device.collective,
             init_method=f"tcp://{env.master_addr}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
@@ -319,11 +323,11 @@ def init_distributed(
     elif (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
           or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel):
         raise LaunchError("megatron parallel_state is already initialized with a different TP/PP layout")
-    return ParallelLayout(env.rank, env.world_size, tensor_parallel, pipeline_parallel, dp, device)
+    return ParallelLayout(env.rank, env.world_size, tensor_parallel, pipeline_parallel, dp, device, backend)
 
 
 def destroy_distributed() -> None:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # import cost: see init_distributed
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -332,22 +336,17 @@ def destroy_distributed() -> None:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy (when installed), torch's CPU generator and megatron's model-parallel RNG tracker.
+    """Seed Python, NumPy, torch's CPU generator and megatron's model-parallel RNG tracker.
 
     Every rank passes the same seed: megatron derives the tensor-parallel streams from it by TP rank itself.
     """
+    from megatron.core import parallel_state  # import cost: see init_distributed
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
     random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)  # on CPU the tracker shares this generator; leave it at the plain seed

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (bench/gpu_check.py): one table of the policy side on one GPU — bf16 vs fp32 log-prob parity, DAPO
 # updates, training MFU of 0.5B- and 1.5B-shaped models, the weight handoff in GB/s next to a device copy, the
-# engine-vs-policy log-prob gap. Made for a lent H200 (<= 8 minutes); `--tiny` runs the same code on CPU in seconds
+# engine-vs-policy log-prob gap, the trainer's side of a colocated turn (optimizer state to host and back, the memory
+# freed next to `plan`'s numbers). Made for a lent H200 (<= 8 minutes); `--tiny` runs the same code on CPU in seconds
 # (the test-suite does: tests/test_gpu_check.py).
 #
 #   scripts/gpu_check.sh [--tiny] [--json FILE]

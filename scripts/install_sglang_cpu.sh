@@ -22,7 +22,7 @@
 #      torchvision ops (nms, roi_align, ...) stay unavailable, which no text model needs.
 #
 # The server additionally needs, at run time (set by dapo_megatron.rollout.sglang_server, not here):
-# SGLANG_USE_CPU_ENGINE=1 and the `sgl_kernel` stand-in of dapo_megatron/rollout/sglang_cpu on PYTHONPATH.
+# SGLANG_USE_CPU_ENGINE=1 and the `sgl_kernel` stand-in of dapo_megatron/cpu/sglang on PYTHONPATH.
 #
 # Idempotent: when sglang 0.5.23, its CPU requirements and an importable torchvision are already present it
 # returns in about a second without calling pip.

@@ -131,10 +131,10 @@ def parse_tasks_per_node(text: str | None) -> int:
     """``SLURM_NTASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE`` forms: ``8``, ``8(x16)``, ``8(x2),4`` (first count)."""
     if text is None or not text.strip():
         return 1
-    match = re.match(r"(\d+)", text.strip())
-    if not match:
-        raise PlanError(f"cannot read a task count from {text!r}")
-    return int(match.group(1))
+    try:
+        return _project_module("dapo_megatron.slurm_tasks").tasks_on_each_node(text)[0]
+    except ValueError as error:
+        raise PlanError(f"cannot read a task count: {error}") from None
 
 
 def node_addresses(hosts: list[str], timeout_s: float = 30.0) -> dict[str, str]:

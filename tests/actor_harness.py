@@ -71,10 +71,10 @@ def build_test_actor(hf_dir: str | Path, tensor_parallel: int, pipeline_parallel
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 
-    init_distributed(tensor_parallel, pipeline_parallel)
+    backend = init_distributed(tensor_parallel, pipeline_parallel).backend
     seed_everything(seed)
     spec = load_model_spec(hf_dir)
-    actor = build_actor(spec, **settings)
+    actor = build_actor(spec, backend=backend, **settings)
     load_hf_weights(actor.model, spec, hf_dir)
     actor.optimizer.reload_model_params()
     return actor, spec
@@ -87,6 +87,25 @@ def gather_hf_weights(actor, spec) -> dict[str, torch.Tensor] | None:
     from dapo_megatron.handoff.exporter import gather_hf_buckets_to_rank0
 
     weights = {}
-    for bucket in gather_hf_buckets_to_rank0(actor.model, spec):
+    for bucket in gather_hf_buckets_to_rank0(actor.model, spec, tp_gather=actor.backend.tp_gather):
         weights.update({name: tensor.detach().clone().cpu() for name, tensor in bucket})
     return weights if dist.get_rank() == 0 else None
+
+
+def logprobs_and_gradients(actor, samples, weights, batching, temperature: float) -> dict:
+    """Per-sample response log-probs of ``samples`` laid out by the actor's current packer and ``batching``, and this
+    rank's parameter gradients of Σ_i Σ_t weights[i][t]·log p (every micro-batch's forward and backward by hand)."""
+    plan = actor._plan(samples, batching)
+    actor.model.zero_grad_buffer()
+    logprobs = [None] * len(samples)
+    for mb in plan.micro_batches:
+        logits = actor.model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
+        rows, _ = actor._response_logprobs(mb, logits, temperature=temperature)
+        loss = logits.sum() * 0.0
+        for row, index in enumerate(mb.sample_indices):
+            length = samples[index].response_length
+            logprobs[index] = rows[row, :length].detach()
+            loss = loss + (rows[row, :length] * weights[index]).sum()
+        loss.backward()
+    return dict(logprobs=logprobs, micro_batches=plan.micro_batches,
+                grads={name: param.main_grad.clone() for name, param in actor.model.named_parameters()})

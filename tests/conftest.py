@@ -3,8 +3,10 @@ import sys
 
 import pytest
 
-# Tests import their helpers (spawn_ranks.py, tiny_models.py, actor_harness.py) as top-level modules.
+# Tests import their helpers (spawn_ranks.py, tiny_models.py, actor_harness.py) as top-level modules, and the row
+# layouts the project's packers are measured against from bench/ (baseline_packing.py).
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 from sglang_fixtures import sglang_model_dir, sglang_server  # noqa: E402,F401 - one SGLang server per session
 

@@ -11,6 +11,7 @@ reason — which the full test run turns into failures (DAPO_REQUIRE_INTEGRATION
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -112,3 +113,19 @@ def hf_greedy(model, prompts, max_new_tokens):
 def engine_greedy(engine, prompts, max_new_tokens):
     samples = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens))
     return [group[0].token_ids for group in samples]
+
+
+def exiting_python(tmp_path: Path) -> str:
+    """An interpreter stand-in for launch tests: answers SGLang's version probe, and as a "server" exits 1 at once."""
+    script = tmp_path / "exit_at_once.py"
+    script.write_text("import sys\nsys.exit(0 if '-c' in sys.argv else 1)\n")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    return str(wrapper)
+
+
+def launched_argv(log: Path) -> list[str]:
+    """The command line the launcher wrote to a server's log before starting it."""
+    line = next(line for line in log.read_text().splitlines() if line.startswith("===== launch 1 of server"))
+    return line.split(": ", 1)[1].split()

@@ -65,7 +65,7 @@ def sglang_unavailable(python: str = SGLANG_PYTHON) -> str | None:
 def sglang_job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """:func:`job_env` for jobs whose servers are real SGLang servers on CPU: the CPU engine, the ``sgl_kernel``
     stand-in on the servers' path, fp32 (HF's greedy output is the reference) and a small KV cache."""
-    from dapo_megatron.rollout.sglang_cpu import server_pythonpath
+    from dapo_megatron.cpu.sglang import server_pythonpath
 
     why = sglang_unavailable()
     if why is not None:

@@ -118,7 +118,9 @@ def test_dual_clip_caps_negative_advantage_loss():
     assert grad[0].tolist() == pytest.approx([0.0, 5.0, 0.0])
     assert metrics["clipfrac_dual"] == pytest.approx(1 / 3)
 
-    loss, grad, metrics = _grad(logprobs, old, advantages, mask, agg="seq-mean-token-sum")
+    assert _grad(logprobs, old, advantages, mask, agg="seq-mean-token-sum")[0].item() == pytest.approx(loss.item())
+    # the default is the schema's (c = 10, the reference recipe); None turns the dual clip off
+    loss, grad, metrics = _grad(logprobs, old, advantages, mask, clip_ratio_c=None, agg="seq-mean-token-sum")
     assert loss.item() == pytest.approx(20.0 + 5.0 - 1.28)
     assert grad[0].tolist() == pytest.approx([20.0, 5.0, 0.0])
     assert metrics["clipfrac_dual"] == 0.0

@@ -17,6 +17,7 @@ from test_rollout_streaming import (  # noqa: F401 - one_thread is an autouse fi
     update_while_held,
 )
 from tiny_models import build_tiny_qwen2, perturbed_state_dict, sample_prompts
+from transformers import AutoTokenizer
 
 from dapo_megatron.config import load_config
 from dapo_megatron.data.prompts import PromptRecord
@@ -40,14 +41,12 @@ def records(model_dir):
             for i, p in enumerate(sample_prompts(model_dir, 40))]
 
 
-def make(model_dir, records, *overrides):
-    from transformers import AutoTokenizer
-
+def make(model_dir, records, *overrides, gate=None):
     config = load_config(TINY, ["rollout.mode=async", "rollout.n_samples=2", "rollout.max_response_length=12",
                                 f"trainer.train_batch_size={BATCH}", "trainer.mini_batch_size=2",
                                 "algorithm.dynamic_sampling=false", "algorithm.overlong_buffer_len=4",
                                 "algorithm.rollout_correction=token_tis", *overrides])
-    engine = EmbeddedEngine.from_hf_directory(model_dir, version=0)
+    engine = EmbeddedEngine.from_hf_directory(model_dir, version=0, gate=gate)
     sampler = PromptSampler(records, batch_size=BATCH, seed=0)
     return AsyncRolloutCollector(engine, sampler, AutoTokenizer.from_pretrained(str(model_dir)), config), engine
 
@@ -98,11 +97,11 @@ def test_batches_respect_the_staleness_bound_and_too_stale_groups_are_dropped(mo
 
 @pytest.mark.parametrize("partial", [True, False])
 def test_requests_in_flight_at_an_update_continue_or_restart_per_partial_rollouts(model_dir, records, partial):
+    gate = HoldAtStep(hold_at=2 + 5)  # the first chunk's rows stop after 5 tokens
     collector, engine = make(model_dir, records, f"rollout.partial_rollouts={str(partial).lower()}",
-                             "rollout.max_staleness=2")
-    engine._gate = gate = HoldAtStep(hold_at=2 + 5)  # the first chunk's rows stop after 5 tokens
+                             "rollout.max_staleness=2", gate=gate)
     try:
-        collector._start()
+        collector.start()
         update_while_held(engine, gate, perturbed_state_dict(model_dir, scale=0.05, seed=1), 1)
         groups, metrics = collector.collect(1)
         spans = [g.token_versions is not None for g in groups]
@@ -121,12 +120,12 @@ def test_requests_in_flight_at_an_update_continue_or_restart_per_partial_rollout
 
 
 def test_checkpoints_taken_with_requests_in_flight_lose_no_prompt(model_dir, records):
-    collector, engine = make(model_dir, records)
-    engine._gate = gate = HoldAtStep(hold_at=1)  # the first chunk is frozen in flight
-    collector._start()
+    gate = HoldAtStep(hold_at=1)  # the first chunk is frozen in flight
+    collector, engine = make(model_dir, records, gate=gate)
+    collector.start()
     assert gate.reached.wait(WAIT_S)
     state = collector.state_dict()  # what a checkpoint holds (the trainer pickles it)
-    in_flight = sorted(tuple(record.prompt_ids) for record, _ in collector._in_flight.values())
+    in_flight = sorted(tuple(record.prompt_ids) for record in collector.prompts.in_flight_records())
     gate.release.set()
     collector.close()
     engine.shutdown()
@@ -160,10 +159,10 @@ def test_checkpoints_taken_with_requests_in_flight_lose_no_prompt(model_dir, rec
 
 
 def test_an_engine_failure_in_the_driver_reaches_collect(model_dir, records):
-    collector, engine = make(model_dir, records)
-    engine._gate = gate = HoldAtStep(hold_at=3)
+    gate = HoldAtStep(hold_at=3)
+    collector, engine = make(model_dir, records, gate=gate)
     try:
-        collector._start()
+        collector.start()
         assert gate.reached.wait(WAIT_S)
         errors = []
 

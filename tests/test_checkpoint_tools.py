@@ -155,16 +155,16 @@ def _rank_logits(ckpt_model_dir: str, hf_dir: str, tp: int, pp: int, tokens: tor
     """Logits [B, T, V] of the checkpoint loaded at TP×PP (on the reporting rank; None elsewhere)."""
     from megatron.core import parallel_state
 
+    from dapo_megatron.checkpoint import load_model
     from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.hf_loader import load_model_spec
     from dapo_megatron.policy.model import build_model, transformer_config
-    from dapo_megatron.checkpoint import load_model
 
-    init_distributed(tp, pp)
+    backend = init_distributed(tp, pp).backend
     seed_everything(0)  # registers megatron's model-parallel RNG streams, which the forward pass forks
     spec = load_model_spec(hf_dir)
-    tconfig = transformer_config(spec, tensor_parallel=tp, pipeline_parallel=pp)
-    model = build_model(spec, tconfig).eval()
+    tconfig = transformer_config(spec, backend, tensor_parallel=tp, pipeline_parallel=pp)
+    model = build_model(spec, tconfig, backend).eval()
     load_model([model], ckpt_model_dir)
     logits = megatron_logits(model, tokens, tconfig)
     reporter = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0

@@ -14,7 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = ("bf16 matmul", "logprob parity bf16 vs fp32", "DAPO updates", "weight handoff -> embedded engine loader",
-        "engine vs policy logprob gap (bf16)", "training MFU 0.5B-shaped", "training MFU 1.5B-shaped")
+        "engine vs policy logprob gap (bf16)", "colocated turn: optimizer state to host and back",
+        "training MFU 0.5B-shaped", "training MFU 1.5B-shaped")
 
 
 @pytest.mark.slow  # ~15 s of work, longer on a loaded machine
@@ -39,6 +40,9 @@ def test_tiny_gpu_check_prints_every_row_with_finite_numbers(tmp_path):
     handoff = by_name["weight handoff -> embedded engine loader"]["numbers"]
     assert handoff["handoff_gbps"] > 0 and handoff["copy_gbps"] > 0
     assert all(row["numbers"]["mfu"] > 0 for row in rows if row["check"].startswith("training MFU"))
+    colocated = by_name["colocated turn: optimizer state to host and back"]
+    assert colocated["value"] == "ok" and colocated["numbers"]["round_trip_exact"] == 1.0
+    assert colocated["numbers"]["moved_gb"] == 0 and colocated["numbers"]["planned_optimizer_gb"] > 0  # CPU: stays
 
 
 def test_without_megatron_and_without_a_wheel_the_check_says_how_to_make_one(tmp_path):

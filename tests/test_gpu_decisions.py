@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from dapo_megatron.policy.model import ModelSpec
+from dapo_megatron.policy.model_spec import ModelSpec
 
 
 def spec(**changes) -> ModelSpec:
@@ -53,7 +53,7 @@ def test_fp8_alignment_pads_packed_rows_and_filler_micro_batches():
     """DP=2 where rank 0 packs one row and rank 1 two, so rank 0 adds a filler: every row a multiple of 16."""
     from dapo_megatron.policy.actor import aligned_batching
     from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
-    from dapo_megatron.policy.packing import PolicySample
+    from dapo_megatron.policy.packing import PolicySample, ThdPacker
 
     samples = [PolicySample(torch.arange(1, 4), torch.arange(1, 1 + n)) for n in (20, 20, 18)]
     batching = aligned_batching(PackedBatching(token_budget=24), 16)
@@ -62,13 +62,13 @@ def test_fp8_alignment_pads_packed_rows_and_filler_micro_batches():
     lengths = []
     fillers = 0
     for rank in range(2):
-        plan = plan_data_parallel(samples, batching, data_parallel=2, data_parallel_rank=rank, layout="mask")
+        plan = plan_data_parallel(samples, batching, ThdPacker(), data_parallel=2, data_parallel_rank=rank)
         fillers += plan.num_empty
         lengths += [mb.tokens.shape[1] for mb in plan.micro_batches]
     assert fillers >= 1  # the filler path was exercised
     assert all(length % 16 == 0 for length in lengths), lengths
-    unaligned = plan_data_parallel(samples, PackedBatching(token_budget=24), data_parallel=2, data_parallel_rank=1,
-                                   layout="mask")
+    unaligned = plan_data_parallel(samples, PackedBatching(token_budget=24), ThdPacker(), data_parallel=2,
+                                   data_parallel_rank=1)
     assert any(mb.tokens.shape[1] % 16 for mb in unaligned.micro_batches)  # control: without it rows are ragged
 
 
@@ -95,29 +95,32 @@ def test_transformer_config_arguments_turn_sp_and_recompute_on_for_the_te_path()
     assert local["sequence_parallel"] is False
     assert (local["recompute_granularity"], local["recompute_method"], local["recompute_num_layers"]) == \
         ("full", "uniform", 1)
-    none = transformer_config_arguments(spec(), tensor_parallel=1, pipeline_parallel=1, use_transformer_engine=False)
+    none = transformer_config_arguments(spec(), tensor_parallel=1, pipeline_parallel=1, use_transformer_engine=False,
+                                        cuda_available=False)
     assert none["recompute_granularity"] is None
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
         transformer_config_arguments(spec(), tensor_parallel=1, pipeline_parallel=1, sequence_parallel=True,
-                                     use_transformer_engine=False)
+                                     use_transformer_engine=False, cuda_available=False)
 
 
 def test_megatron_accepts_the_recompute_arguments():
+    from dapo_megatron.backend import select_backend
     from dapo_megatron.policy.model import transformer_config
 
     for mode, granularity in (("selective", "selective"), ("full", "full"), ("none", None)):
-        assert transformer_config(spec(), tensor_parallel=1, pipeline_parallel=1,
+        assert transformer_config(spec(), select_backend(), tensor_parallel=1, pipeline_parallel=1,
                                   recompute=mode).recompute_granularity == granularity
 
 
 def test_recompute_defaults_to_selective_and_is_off_without_cuda():
+    from dapo_megatron.backend import select_backend
     from dapo_megatron.config import load_config
-    from dapo_megatron.policy.model import effective_recompute
 
     assert load_config(None, ["model.hf_path=x", "data.train_files=[a]"]).model.recompute == "selective"
-    assert effective_recompute("selective", cuda_available=True) == "selective"
-    assert effective_recompute("full", cuda_available=True) == "full"
-    assert effective_recompute("selective", cuda_available=False) == "none"
+    for transformer_engine in (True, False):
+        cuda = select_backend(cuda_available=True, transformer_engine=transformer_engine)
+        assert cuda.recompute("selective") == "selective" and cuda.recompute("full") == "full"
+    assert select_backend(cuda_available=False).recompute("selective") == "none"
 
 
 def test_gradient_accumulation_fusion_needs_cuda_and_the_apex_extension(monkeypatch):

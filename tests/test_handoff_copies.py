@@ -1,4 +1,5 @@
-"""How the exporter moves bytes. At TP=2 on CPU, the same-host gather through shared memory (handoff/shm_gather.py):
+"""How the exporter moves bytes. At TP=2 on CPU, the CPU backend's same-host gather through shared memory
+(cpu/shm_gather.py):
 the exported tensors are bit-identical to the gloo gather's, a later export sees the weights as they are then (the
 mapping is reused, never stale), and no file is left in /dev/shm. At TP=1: a parameter that is an HF tensor as it
 is goes out without a copy, every other tensor as a compact copy of its own elements."""
@@ -18,39 +19,41 @@ def _policy_model(model_dir: str, tensor_parallel: int):
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
     from dapo_megatron.policy.model import build_model, transformer_config
 
-    init_distributed(tensor_parallel, 1)
+    backend = init_distributed(tensor_parallel, 1).backend
     seed_everything(0)
     spec = load_model_spec(model_dir)
-    model = build_model(spec, transformer_config(spec, tensor_parallel=tensor_parallel, pipeline_parallel=1))
+    model = build_model(spec, transformer_config(spec, backend, tensor_parallel=tensor_parallel, pipeline_parallel=1),
+                        backend)
     load_hf_weights(model, spec, model_dir)
-    return model, spec
+    return model, spec, backend
 
 
 def _exports_job(model_dir: str) -> dict:
     import torch.distributed as dist
 
-    import dapo_megatron.handoff.exporter as exporter
-    from dapo_megatron.handoff import gather_hf_buckets_to_rank0, shm_gather
+    from dapo_megatron.cpu.shm_gather import SHM_DIR, SharedMemoryGather
+    from dapo_megatron.handoff import gather_hf_buckets_to_rank0
+    from dapo_megatron.handoff.tp_gather import ProcessGroupGather
 
-    model, spec = _policy_model(model_dir, 2)
+    model, spec, backend = _policy_model(model_dir, 2)
+    shared_memory = backend.tp_gather
+    assert isinstance(shared_memory, SharedMemoryGather)  # the CPU backend's gather
 
-    def export() -> dict:
-        return {name: tensor.clone() for bucket in gather_hf_buckets_to_rank0(model, spec, bucket_bytes=4096)
+    def export(tp_gather) -> dict:
+        return {name: tensor.clone()
+                for bucket in gather_hf_buckets_to_rank0(model, spec, bucket_bytes=4096, tp_gather=tp_gather)
                 for name, tensor in bucket}
 
-    shared_memory = exporter.shared_memory_gather
-    exporter.shared_memory_gather = lambda group, shards: None
-    over_gloo = export()
-    mapped_without = len(shm_gather._mappings)
-    exporter.shared_memory_gather = shared_memory
-    first = export()
-    mapped_with = len(shm_gather._mappings)
+    over_gloo = export(ProcessGroupGather())
+    mapped_without = len(shared_memory._mappings)
+    first = export(shared_memory)
+    mapped_with = len(shared_memory._mappings)
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(2.0)
-    second = export()
+    second = export(shared_memory)
     dist.barrier()
-    leftovers = [name for name in os.listdir(shm_gather.SHM_DIR) if name.startswith("dapo_megatron_handoff_")]
+    leftovers = [name for name in os.listdir(SHM_DIR) if name.startswith("dapo_megatron_handoff_")]
     return dict(rank=dist.get_rank(), over_gloo=over_gloo, first=first, second=second, mapped_without=mapped_without,
                 mapped_with=mapped_with, leftovers=leftovers)
 
@@ -73,7 +76,7 @@ def _tp1_job(model_dir: str) -> dict:
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
     from dapo_megatron.policy.hf_loader import unwrap_model
 
-    model, spec = _policy_model(model_dir, 1)
+    model, spec, _ = _policy_model(model_dir, 1)
     parameters = {param.data_ptr() for param in unwrap_model(model).parameters()}
     exported = {}
     for bucket in gather_hf_buckets_to_rank0(model, spec, bucket_bytes=4096):

@@ -23,9 +23,8 @@ BUCKET_BYTES = 16 * 1024  # between the sizes of the tiny model's tensors (norms
 
 
 def _export_job(model_dirs: dict, out_root: str, bucket_bytes: int) -> dict:
-    from megatron.core import parallel_state
-
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
     from dapo_megatron.handoff import export_hf_buckets, gather_hf_buckets_to_rank0
     from dapo_megatron.hf_format import write_hf_folder
@@ -33,13 +32,13 @@ def _export_job(model_dirs: dict, out_root: str, bucket_bytes: int) -> dict:
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec, unwrap_model
     from dapo_megatron.policy.model import build_model, transformer_config
 
-    init_distributed(2, 2)
+    backend = init_distributed(2, 2).backend
     results = {}
     for name, model_dir in model_dirs.items():
         seed_everything(0)
         spec = load_model_spec(model_dir)
-        tconfig = transformer_config(spec, tensor_parallel=2, pipeline_parallel=2)
-        model = build_model(spec, tconfig)
+        tconfig = transformer_config(spec, backend, tensor_parallel=2, pipeline_parallel=2)
+        model = build_model(spec, tconfig, backend)
         load_hf_weights(model, spec, model_dir)
 
         stage_buckets = [[(n, t.clone()) for n, t in bucket] for bucket in export_hf_buckets(model, spec, bucket_bytes=bucket_bytes)]
@@ -57,7 +56,7 @@ def _export_job(model_dirs: dict, out_root: str, bucket_bytes: int) -> dict:
                 pass
         dist.barrier()
 
-        reloaded = build_model(spec, tconfig)  # the exported folder loads back into the same layout, bit-exact
+        reloaded = build_model(spec, tconfig, backend)  # the exported folder loads back into the same layout, bit-exact
         load_hf_weights(reloaded, spec, out_dir)
         original = dict(unwrap_model(model).named_parameters())
         reload_equal = all(torch.equal(p, original[n]) for n, p in unwrap_model(reloaded).named_parameters())

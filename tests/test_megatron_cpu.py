@@ -30,7 +30,7 @@ LAYOUTS = [
 
 
 def tiny_spec():
-    from dapo_megatron.policy.model import ModelSpec
+    from dapo_megatron.policy.model_spec import ModelSpec
 
     return ModelSpec(arch="qwen2", vocab_size=101, hidden_size=48, num_layers=4, num_attention_heads=6,
                      num_kv_heads=2, head_dim=8, ffn_hidden_size=96, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -49,7 +49,7 @@ def train_job(tensor_parallel: int, pipeline_parallel: int, distributed_optimize
 
     layout = init_distributed(tensor_parallel, pipeline_parallel)
     seed_everything(1234)  # replicas must start from the same weights: megatron draws them on the CPU generator
-    actor = build_actor(tiny_spec(), **actor_settings(
+    actor = build_actor(tiny_spec(), backend=layout.backend, **actor_settings(
         optim=OptimConfig(lr=1e-2, grad_clip=1.0, warmup_steps=0),
         parallel=ParallelConfig(use_distributed_optimizer=distributed_optimizer), micro_batch_tokens=48))
     samples = random_samples(8, seed=5)
@@ -102,25 +102,27 @@ def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_cpu_layer_is_installed_only_without_cuda():
-    """The decision, in a fresh interpreter: with CUDA reported, NCCL, the local GPU, and no CPU layer."""
+    """The decision, in a fresh interpreter: with a CUDA backend, NCCL, the local GPU, and no CPU layer."""
     result = run_python("""
         import torch
-        from dapo_megatron import cpu_compat
+        from dapo_megatron.backend import select_backend
+        from dapo_megatron.cpu import megatron_compat
         from dapo_megatron.platform import prepare_device
 
         bound = []
         torch.cuda.set_device = bound.append  # this machine has no GPU to bind
         current_device = torch.cuda.current_device
-        info = prepare_device(3, cuda_available=True, device_count=8)
-        assert info.backend == "nccl" and info.device == torch.device("cuda", 3), info
-        assert not info.cpu_layer_installed and not cpu_compat.is_installed()
+        cuda = select_backend(cuda_available=True, transformer_engine=True)
+        info = prepare_device(cuda, 3, device_count=8)
+        assert info.collective == "nccl" and info.device == torch.device("cuda", 3), info
+        assert not megatron_compat.is_installed()
         assert bound == [3] and torch.cuda.current_device is current_device
-        info = prepare_device(3, cuda_available=True, device_count=1)  # SLURM bound one GPU to this task
+        info = prepare_device(cuda, 3, device_count=1)  # SLURM bound one GPU to this task
         assert info.device == torch.device("cuda", 0) and bound == [3, 0], (info, bound)
 
-        info = prepare_device(0)  # the real answer here: no CUDA
-        assert info.backend == "gloo" and info.device == torch.device("cpu") and info.cpu_layer_installed
-        assert cpu_compat.is_installed() and torch.cuda.current_device() == "cpu"
+        info = prepare_device(select_backend(), 0)  # the real answer here: no CUDA
+        assert info.collective == "gloo" and info.device == torch.device("cpu")
+        assert megatron_compat.is_installed() and torch.cuda.current_device() == "cpu"
         print("ok")
     """)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -40,12 +40,12 @@ def actor_config(token_budget: int = 4096, agg: str = "token-mean", lr_warmup_st
 
 def budget_for(samples, micro_batches: int) -> int:
     """The smallest token budget that packs ``samples`` into exactly ``micro_batches`` micro-batches (one DP rank,
-    the CPU's segments layout)."""
-    from dapo_megatron.policy.packing import packing_bins
+    the CPU backend's segments layout)."""
+    from dapo_megatron.cpu.segment_packing import segment_bins
 
     lengths = [s.length for s in samples]
     return next(b for b in range(1, sum(lengths) + 1)
-                if len(packing_bins(samples, range(len(samples)), b, "segments")) == micro_batches)
+                if len(segment_bins(samples, range(len(samples)), b)) == micro_batches)
 
 
 def hf_gradients(actor, spec):
@@ -90,7 +90,9 @@ def reference_step(hf_dir):
         r = s.response_length
         mask[i, :r], old[i, :r], advantages[i, :r] = s.response_tensors()
     logprobs = torch.stack([torch.nn.functional.pad(row, (0, width - row.numel())) for row in rows])
-    loss, metrics = policy_loss(logprobs, old, advantages, mask)
+    a = config["algorithm"]
+    loss, metrics = policy_loss(logprobs, old, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high,
+                                clip_ratio_c=a.clip_ratio_c, agg=a.loss_agg)
     loss.backward()
     return dict(loss=float(loss), metrics=metrics, logprobs=[row.detach() for row in rows],
                 grads=hf_gradients(actor, spec))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_megatron.policy.model import ModelSpec
+from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.policy.weight_mapping import (
     ShardGeometry,
     Split,

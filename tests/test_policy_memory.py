@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.policy.memory import estimate_memory
-from dapo_megatron.policy.model import ModelSpec
+from dapo_megatron.policy.model_spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ModelSpec(arch="qwen2", vocab_size=101, hidden_size=64, num_layers=4, num_attention_heads=8, num_kv_heads=2,
@@ -50,7 +50,7 @@ def test_sequence_parallelism_and_recomputation_by_hand():
 
 
 def qwen32b():
-    from dapo_megatron.policy.model import model_spec_from_hf
+    from dapo_megatron.policy.model_spec import model_spec_from_hf
     from dapo_megatron.policy.shapes import published_hf_config
 
     return model_spec_from_hf(published_hf_config("Qwen2.5-32B"))
@@ -58,7 +58,7 @@ def qwen32b():
 
 def test_32b_example_fits_80gb_and_would_not_without_sp_and_recompute():
     from dapo_megatron.config import load_config
-    from dapo_megatron.plan import plan_stages
+    from dapo_megatron.policy.memory import plan_stages
 
     config = load_config(REPO / "examples" / "dapo_qwen2.5_32b.yaml")
     stages, sequence_parallel = plan_stages(config, qwen32b(), data_parallel=config.parallel.data)

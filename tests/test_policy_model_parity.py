@@ -16,12 +16,9 @@ import pytest
 import torch
 from spawn_ranks import run_distributed
 
-from dapo_megatron.policy.model import (
-    ParallelLayoutError,
-    UnsupportedModelError,
-    model_spec_from_hf,
-    transformer_config,
-)
+from dapo_megatron.backend import select_backend
+from dapo_megatron.policy.model import transformer_config
+from dapo_megatron.policy.model_spec import ParallelLayoutError, UnsupportedModelError, model_spec_from_hf
 
 TOLERANCE = 1e-5
 
@@ -105,7 +102,7 @@ def _parity_job(cases: dict, layouts: list, tokens: torch.Tensor, broken_dirs: d
     for tp, pp in layouts:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        init_distributed(tp, pp)
+        backend = init_distributed(tp, pp).backend
         seed_everything(0)
         reporter = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_data_parallel_rank() == 0)
@@ -113,8 +110,8 @@ def _parity_job(cases: dict, layouts: list, tokens: torch.Tensor, broken_dirs: d
             if max_tp is not None and tp > max_tp:
                 continue
             spec = load_model_spec(model_dir)
-            tconfig = transformer_config(spec, tensor_parallel=tp, pipeline_parallel=pp)
-            model = build_model(spec, tconfig).eval()
+            tconfig = transformer_config(spec, backend, tensor_parallel=tp, pipeline_parallel=pp)
+            model = build_model(spec, tconfig, backend).eval()
             stats = load_hf_weights(model, spec, model_dir)
             out["read_fraction"][(name, tp, pp)] = stats.elements_read / _checkpoint_elements(model_dir)
             logits = megatron_logits(model, tokens % spec.vocab_size, tconfig)
@@ -123,7 +120,8 @@ def _parity_job(cases: dict, layouts: list, tokens: torch.Tensor, broken_dirs: d
                 out["diffs"][(name, tp, pp)] = (real - reference).abs().max().item()
         if (tp, pp) == (2, 2):  # loader errors, raised before any parameter is written
             spec = load_model_spec(broken_dirs["missing"])
-            model = build_model(spec, transformer_config(spec, tensor_parallel=tp, pipeline_parallel=pp))
+            model = build_model(spec, transformer_config(spec, backend, tensor_parallel=tp, pipeline_parallel=pp),
+                                backend)
             for kind, model_dir in broken_dirs.items():
                 try:
                     load_hf_weights(model, spec, model_dir)
@@ -205,7 +203,7 @@ def test_loader_names_missing_tensor_and_shape_mismatch(parity):
 def test_tp_larger_than_kv_heads_is_a_clear_error_up_front():
     spec = model_spec_from_hf(tiny_config("qwen2", num_kv_heads=1))
     with pytest.raises(ParallelLayoutError, match=r"num_key_value_heads=1 is not divisible by tensor_parallel=2"):
-        transformer_config(spec, tensor_parallel=2, pipeline_parallel=1)
+        transformer_config(spec, select_backend(), tensor_parallel=2, pipeline_parallel=1)
 
 
 def test_unsupported_architecture_and_rope_scaling_are_named():
@@ -234,4 +232,5 @@ def test_spec_reads_rope_base_from_rope_parameters_and_qwen2_bias():
 def test_fp8_without_transformer_engine_is_a_clear_error():
     spec = model_spec_from_hf(tiny_config("qwen2"))
     with pytest.raises(UnsupportedModelError, match="Transformer Engine"):
-        transformer_config(spec, tensor_parallel=1, pipeline_parallel=1, precision="fp8", use_transformer_engine=False)
+        transformer_config(spec, select_backend(cuda_available=True, transformer_engine=False), tensor_parallel=1,
+                           pipeline_parallel=1, precision="fp8")

@@ -1,4 +1,5 @@
-"""Packed and padded micro-batches: bin packing, DP balance, attention layout, and log-prob parity with the model."""
+"""Micro-batches: bin packing, DP balance, the THD layout and the baselines (bench/baseline_packing.py), and
+log-prob parity with the model for the CPU backend's packed layout."""
 
 from __future__ import annotations
 
@@ -7,16 +8,16 @@ import warnings
 import pytest
 import torch
 from actor_harness import TINY_VOCAB, random_samples, write_tiny_qwen2
+from baseline_packing import MaskPacker, PaddedPacker
 from spawn_ranks import run_distributed
 
-from dapo_megatron.policy.batch_plan import PackedBatching, PaddedBatching, plan_data_parallel, split_for_data_parallel
+from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel, split_for_data_parallel
 from dapo_megatron.policy.packing import (
     PolicySample,
-    empty_micro_batch,
+    ThdPacker,
     first_fit_decreasing,
     pack_micro_batches,
     packing_efficiency,
-    padded_micro_batches,
 )
 
 
@@ -56,7 +57,7 @@ def test_every_dp_rank_gets_the_same_number_of_micro_batches():
     config = PackedBatching(token_budget=10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the 30-token sample is over the budget
-        plans = [plan_data_parallel(samples, config, data_parallel=2, data_parallel_rank=r, layout="mask")
+        plans = [plan_data_parallel(samples, config, ThdPacker(), data_parallel=2, data_parallel_rank=r)
                  for r in range(2)]
     counts = [len(plan.micro_batches) for plan in plans]
     assert counts[0] == counts[1]
@@ -70,7 +71,7 @@ def test_every_dp_rank_gets_the_same_number_of_micro_batches():
 
 def test_packed_row_layout_mask():
     samples = [sample(2, 3), sample(3, 2, start=20)]
-    (mb,) = pack_micro_batches(samples, token_budget=16, layout="mask", pad_to_multiple=4)
+    (mb,) = pack_micro_batches(samples, MaskPacker(), token_budget=16, pad_to_multiple=4)
     assert mb.tokens.shape == (1, 12) and mb.num_real_tokens == 10
     assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
     mask = mb.attention_mask[0, 0]
@@ -88,16 +89,22 @@ def test_packed_row_layout_mask():
 
 def test_packed_row_layout_thd():
     samples = [sample(2, 3), sample(3, 2, start=20)]
-    (mb,) = pack_micro_batches(samples, token_budget=16, layout="thd", pad_to_multiple=4)
+    (mb,) = pack_micro_batches(samples, ThdPacker(), token_budget=16, pad_to_multiple=4)
     params = mb.packed_seq_params
     assert mb.attention_mask is None and params.qkv_format == "thd"
     assert params.cu_seqlens_q.tolist() == [0, 5, 10, 12] and params.cu_seqlens_q.dtype == torch.int32
-    assert params.max_seqlen_q == 5
+    assert params.max_seqlen_q == 5 and params.segment_lengths == (5, 5, 2)
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+    for row, index in enumerate(mb.sample_indices):
+        valid = mb.response_valid[row]
+        assert torch.equal(mb.labels.view(-1)[mb.response_index[row][valid]], samples[index].response_ids)
+    moved = mb.to("cpu").packed_seq_params  # what the actor does before the forward keeps the host-side lengths
+    assert moved.segment_lengths == (5, 5, 2) and torch.equal(moved.cu_seqlens_kv, params.cu_seqlens_kv)
 
 
 def test_padded_micro_batches_one_sample_per_row():
     samples = [sample(2, 3), sample(3, 6), sample(1, 1)]
-    micro_batches = padded_micro_batches(samples, samples_per_micro_batch=2)
+    micro_batches = pack_micro_batches(samples, PaddedPacker(samples_per_micro_batch=2), token_budget=1)
     assert [mb.tokens.shape for mb in micro_batches] == [(2, 9), (1, 2)]
     assert micro_batches[0].attention_mask is None
     first = micro_batches[0]
@@ -110,7 +117,7 @@ def test_padded_micro_batches_one_sample_per_row():
 def test_loss_inputs_carry_mask_old_logprobs_and_advantages():
     one = sample(2, 3, advantage=0.5, old_logprobs=[-1.0, -2.0, -3.0], loss_mask=[1, 0, 1])
     two = sample(2, 2, advantage=torch.tensor([1.0, 2.0]))
-    (mb,) = pack_micro_batches([one, two], token_budget=32, layout="mask")
+    (mb,) = pack_micro_batches([one, two], ThdPacker(), token_budget=32)
     rows = {index: row for row, index in enumerate(mb.sample_indices)}
     assert mb.loss_mask[rows[0]].tolist() == [1, 0, 1]
     assert mb.old_logprobs[rows[0]].tolist() == [-1, -2, -3]
@@ -124,30 +131,36 @@ def test_bad_samples_are_named():
     with pytest.raises(ValueError, match="old_logprobs has 2 entries for 3 response tokens"):
         PolicySample([1], [1, 2, 3], old_logprobs=[0.0, 0.0])
     with pytest.raises(ValueError, match=r"sample 1: response_ids has ids outside \[0, 10\)"):
-        pack_micro_batches([sample(1, 1), sample(1, 10)], token_budget=32, layout="mask", vocab_size=10)
+        pack_micro_batches([sample(1, 1), sample(1, 10)], ThdPacker(), token_budget=32, vocab_size=10)
 
 
-def test_empty_micro_batch_has_no_samples():
-    mb = empty_micro_batch("mask", pad_to_multiple=2)
+@pytest.mark.parametrize("packer", [ThdPacker(), MaskPacker(), PaddedPacker(samples_per_micro_batch=2)],
+                         ids=["thd", "mask", "padded"])
+def test_the_filler_micro_batch_has_no_samples(packer):
+    mb = packer.row([sample(1, 1)], [], 2)
     assert mb.num_samples == 0 and mb.tokens.shape == (1, 2) and mb.num_real_tokens == 0
 
 
 def packed_parity_job(hf_dir: str):
-    """TP=2: log-probs of each sample alone, in a packed micro-batch and in a padded one."""
+    """TP=2, the CPU backend's model: log-probs of each sample alone, in a packed micro-batch (the backend's
+    segments layout), in a padded one and in the dense block-diagonal reference."""
     from actor_harness import actor_settings, build_test_actor
+
+    from dapo_megatron.cpu.segment_packing import SegmentPacker
 
     samples = random_samples(7, seed=3, prompt_lengths=(1, 9), response_lengths=(1, 25))
 
-    def logprobs(batching):
-        return actor.compute_logprobs(samples, temperature=0.8, batching=batching)
+    def logprobs(packer):
+        actor.backend.packer = packer
+        return actor.compute_logprobs(samples, temperature=0.8,
+                                      batching=PackedBatching(token_budget=64, pad_to_multiple=4))
 
     actor, _ = build_test_actor(hf_dir, 2, 1, actor_settings())
-    assert actor.layout == "segments"
-    alone = logprobs(PaddedBatching(samples_per_micro_batch=1))
-    packed = logprobs(PackedBatching(token_budget=64, pad_to_multiple=4))
-    padded = logprobs(PaddedBatching(samples_per_micro_batch=3))
-    actor.layout = "mask"  # the dense block-diagonal reference, on the same model
-    masked = logprobs(PackedBatching(token_budget=64, pad_to_multiple=4))
+    assert isinstance(actor.backend.packer, SegmentPacker)
+    alone = logprobs(PaddedPacker(samples_per_micro_batch=1))
+    packed = logprobs(SegmentPacker())
+    padded = logprobs(PaddedPacker(samples_per_micro_batch=3))
+    masked = logprobs(MaskPacker())
     return [alone.logprobs, alone.entropy, packed.logprobs, packed.entropy, padded.logprobs, masked.logprobs]
 
 

@@ -30,6 +30,7 @@ def manual_actor(hf_dir, *, tensor_parallel=1, sequence_parallel=False, recomput
     """An fp32 actor built like ``build_actor`` but with the switches a CPU run would not take by itself."""
     from megatron.core import parallel_state
 
+    from dapo_megatron.backend import select_backend
     from dapo_megatron.config import AlgorithmConfig, OptimConfig
     from dapo_megatron.platform import seed_everything
     from dapo_megatron.policy.actor import Actor
@@ -39,18 +40,18 @@ def manual_actor(hf_dir, *, tensor_parallel=1, sequence_parallel=False, recomput
     from dapo_megatron.policy.optimizer import wrap_for_training
 
     seed_everything(0)
+    backend = select_backend()  # the CPU backend, whose norms carry the sequence-parallel mark
     spec = load_model_spec(hf_dir)
-    tconfig = transformer_config(spec, tensor_parallel=tensor_parallel,
+    tconfig = transformer_config(spec, backend, tensor_parallel=tensor_parallel,
                                  pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
-                                 sequence_parallel=sequence_parallel, recompute=recompute,
-                                 use_transformer_engine=False)
+                                 sequence_parallel=sequence_parallel, recompute=recompute)
     model, optimizer, scheduler = wrap_for_training(
-        build_model(spec, tconfig, use_transformer_engine=False),
+        build_model(spec, tconfig, backend),
         OptimConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-3, grad_clip=grad_clip, warmup_steps=0),
         use_distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     load_hf_weights(model, spec, hf_dir)
     optimizer.reload_model_params()
-    actor = Actor(model, optimizer, scheduler, real_vocab_size=spec.vocab_size,
+    actor = Actor(model, optimizer, scheduler, backend=backend, real_vocab_size=spec.vocab_size,
                   algorithm=AlgorithmConfig(clip_ratio_c=None), batching=PackedBatching(token_budget=token_budget),
                   temperature=0.9)
     return actor, spec
@@ -71,8 +72,8 @@ def step_record(actor, spec, updates=1):
 
 
 def sequence_parallel_job(hf_dir):
+    from dapo_megatron.cpu.layers import LocalRMSNorm
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.policy.local_layers import LocalRMSNorm
 
     init_distributed(2, 1)
     results = {}
@@ -274,14 +275,15 @@ def routes_job(hf_dir, out_dir):
                   same_groups=stage_broadcast_groups() is groups)
     hf_config = load_hf_config(hf_dir)
     gathered = EmbeddedEngine(hf_config) if dist.get_rank() == 0 else None
-    sync_engine_weights(actor.model, spec, gathered, version=1, bucket_bytes=4096)
+    sync_engine_weights(actor.model, spec, gathered, version=1, bucket_bytes=4096, tp_gather=actor.backend.tp_gather)
     per_stage_dir = Path(out_dir) / "per_stage"
     per_stage_dir.mkdir(exist_ok=True)
     stagewise = _stagewise_engine(hf_config, str(per_stage_dir)) if dist.get_rank() == 0 else None
-    sync_engine_weights(actor.model, spec, stagewise, version=2, bucket_bytes=4096)
+    sync_engine_weights(actor.model, spec, stagewise, version=2, bucket_bytes=4096, tp_gather=actor.backend.tp_gather)
     failing = _stagewise_engine(hf_config, str(Path(out_dir)), failing_stage=1) if dist.get_rank() == 0 else None
     try:
-        sync_engine_weights(actor.model, spec, failing, version=3, bucket_bytes=4096)
+        sync_engine_weights(actor.model, spec, failing, version=3, bucket_bytes=4096,
+                            tp_gather=actor.backend.tp_gather)
         result["error"] = None
     except StageStreamError as exc:
         result["error"] = str(exc)

@@ -6,8 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from dapo_megatron.rollout import EmbeddedEngine, RolloutError, SamplingParams
-from dapo_megatron.rollout.embedded import NO_WEIGHTS_VERSION
+from dapo_megatron.backend import select_backend
+from dapo_megatron.config import ConfigError, EmbeddedConfig, load_config
+from dapo_megatron.rollout import RolloutError, SamplingParams
+from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill
+from dapo_megatron.rollout.embedded import NO_WEIGHTS_VERSION, EmbeddedEngine
+from dapo_megatron.rollout.factory import build_rollout_engine
+from dapo_megatron.rollout.lean_decode import LeanDecoder
 
 VOCAB = 101
 
@@ -148,8 +153,10 @@ def test_samples_do_not_depend_on_chunking_or_dropping_finished_rows():
     config = qwen2_config()
     model = reference_model(config)
     params = SamplingParams(n=4, max_new_tokens=12, stop_token_ids=tuple(range(10, 20)), seed=21)
-    whole = loaded_engine(config, model, max_batch_rows=512, drop_finished_fraction=2.0).generate(PROMPTS, params)
-    chunked = loaded_engine(config, model, max_batch_rows=3, drop_finished_fraction=0.0).generate(PROMPTS, params)
+    whole = loaded_engine(config, model, settings=EmbeddedConfig(max_batch_rows=512, drop_finished_fraction=2.0)
+                          ).generate(PROMPTS, params)
+    chunked = loaded_engine(config, model, settings=EmbeddedConfig(max_batch_rows=3, drop_finished_fraction=0.0)
+                            ).generate(PROMPTS, params)
     for group_whole, group_chunked in zip(whole, chunked):
         for a, b in zip(group_whole, group_chunked):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
@@ -204,7 +211,7 @@ def test_prefill_runs_each_distinct_prompt_once():
     engine = loaded_engine(config, model)
     prompts = [[0, 7, 12], [7, 12], [88, 3, 54]]
     prefill_rows = []
-    hook = engine._model.model.embed_tokens.register_forward_hook(
+    hook = engine.model.model.embed_tokens.register_forward_hook(
         lambda module, inputs, output: prefill_rows.append(inputs[0].shape[0]))
     groups = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=3))
     hook.remove()
@@ -353,6 +360,35 @@ def test_from_hf_directory(tmp_path):
     assert group[0].token_ids == hf_greedy(model, PROMPTS[0], 8)
 
 
+EMBEDDED_RUN = ["model.source=tiny", "data.source=synthetic", "rollout.engine=embedded"]
+
+
+def test_the_run_configs_embedded_section_reaches_the_engine(tmp_path):
+    """rollout.embedded.max_batch_rows from the run config, through the engine factory, decides the chunks: 12 rows
+    (3 prompts x 4 samples) in chunks of 3 take 4 prefills, with the default 512 rows one (the control)."""
+    config = qwen2_config()
+    config.save_pretrained(tmp_path)
+    model = reference_model(config)
+    prefills = {}
+    for overrides in ([], ["rollout.embedded.max_batch_rows=3"]):
+        engine = build_rollout_engine(load_config(None, EMBEDDED_RUN + overrides), tmp_path, tmp_path / "run",
+                                      select_backend())
+        engine.update_weights([list(model.state_dict().items())], 0)
+        calls = []
+        hook = engine.model.model.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
+        engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=3, seed=1))
+        hook.remove()
+        prefills[len(overrides)] = len(calls)
+        engine.shutdown()
+    assert prefills == {0: 1, 1: 4}
+
+
+@pytest.mark.parametrize("key,value", [("max_batch_rows", 0), ("max_kv_cache_mb", 0), ("drop_finished_fraction", -1)])
+def test_bad_embedded_settings_are_config_errors_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=f"rollout.embedded.{key}: must be"):
+        load_config(None, [*EMBEDDED_RUN, f"rollout.embedded.{key}={value}"])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # lifecycle and input checks
 
@@ -403,9 +439,6 @@ def llama3_scaled_tied_config() -> LlamaConfig:
 @pytest.mark.parametrize("make", [qwen2_config, lambda: qwen2_config(tie=False), llama_config,
                                   llama3_scaled_tied_config])
 def test_lean_decode_step_equals_the_model(make):
-    from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, prefill, preallocated_kv_cache
-    from dapo_megatron.rollout.lean_decode import LeanDecoder
-
     config = make()
     model = reference_model(config)
     steps = 6

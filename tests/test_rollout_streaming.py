@@ -1,8 +1,8 @@
 """Streamed requests on the embedded engine: the same samples as a blocking call, returned as each request is done,
 aborted at the next token, and continued across a weight update on the new weights with per-token versions.
 
-Timing is made deterministic with :class:`HoldAtStep`, a weight gate (the engine's own class) that holds the decode
-loop when it enters a chosen step until the test lets it go."""
+Timing is made deterministic with :class:`HoldAtStep`, a weight gate (the engine's own class, passed to its
+constructor) that holds the decode loop when it enters a chosen step until the test lets it go."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from test_rollout_embedded import (  # noqa: F401 - one_thread is an autouse fix
     reference_model,
 )
 
-from dapo_megatron.rollout.embedded_stream import WeightGate
+from dapo_megatron.config import EmbeddedConfig
 from dapo_megatron.rollout.engine import GenerationRequest, SamplingParams
+from dapo_megatron.rollout.weight_gate import WeightGate
 
 WAIT_S = 60.0
 
@@ -50,7 +51,7 @@ class HoldAtStep(WeightGate):
     def wait_for_update(self, engine, version: int) -> None:
         """Until the update to ``version`` holds the gate or is done (the held step then runs on the new weights)."""
         deadline = time.monotonic() + WAIT_S
-        while not (self._updating or engine.weight_version == version):
+        while not (self.updating or engine.weight_version == version):
             assert time.monotonic() < deadline, "update_weights never reached the gate"
             time.sleep(0.01)
 
@@ -96,8 +97,8 @@ def test_partial_rollout_continues_on_the_new_weights_with_per_token_versions():
     the same prefix — the prompt and first tokens are re-prefilled by the new weights, not read from the old cache."""
     config = qwen2_config()
     old_model, new_model = reference_model(config, seed=0), reference_model(config, seed=1)
-    engine = loaded_engine(config, old_model, version=0)
-    engine._gate = gate = HoldAtStep(hold_at=2 + 6)
+    gate = HoldAtStep(hold_at=2 + 6)
+    engine = loaded_engine(config, old_model, version=0, gate=gate)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=20)
     engine.submit([GenerationRequest(f"r{i}", tuple(p), params) for i, p in enumerate(PROMPTS)])
     update_while_held(engine, gate, new_model.state_dict(), 1)
@@ -123,8 +124,9 @@ def test_rows_finished_before_an_update_leave_and_the_others_are_re_prefilled_in
     others = old_greedy[0][:6] + old_greedy[2][:6]
     length = next(k + 1 for k, token in enumerate(old_greedy[1][:5]) if token not in old_greedy[1][:k] + others)
     stop = old_greedy[1][length - 1]
-    engine = loaded_engine(config, old_model, version=0, drop_finished_fraction=0.0)
-    engine._gate = gate = HoldAtStep(hold_at=2 + 6)
+    gate = HoldAtStep(hold_at=2 + 6)
+    engine = loaded_engine(config, old_model, version=0, gate=gate,
+                           settings=EmbeddedConfig(drop_finished_fraction=0.0))
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=20, stop_token_ids=(stop,))
     engine.submit([GenerationRequest(f"r{i}", tuple(p), params) for i, p in enumerate(PROMPTS)])
     update_while_held(engine, gate, new_model.state_dict(), 1)
@@ -143,8 +145,8 @@ def test_rows_finished_before_an_update_leave_and_the_others_are_re_prefilled_in
 
 def test_abort_stops_a_running_request_at_its_next_token_and_a_queued_one_at_once():
     config = qwen2_config()
-    engine = loaded_engine(config, reference_model(config), version=0)
-    engine._gate = gate = HoldAtStep(hold_at=2 + 4)
+    gate = HoldAtStep(hold_at=2 + 4)
+    engine = loaded_engine(config, reference_model(config), version=0, gate=gate)
     params = SamplingParams(n=2, max_new_tokens=30, seed=7)
     engine.submit([GenerationRequest("running", tuple(PROMPTS[0]), params)])
     assert gate.reached.wait(WAIT_S)
@@ -167,12 +169,12 @@ def test_abort_stops_a_running_request_at_its_next_token_and_a_queued_one_at_onc
 def test_a_request_comes_back_as_soon_as_its_samples_are_done():
     config = qwen2_config()
     model = reference_model(config)
-    engine = loaded_engine(config, model, version=0)
     greedy = [hf_greedy(model, p, 25) for p in PROMPTS[:2]]
     # the short request stops at the first token it has not produced before that the long one never produces
     length = next(k + 1 for k, token in enumerate(greedy[0]) if token not in greedy[0][:k] + greedy[1])
     stop = greedy[0][length - 1]
-    engine._gate = gate = HoldAtStep(hold_at=2 + 15)
+    gate = HoldAtStep(hold_at=2 + 15)
+    engine = loaded_engine(config, model, version=0, gate=gate)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=25, stop_token_ids=(stop,))
     engine.submit([GenerationRequest("short", tuple(PROMPTS[0]), params),
                    GenerationRequest("long", tuple(PROMPTS[1]), params)])
@@ -186,8 +188,8 @@ def test_a_request_comes_back_as_soon_as_its_samples_are_done():
 
 def test_shutdown_aborts_what_is_in_flight():
     config = qwen2_config()
-    engine = loaded_engine(config, reference_model(config), version=0)
-    engine._gate = gate = HoldAtStep(hold_at=2 + 3)
+    gate = HoldAtStep(hold_at=2 + 3)
+    engine = loaded_engine(config, reference_model(config), version=0, gate=gate)
     engine.submit([GenerationRequest("r", tuple(PROMPTS[0]), SamplingParams(n=1, max_new_tokens=40, seed=1))])
     assert gate.reached.wait(WAIT_S)
     stopper = threading.Thread(target=engine.shutdown)

@@ -8,13 +8,13 @@ The launch tests run the real pool/engine code up to the process start with a st
 from __future__ import annotations
 
 import os
-import stat
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from sglang_fixtures import exiting_python, launched_argv
 
+from dapo_megatron.backend import select_backend
 from dapo_megatron.config import ConfigError, SGLangConfig, load_config
 from dapo_megatron.platform import local_world_size
 from dapo_megatron.rollout.engine import RolloutError
@@ -64,6 +64,8 @@ def test_trainer_ranks_per_node_come_from_the_launcher():
     assert local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}) == 3
     assert local_world_size({"SLURM_TASKS_PER_NODE": "4(x2),3"}) == 4
     assert local_world_size({}) == 1
+    with pytest.raises(ValueError, match=r"SLURM_TASKS_PER_NODE: '4\(x2' is not a SLURM task count list"):
+        local_world_size({"SLURM_TASKS_PER_NODE": "4(x2"})
 
 
 def test_gpu_and_memory_arguments_of_a_cuda_server(tmp_path):
@@ -91,33 +93,17 @@ def test_config_checks_the_gpu_keys():
         load_config(None, ["model.source=tiny", "data.source=synthetic", "rollout.sglang.base_gpu_id=-1"])
 
 
-def _exiting_python(tmp_path: Path) -> str:
-    """An interpreter stand-in: answers SGLang's version probe, and as a "server" exits 1 at once."""
-    script = tmp_path / "record.py"
-    script.write_text("import sys\nsys.exit(0 if '-c' in sys.argv else 1)\n")
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    return str(wrapper)
-
-
-def _launched_argv(log: Path) -> list[str]:
-    """The command line the launcher wrote to the server's log before starting it."""
-    line = next(line for line in log.read_text().splitlines() if line.startswith("===== launch 1 of server"))
-    return line.split(": ", 1)[1].split()
-
-
 def test_the_pool_launches_cuda_servers_after_the_trainer_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # a GPU node, seen from a CPU machine
-    config = SGLangConfig(python=_exiting_python(tmp_path), num_servers=2, tp_per_server=2, base_port=0,
+    config = SGLangConfig(python=exiting_python(tmp_path), num_servers=2, tp_per_server=2, base_port=0,
                           transport="distributed", mem_fraction_static=0.8, launch_timeout_s=60)
     pool = ServerPool(config, model_path=str(tmp_path), run_dir=tmp_path / "run", device="cuda", dtype="bfloat16")
     with pytest.raises(RolloutError, match="exited with code 1"):
         pool.start()
     pool.stop()
     for index, first_gpu in ((0, "4"), (1, "6")):
-        argv = _launched_argv(tmp_path / "run" / f"server{index}.log")
+        argv = launched_argv(tmp_path / "run" / f"server{index}.log")
         assert argv[argv.index("--base-gpu-id") + 1] == first_gpu
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.8"
         assert argv[argv.index("--dtype") + 1] == "bfloat16"
@@ -151,11 +137,11 @@ def test_the_trainer_launches_servers_in_its_precision(tmp_path, precision, dtyp
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
     config = load_config(REPO / "examples" / "tiny_cpu_sglang.yaml",
-                         [f"model.precision={precision}", f"rollout.sglang.python={_exiting_python(tmp_path)}",
+                         [f"model.precision={precision}", f"rollout.sglang.python={exiting_python(tmp_path)}",
                           "rollout.sglang.base_port=0", "rollout.sglang.launch_timeout_s=60"])
     with pytest.raises(RolloutError, match="exited with code 1"):
-        build_rollout_engine(config, model_dir, tmp_path / "run")
-    argv = _launched_argv(tmp_path / "run" / "sglang" / "server0.log")
+        build_rollout_engine(config, model_dir, tmp_path / "run", select_backend())
+    argv = launched_argv(tmp_path / "run" / "sglang" / "server0.log")
     assert argv[argv.index("--dtype") + 1] == dtype
 
 

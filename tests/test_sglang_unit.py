@@ -7,6 +7,7 @@ import base64
 import json
 import os
 import pickle
+import socket
 import stat
 import subprocess
 import sys
@@ -18,15 +19,17 @@ import psutil
 import pytest
 import torch
 
+from dapo_megatron.backend import select_backend
 from dapo_megatron.config import SGLangConfig
+from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
+from dapo_megatron.rollout.sglang_client import SGLangServerError
 from dapo_megatron.rollout.sglang_requests import (
     build_generate_payload,
     finish_reason_from_sglang,
     per_sample_seed,
     samples_from_outputs,
 )
-from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, new_api_key, require_sglang
 from dapo_megatron.rollout.sglang_transports import DiskTransport
 from dapo_megatron.rollout.tensor_payloads import serialize_by_value
@@ -157,8 +160,10 @@ def _fake_python(tmp_path: Path, name: str, body: str) -> str:
 
 
 def _server(tmp_path, config: SGLangConfig, device: str = "cpu", gpus: range | None = None) -> SGLangServerProcess:
+    """A server process as the engine makes it on ``device``, in the environment the matching backend gives."""
+    backend = select_backend(cuda_available=device == "cuda", transformer_engine=False)
     return SGLangServerProcess(config, model_path=tmp_path, index=0, run_dir=tmp_path / "run", weight_version="0",
-                               device=device, gpus=gpus)
+                               device=device, gpus=gpus, platform_environment=backend.sglang_server_environment)
 
 
 def test_missing_sglang_names_the_install_command(tmp_path):
@@ -312,3 +317,22 @@ def test_engine_rejects_a_folder_without_an_hf_config(tmp_path):
 
     with pytest.raises(ValueError, match="no config.json"):
         SGLangEngine(SGLangConfig(), model_path=tmp_path)
+
+
+def test_a_taken_base_port_is_refused_before_the_server_starts(tmp_path):
+    """A server already on base_port would answer the new server's health checks and refuse its API key (seen as an
+    HTTP 401 from another run's server): the launch names the port instead, before any process starts."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        server = _server(tmp_path, SGLangConfig(base_port=taken))
+        with pytest.raises(SGLangServerError, match=f"port {taken} on 127.0.0.1 is taken"):
+            server.start()
+        assert server.pid is None  # nothing was launched
+    server = _server(tmp_path, SGLangConfig(base_port=taken, python=str(tmp_path / "missing-python")))
+    with pytest.raises(Exception) as raised:  # control: the free port gets past the check, to the launch itself
+        server.start()
+        server.wait_until_ready(timeout_s=5)
+    assert "is taken" not in str(raised.value)
+    server.stop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "slurm_cluster.sh"
 BASH = shutil.which("bash")
 
 
-def _run(*args: str, env: dict[str, str] | None = None, user: str | None = None) -> subprocess.CompletedProcess:
-    command = [BASH, str(SCRIPT), *args]
+def _run(*args: str, env: dict[str, str] | None = None, user: str | None = None,
+         script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    command = [BASH, str(script), *args]
     if user is not None:
         command = ["runuser", "-u", user, "--", *command]
     return subprocess.run(command, capture_output=True, text=True, timeout=30, env=env)
@@ -39,8 +41,18 @@ def test_not_root_is_refused():
     user = "nobody" if os.geteuid() == 0 else None
     if user is not None and shutil.which("runuser") is None:
         pytest.skip("runuser is not installed: cannot drop root here")
-    result = _run("start", "--nodes", "3", user=user)
-    assert result.returncode == 1
+    # `nobody` may not be able to read the checkout (a clone under a private `mktemp -d` folder): it runs copies of
+    # the script and the one it sources, in a folder of its own that it can read wherever the checkout lives.
+    readable = Path(tempfile.mkdtemp(prefix="slurm_cluster_script_"))
+    try:
+        readable.chmod(0o755)
+        for name in (SCRIPT.name, "netns_nodes.sh"):
+            shutil.copy(SCRIPT.parent / name, readable / name)
+            (readable / name).chmod(0o644)
+        result = _run("start", "--nodes", "3", user=user, script=readable / SCRIPT.name)
+    finally:
+        shutil.rmtree(readable)
+    assert result.returncode == 1, result.stderr
     assert "must run as root" in result.stderr
 
 

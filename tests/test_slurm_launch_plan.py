@@ -145,6 +145,12 @@ def test_parse_tasks_per_node(text, count):
     assert lp.parse_tasks_per_node(text) == count
 
 
+@pytest.mark.parametrize("text", ["eight", "8(x2", "8abc"])
+def test_parse_tasks_per_node_rejects_garbage(text):
+    with pytest.raises(lp.PlanError, match="cannot read a task count"):
+        lp.parse_tasks_per_node(text)
+
+
 def test_server_gpu_slices():
     assert lp.server_gpu_slice(1, 4, None, 8) == "4,5,6,7"
     assert lp.server_gpu_slice(0, 2, "3,5,6,7", 4) == "3,5"  # indexes into what SLURM made visible

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_harness import run_trainer
 
 from dapo_megatron.config import load_config
 from dapo_megatron.rollout.engine import Sample
 from dapo_megatron.trainer.metrics import read_metrics
-from dapo_megatron.trainer.samples import mini_batch_indices, training_samples
-from dapo_megatron.trainer.rollout_collector import RolloutGroup, generation_seed, score_group
-from trainer_harness import run_trainer
+from dapo_megatron.trainer.policy_update import PolicyUpdate
+from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, score_group
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny_cpu.yaml"
@@ -31,14 +31,14 @@ def _group(scores, accs, reasons, lengths=None):
 def test_training_samples_advantages_and_overlong_filtering():
     config = load_config(TINY, ["rollout.n_samples=4"])
     group = _group([1.0, -1.0, -1.0, 1.0], [True, False, False, True], ["stop", "length", "stop", "stop"])
-    samples = training_samples([group], config)
+    samples = PolicyUpdate(None, config).training_samples([group])  # steps 5 needs no actor
     advantages = [float(s.advantage) for s in samples]
     expected = (torch.tensor([1.0, -1, -1, 1]) - 0) / (torch.tensor([1.0, -1, -1, 1]).std() + 1e-6)
     assert advantages == pytest.approx(expected.tolist())
     assert samples[1].num_loss_tokens == 0  # truncated: masked out of the loss
     assert [s.num_loss_tokens for s in samples] == [3, 0, 3, 3]
-    unfiltered = training_samples([group], load_config(TINY, ["rollout.n_samples=4",
-                                                               "algorithm.overlong_filtering=false"]))
+    unfiltered = PolicyUpdate(None, load_config(TINY, ["rollout.n_samples=4", "algorithm.overlong_filtering=false"])
+                              ).training_samples([group])
     assert [s.num_loss_tokens for s in unfiltered] == [3, 3, 3, 3]
 
 
@@ -62,10 +62,11 @@ def test_soft_overlong_punishment_switch_changes_scores():
 def test_mini_batches_are_a_seeded_partition():
     config = load_config(TINY, ["trainer.train_batch_size=8", "trainer.mini_batch_size=2", "rollout.n_samples=2"])
     group = _group([1.0, -1.0], [True, False], ["stop", "stop"])
-    samples = training_samples([group] * 8, config)
-    first = mini_batch_indices(len(samples), config, step=3)
-    again = mini_batch_indices(len(samples), config, step=3)
-    other = mini_batch_indices(len(samples), config, step=4)
+    stage = PolicyUpdate(None, config)
+    samples = stage.training_samples([group] * 8)
+    first = stage.mini_batch_indices(len(samples), step=3)
+    again = stage.mini_batch_indices(len(samples), step=3)
+    other = stage.mini_batch_indices(len(samples), step=4)
     assert len(first) == 4 and all(len(mb) == 4 for mb in first)
     assert first == again
     assert first != other
@@ -200,10 +201,11 @@ def _train_then_reload_the_checkpoint(overrides: list[str]) -> dict:
     prompts from it, from the engine the run ended with, and (the control) from the run's initial weights."""
     import tempfile
 
+    from trainer_harness import build_trainer
+
     from dapo_megatron.rollout.embedded import EmbeddedEngine
     from dapo_megatron.rollout.engine import SamplingParams
     from dapo_megatron.trainer.evaluate import checkpoint_engine
-    from trainer_harness import build_trainer
 
     trainer = build_trainer(overrides)
     try:
@@ -216,7 +218,7 @@ def _train_then_reload_the_checkpoint(overrides: list[str]) -> dict:
             return [(s.token_ids, s.logprobs) for samples in engine.generate(prompts, params) for s in samples]
 
         with tempfile.TemporaryDirectory() as scratch:
-            reloaded = checkpoint_engine(trainer.config, trainer.ckpt_dir / "step_000002", scratch)
+            reloaded = checkpoint_engine(trainer.config, trainer.ckpt_dir / "step_000002", scratch, trainer.backend)
             initial = EmbeddedEngine.from_hf_directory(trainer.model_dir)
             return {"served": sampled(trainer.engine), "reloaded": sampled(reloaded), "initial": sampled(initial)}
     finally:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dapo_megatron.rank_zero import Rank0Error
 from dapo_megatron.trainer.rollout_batch import hand_over_rollouts, pack_rollout_batch, unpack_rollout_batch
-from dapo_megatron.trainer.rollout_collector import RolloutGroup
+from dapo_megatron.trainer.rollout_group import RolloutGroup
 
 
 def make_batch(seed: int, num_groups: int = 5) -> tuple[list[RolloutGroup], dict[str, float]]:

@@ -6,15 +6,10 @@ log-probs for the tokens it sampled."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 from pathlib import Path
 
 import pytest
-
-from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.rollout.sglang_server import require_sglang
-from trainer_harness import run_trainer
+from trainer_harness import run_trainer, small_sglang_run
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -23,18 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 def test_dapo_steps_with_a_real_sglang_server(tmp_path):
     from spawn_ranks import run_distributed
 
-    python = os.environ.get("DAPO_SGLANG_PYTHON", sys.executable)
-    try:
-        require_sglang(python)
-    except RolloutError as error:
-        pytest.skip(f"SGLang is not importable by {python}: {error}")
-    overrides = [f"trainer.run_dir={tmp_path}", f"rollout.sglang.python={python}", "warm_start.enabled=false",
-                 "trainer.total_steps=2", "trainer.train_batch_size=4", "trainer.mini_batch_size=2",
-                 "rollout.n_samples=4", "data.synthetic.num_train=200", "data.synthetic.num_heldout=8",
-                 "eval.every=0", "trainer.save_every=2", "rollout.max_response_length=24",
-                 "algorithm.overlong_buffer_len=4", "algorithm.dynamic_sampling=false",
-                 "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
-                 "parallel.tensor=2"]
+    overrides = small_sglang_run(tmp_path)
     result, other_rank = run_distributed(run_trainer, 2, overrides, REPO / "examples" / "tiny_cpu_sglang.yaml",
                                            timeout_s=1200)
     for rank_result in (result, other_rank):

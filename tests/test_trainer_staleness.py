@@ -12,8 +12,8 @@ import torch
 
 from dapo_megatron.algorithm import FilterStats
 from dapo_megatron.config import ConfigError, load_config
-from dapo_megatron.trainer.rollout_collector import RolloutGroup
-from dapo_megatron.trainer.samples import corrected_samples, training_samples, with_old_logprobs
+from dapo_megatron.trainer.policy_update import PolicyUpdate, with_old_logprobs
+from dapo_megatron.trainer.rollout_group import RolloutGroup
 from dapo_megatron.trainer.step_metrics import rollout_metrics, staleness_of_batch
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
@@ -26,9 +26,21 @@ def _group(version, token_versions=None, logprob=-1.0):
                         weight_version=version, token_versions=token_versions)
 
 
+def training_samples(groups, config):
+    return PolicyUpdate(None, config).training_samples(groups)  # steps 5 and 6b need no actor
+
+
 def _samples(groups, config, policy_logprob=-1.0):
     samples = training_samples(groups, config)
     return with_old_logprobs(samples, [torch.full((s.response_length,), policy_logprob) for s in samples])
+
+
+def corrected_samples(samples, groups, config, *, policy_version):
+    """Step 6b as the stage runs it before the updates: the samples the loss sees, and the diagnostics."""
+    stage = PolicyUpdate(None, config)
+    assert stage.corrects_loss
+    correction = stage.correction(samples, groups, policy_version=policy_version)
+    return stage.corrected(samples, correction), correction.metrics
 
 
 def test_a_batch_of_carried_groups_is_all_stale():
@@ -58,10 +70,14 @@ def test_a_step_that_generated_nothing_has_no_rollout_accuracy():
 
 def test_sync_without_correction_trains_the_samples_unchanged():
     config = load_config(TINY, ["rollout.n_samples=2", "algorithm.surplus_policy=keep"])
-    samples = _samples([_group(version=1)], config)
-    corrected, metrics = corrected_samples(samples, [_group(version=1)], config, policy_version=2)
-    assert corrected is samples  # the explicit off-policy choice: nothing changes (bit-for-bit with earlier runs)
-    assert "rollout_corr/kl_k1" in metrics  # ... but the engine–policy gap is still reported
+    stage = PolicyUpdate(None, config)
+    assert not stage.corrects_loss  # the explicit off-policy choice: the loss takes the samples as they are
+    assert not PolicyUpdate(None, load_config(TINY, ["rollout.n_samples=2"])).corrects_loss
+    # control: a correction, or async mode's stale masking, changes what the loss sees
+    assert PolicyUpdate(None, load_config(TINY, ["rollout.n_samples=2", "rollout.mode=async"])).corrects_loss
+    assert PolicyUpdate(None, load_config(TINY, ["algorithm.rollout_correction=seq_mis"])).corrects_loss
+    correction = stage.correction(_samples([_group(version=1)], config), [_group(version=1)], policy_version=2)
+    assert "rollout_corr/kl_k1" in correction.metrics  # ... but the engine–policy gap is still reported
 
 
 def test_async_without_correction_masks_old_version_tokens():

@@ -71,11 +71,11 @@ def _sparse_model_folder(folder: Path, config: dict, tokenizer_from: Path) -> Pa
     """A model folder whose weights file has a true header for every tensor ``config`` implies and a data region of
     the right size that is a hole in the file (no disk used): it passes every header check, and is never read."""
     import torch
+    from transformers import Qwen2Config
 
     from dapo_megatron.hf_format.header import encode_safetensors_header
-    from dapo_megatron.policy.model import model_spec_from_hf
+    from dapo_megatron.policy.model_spec import model_spec_from_hf
     from dapo_megatron.policy.weight_mapping import ShardGeometry, full_model_mappings, hf_shapes
-    from transformers import Qwen2Config
 
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
@@ -108,15 +108,15 @@ def test_training_memory_check_compares_the_estimate_with_what_is_there():
     """The decision itself, with the available memory given: the same model passes with room and is refused
     without; on CPU the trainer ranks of this host share it."""
     from dapo_megatron.config import ConfigError, load_config
+    from dapo_megatron.policy.model_spec import model_spec_from_hf
     from dapo_megatron.policy.shapes import published_hf_config
-    from dapo_megatron.policy.model import model_spec_from_hf
     from dapo_megatron.trainer.input_checks import check_training_memory
 
     config = load_config(TINY, ["model.source=hf", "model.hf_path=/models/Qwen2.5-0.5B", "model.precision=bf16"])
     spec = model_spec_from_hf(published_hf_config("Qwen2.5-0.5B"))
-    check_training_memory(config, spec, world_size=1, available=(10**12, "a big host"))
+    check_training_memory(config, spec, world_size=1, fused_attention=False, available=(10**12, "a big host"))
     with pytest.raises(ConfigError, match=r"needs an estimated [\d.]+ GiB .* but a small host has 1\.0 GiB"):
-        check_training_memory(config, spec, world_size=1, available=(2**30, "a small host"))
+        check_training_memory(config, spec, world_size=1, fused_attention=False, available=(2**30, "a small host"))
 
 
 @pytest.mark.slow

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,8 +20,8 @@ def build_trainer(overrides: list[str], config_path: str | Path = REPO / "exampl
 
     config = load_config(config_path, overrides)
     p = config.parallel
-    init_distributed(p.tensor, p.pipeline, p.data, timeout_s=p.collective_timeout_s)
-    return DAPOTrainer(config, prepare_initial_model(config))
+    backend = init_distributed(p.tensor, p.pipeline, p.data, timeout_s=p.collective_timeout_s).backend
+    return DAPOTrainer(config, prepare_initial_model(config), backend)
 
 
 def run_trainer(overrides: list[str], config_path: str | Path = REPO / "examples" / "tiny_cpu.yaml") -> dict:
@@ -45,3 +49,23 @@ def run_trainer(overrides: list[str], config_path: str | Path = REPO / "examples
         trainer.shutdown()
     return {"changed": changed, "num_params": len(real), "padding_moved": padding_moved, "version": version,
             "metrics": read_metrics(trainer.run_dir) if trainer.rank == 0 else None}
+
+
+def small_sglang_run(run_dir: str | Path) -> list[str]:
+    """Overrides of examples/tiny_cpu_sglang.yaml for two quick DAPO steps at TP=2 on a real SGLang server (the
+    server python: DAPO_SGLANG_PYTHON, default this one; the test skips when it has no SGLang)."""
+    from dapo_megatron.rollout.engine import RolloutError
+    from dapo_megatron.rollout.sglang_server import require_sglang
+
+    python = os.environ.get("DAPO_SGLANG_PYTHON", sys.executable)
+    try:
+        require_sglang(python)
+    except RolloutError as error:
+        pytest.skip(f"SGLang is not importable by {python}: {error}")
+    return [f"trainer.run_dir={run_dir}", f"rollout.sglang.python={python}", "warm_start.enabled=false",
+            "trainer.total_steps=2", "trainer.train_batch_size=4", "trainer.mini_batch_size=2",
+            "rollout.n_samples=4", "data.synthetic.num_train=200", "data.synthetic.num_heldout=8",
+            "eval.every=0", "trainer.save_every=2", "rollout.max_response_length=24",
+            "algorithm.overlong_buffer_len=4", "algorithm.dynamic_sampling=false",
+            "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
+            "parallel.tensor=2"]

@@ -106,7 +106,7 @@ def policy_loss(
     *,
     eps_low: float = AlgorithmConfig.eps_low,
     eps_high: float = AlgorithmConfig.eps_high,
-    clip_ratio_c: float | None = None,
+    clip_ratio_c: float | None = AlgorithmConfig.clip_ratio_c,
     agg: str = AlgorithmConfig.loss_agg,
     num_tokens: int | Tensor | None = None,
     num_sequences: int | Tensor | None = None,
@@ -119,7 +119,7 @@ def policy_loss(
         advantages: [B] per-sample or [B, T] per-token advantages (detached here).
         mask: [B, T] bool or numeric, 1 for response tokens that count.
         eps_low, eps_high: the decoupled clip range [1 − eps_low, 1 + eps_high].
-        clip_ratio_c: dual-clip bound c > 1 for negative advantages; None disables it.
+        clip_ratio_c: dual-clip bound c > 1 for negative advantages (the schema's default); None disables it.
         agg: "token-mean" (DAPO), "seq-mean-token-mean" (GRPO) or "seq-mean-token-sum".
         num_tokens: token-mean only — global masked-token count N across micro-batches and DP ranks.
         num_sequences: seq-mean modes only — global count S of sequences with at least one masked token.

@@ -23,7 +23,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dapo_megatron.checkpoint import layout
@@ -50,15 +55,7 @@ def _barrier() -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    from megatron.core import tensor_parallel
-
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -67,12 +64,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core import tensor_parallel
-
     random.setstate(state["python"])
     if "numpy" in state:
-        import numpy as np
-
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -89,15 +82,12 @@ def _write_results_in_this_process() -> None:
     so ``dapo-megatron train ... | tee log`` hangs; and a SIGTERM sent to every process of a job kills it first, so
     the checkpoint the trainer then writes fails. A synchronous save, the only kind made here, puts and reads those
     results in the calling process (``AsyncRequest.execute_sync``), where a plain queue carries them."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
 
 
 def save_model(model_chunks: list, directory: str | Path) -> None:
     """Distributed checkpoint of the (unwrapped) model chunks; every rank calls it."""
-    from megatron.core import dist_checkpointing
 
     directory = Path(directory)
     if _rank() == 0:
@@ -117,7 +107,6 @@ def model_sharded_state_dict(model_chunks: list) -> dict:
 
 def load_model(model_chunks: list, directory: str | Path) -> None:
     """Load a distributed model checkpoint written at any TP/PP into these chunks."""
-    from megatron.core import dist_checkpointing
 
     directory = Path(directory)
     if not (directory / layout.DIST_CHECKPOINT_MARKER).exists():
@@ -148,7 +137,6 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
     """Write checkpoint ``step`` atomically (all ranks call this); ``hf/`` gets the side files (config, tokenizer)
     of the HF folder ``side_files_from``. ``run_id`` names the run writing it (retention keeps ``keep`` of that
     run's checkpoints and touches no other); ``config``: the run's resolved config, stored with it."""
-    from megatron.core import dist_checkpointing
 
     final = layout.step_dir(root, step)
     tmp = final.with_name(final.name + layout.TMP_SUFFIX)
@@ -270,8 +258,6 @@ def _out_of_space(error: BaseException, tmp: Path, root: str | Path, *, needed: 
 def _unloadable(path: Path, what: str) -> Iterator[None]:
     """Turns the ways a checkpoint's files fail to load (megatron's CheckpointingException: a shape that does not
     fit; torch's CheckpointException, unreadable or damaged files) into a CheckpointError naming ``path``."""
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-
     try:
         yield
     except (CheckpointingException, CheckpointException, OSError, EOFError, pickle.UnpicklingError) as error:
@@ -307,14 +293,12 @@ def _has_stepped(optimizer) -> bool:
 
 def _optimizer_state_saved(directory: Path) -> bool:
     """Whether the optimizer checkpoint holds any sharded state (none: written before the first applied update)."""
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     return bool(load_sharded_metadata(str(directory)))
 
 
 def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG; return the trainer state (all ranks call this)."""
-    from megatron.core import dist_checkpointing
 
     path = Path(path)
     if not (path / layout.COMPLETE_MARKER).exists():

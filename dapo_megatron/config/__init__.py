@@ -7,6 +7,7 @@ from dapo_megatron.config.schema import (
     ConfigError,
     DAPOConfig,
     DataConfig,
+    EmbeddedConfig,
     EvalConfig,
     ModelConfig,
     OptimConfig,
@@ -20,7 +21,7 @@ from dapo_megatron.config.schema import (
 )
 
 __all__ = [
-    "AlgorithmConfig", "ConfigError", "DAPOConfig", "DataConfig", "EvalConfig", "ModelConfig", "OptimConfig",
-    "ParallelConfig", "RolloutConfig", "SGLangConfig", "SyntheticDataConfig", "TinyModelConfig", "TrainerConfig",
-    "WarmStartConfig", "config_to_dict", "load_config", "parse_override", "save_config",
+    "AlgorithmConfig", "ConfigError", "DAPOConfig", "DataConfig", "EmbeddedConfig", "EvalConfig", "ModelConfig",
+    "OptimConfig", "ParallelConfig", "RolloutConfig", "SGLangConfig", "SyntheticDataConfig", "TinyModelConfig",
+    "TrainerConfig", "WarmStartConfig", "config_to_dict", "load_config", "parse_override", "save_config",
 ]

@@ -42,18 +42,27 @@ class TinyModelConfig:
     tie_word_embeddings: bool = True
 
 
+Kernels = Literal["auto", "transformer_engine", "local"]
+Recompute = Literal["selective", "full", "none"]
+Precision = Literal["fp32", "bf16", "fp8"]
+
+
 @dataclass
 class ModelConfig:
     source: Literal["hf", "tiny"] = "hf"
     hf_path: str | None = None  # HF folder: config.json, safetensors, tokenizer files
     tokenizer_path: str | None = None  # defaults to hf_path (tiny: a tokenizer trained locally)
-    precision: Literal["fp32", "bf16", "fp8"] = "bf16"
+    precision: Precision = "bf16"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     # Activation recomputation on GPU (policy/model.py): "selective" recomputes the core attention in backward
     # (megatron's default selective set: the attention scores/softmax are what it would otherwise keep); "full" keeps
     # only each layer's input and recomputes the whole layer; "none" keeps everything. Without CUDA it is off (memory
     # is not the limit there, it would only cost time). `dapo-megatron plan CONFIG` shows the memory per GPU.
-    recompute: Literal["selective", "full", "none"] = "selective"
+    recompute: Recompute = "selective"
+    # The policy's layers on CUDA (dapo_megatron.backend): "auto" takes Transformer Engine when it imports, else
+    # megatron's local layers with torch's SDPA attention, and logs that; "transformer_engine" refuses to start
+    # without it; "local" takes the local layers on purpose. Without CUDA the CPU layers run (dapo_megatron.cpu).
+    kernels: Kernels = "auto"
 
 
 @dataclass
@@ -101,7 +110,9 @@ class SGLangConfig:
     tp_per_server: int = 1
     python: str | None = None  # interpreter that has sglang; default: this one
     host: str = "127.0.0.1"
-    base_port: int = 30000  # launched server i listens on base_port + i; 0: a free port each
+    # Launched server i listens on base_port + i; 0 (the default): a free port each, so runs sharing a machine never
+    # meet (a taken fixed port is refused by name before the launch).
+    base_port: int = 0
     api_key_file: str | None = None  # attached servers: the key they were started with
     transport: Literal["disk", "tensor", "distributed"] = "disk"
     weight_dir: str | None = None  # disk transport: a directory the servers can read (shared fs on SLURM)
@@ -120,6 +131,17 @@ class SGLangConfig:
 
 
 @dataclass
+class EmbeddedConfig:
+    """The in-process engine (``rollout.engine: embedded``, dapo_megatron/rollout/embedded.py): how it batches."""
+
+    max_batch_rows: int = 512  # most sample rows decoded together (a chunk)
+    max_kv_cache_mb: float = 2048  # MiB of KV cache per chunk; chunks get fewer rows so rows x positions fit
+    # Finished rows leave the batch once they are at least this share of it (0: as soon as one finishes; above 1:
+    # never). Dropping shrinks every later forward but copies the cache once.
+    drop_finished_fraction: float = 0.25
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["embedded", "sglang"] = "sglang"
     n_samples: int = 16  # G
@@ -129,11 +151,19 @@ class RolloutConfig:
     max_response_length: int = 20480
     handoff_bucket_mb: float = 512  # MiB per weight-handoff bucket (a larger tensor travels alone)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     # sync: generate → train → hand off, one after the other (the paper). async: a background driver on rank 0 keeps
     # generating the next steps' groups while the policy trains (dapo_megatron/trainer/async_collector.py).
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1  # async: a group trains only while policy version − its oldest token's version <= this
     partial_rollouts: bool = True  # async: generations in flight at a weight update continue on the new weights
+    # Where launched SGLang servers run: "separate" GPUs (after the trainer's on a node, or other nodes), or
+    # "colocated" on the trainer's own GPUs, taking turns with it: the servers release their weights and KV cache
+    # while the policy trains and take them back for the weight handoff and generation (rollout/placement.py).
+    placement: Literal["separate", "colocated"] = "separate"
+    # colocated, on GPUs: the optimizer state (fp32 main parameters, Adam moments) waits in host memory while the
+    # servers generate, leaving that much more GPU memory to them (trainer/colocation.py).
+    offload_optimizer: bool = False
 
 
 @dataclass
@@ -268,6 +298,25 @@ class DAPOConfig:
                  f"must be >= 0 (or null), got {s.base_gpu_id}")
         _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",
                  f"must be in (0, 1) (or null), got {s.mem_fraction_static}")
+        _require(r.placement == "separate" or r.engine == "sglang", "rollout.placement",
+                 "colocated places SGLang servers on the trainer's GPUs; it needs rollout.engine: sglang")
+        _require(r.placement == "separate" or r.mode == "sync", "rollout.placement",
+                 "colocated servers hand their GPU memory to the training between generations; it needs "
+                 "rollout.mode: sync (async generates while the policy trains)")
+        _require(r.placement == "separate" or s.transport != "distributed", "rollout.sglang.transport",
+                 "distributed cannot reach colocated servers: NCCL refuses a weight-update group with two members on "
+                 "one GPU; use tensor (CUDA IPC) or disk")
+        _require(r.placement == "separate" or s.mem_fraction_static is not None, "rollout.sglang.mem_fraction_static",
+                 "must be set under rollout.placement: colocated (the servers' share of the GPU memory free when "
+                 "they start; SGLang's default leaves the trainer nothing); `dapo-megatron plan` shows what fits")
+        _require(not r.offload_optimizer or r.placement == "colocated", "rollout.offload_optimizer",
+                 "moves the optimizer state out of the way of colocated servers; it needs rollout.placement: "
+                 "colocated")
+        e = r.embedded
+        _require(e.max_batch_rows >= 1, "rollout.embedded.max_batch_rows", f"must be >= 1, got {e.max_batch_rows}")
+        _require(e.max_kv_cache_mb > 0, "rollout.embedded.max_kv_cache_mb", f"must be > 0, got {e.max_kv_cache_mb}")
+        _require(e.drop_finished_fraction >= 0, "rollout.embedded.drop_finished_fraction",
+                 f"must be >= 0, got {e.drop_finished_fraction}")
         _require(self.optim.lr > 0, "optim.lr", "must be > 0")
         _require(self.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(self.optim.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")

@@ -3,9 +3,9 @@
 Who does what (every rank calls the same function; it returns/yields nothing on ranks with no part to play):
 
 * Only data-parallel rank 0 takes part — DP replicas hold identical weights.
-* Within each pipeline stage, the TP ranks ``gather`` each parameter's shard to TP rank 0 (the stage's *source*)
-  — through shared memory when they share a host and no GPU (:mod:`dapo_megatron.handoff.shm_gather`) —
-  which turns the shards into full HF tensors through :mod:`dapo_megatron.policy.weight_mapping` (QKV and fc1
+* Within each pipeline stage, the TP ranks gather each parameter's shard to TP rank 0 (the stage's *source*) — with
+  the backend's :class:`~dapo_megatron.handoff.tp_gather.TensorParallelGather` (``tp_gather``; default: one
+  process-group ``gather`` per parameter) — which turns the shards into full HF tensors through :mod:`dapo_megatron.policy.weight_mapping` (QKV and fc1
   un-interleaved, vocabulary padding removed). Replicated tensors (norms) are not gathered.
 * The source packs the tensors into buckets of at most ``bucket_bytes`` (a single larger tensor travels alone;
   :func:`dapo_megatron.hf_format.bucketed`) and yields them: :func:`export_hf_buckets`. Each HF name appears exactly
@@ -30,39 +30,23 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from dapo_megatron.handoff.stage_routes import StageStreamReceiver, stage_broadcast_groups
-from dapo_megatron.handoff.shm_gather import shared_memory_gather
+from dapo_megatron.handoff.tp_gather import ProcessGroupGather, TensorParallelGather
 from dapo_megatron.hf_format.buckets import Bucket, bucketed, nbytes
 from dapo_megatron.policy.hf_loader import model_stage_mappings, unwrap_model
-from dapo_megatron.policy.model import ModelSpec
+from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.policy.optimizer import sync_params
 from dapo_megatron.policy.weight_mapping import ShardGeometry, Split, hf_from_shards
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+PROCESS_GROUP_GATHER = ProcessGroupGather()
 _ALIGN = 16  # byte alignment of each tensor inside a packed p2p buffer, so every dtype view is valid
 
 
 def _is_export_source_group_member() -> bool:
-    from megatron.core import parallel_state
-
     return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-
-
-def _gather_shards(shard: torch.Tensor) -> list[torch.Tensor] | None:
-    """All TP ranks' shards on TP rank 0 (rank order), None elsewhere. ``.contiguous()``: gloo mis-scatters views."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    shard = shard.detach().contiguous()
-    if size == 1:
-        return [shard]
-    src = parallel_state.get_tensor_model_parallel_src_rank()
-    is_src = parallel_state.get_tensor_model_parallel_rank() == 0
-    gathered = [torch.empty_like(shard) for _ in range(size)] if is_src else None
-    dist.gather(shard, gathered, dst=src, group=group)
-    return gathered
 
 
 def _standalone(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,48 +59,47 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if whole else tensor.clone(memory_format=torch.contiguous_format)
 
 
-def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None,
+                      tp_gather: TensorParallelGather) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for this stage, on its TP rank 0; other TP ranks only take part in the gathers."""
-    from megatron.core import parallel_state
 
     geometry = ShardGeometry(spec, parallel_state.get_tensor_model_parallel_world_size())
     is_source = parallel_state.get_tensor_model_parallel_rank() == 0
     params = dict(unwrap_model(model).named_parameters())
     mappings = [m for m in model_stage_mappings(model, spec) if m.exported]
     split = [params[m.megatron_name].detach() for m in mappings if m.split is not Split.REPLICATED]
-    shm = shared_memory_gather(parallel_state.get_tensor_model_parallel_group(), split)  # same-host CPU ranks
-    if shm is not None:
-        shm.stage(split)
+    gather = tp_gather.open(parallel_state.get_tensor_model_parallel_group(), split)
     number = 0
     for mapping in mappings:
         shard = params[mapping.megatron_name]
         if mapping.split is Split.REPLICATED:
             shards = [shard.detach()] * geometry.tensor_parallel
         else:
-            shards = _gather_shards(shard) if shm is None else shm.shards(number, shard) if is_source else None
+            shards = gather.shards(number, shard.detach())
             number += 1
         if not is_source:
             continue
         for name, tensor in zip(mapping.hf_names, hf_from_shards(mapping, geometry, shards), strict=True):
             tensor = _standalone(tensor) if geometry.tensor_parallel == 1 else tensor.contiguous()
             yield name, tensor if dtype is None else tensor.to(dtype)
-    if shm is not None:
-        shm.finish()
+    gather.finish()
 
 
 def export_hf_buckets(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+                      dtype: torch.dtype | None = None, tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER
+                      ) -> Iterator[Bucket]:
     """This pipeline stage's HF tensors in buckets of ≤ ``bucket_bytes``, yielded on the stage's source rank only.
 
     Every rank of the model must drain the iterator (the TP ranks of DP rank 0 take part in collectives while it
     runs). ``dtype`` casts the exported tensors (e.g. bf16 for the inference engine); default: the parameters' dtype.
+    ``tp_gather``: how the TP shards reach the source (the backend's; see :mod:`dapo_megatron.handoff.tp_gather`).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     sync_params(model)  # every DP rank takes part; a no-op unless overlap_param_gather deferred the gather
     if not _is_export_source_group_member():
         return
-    yield from bucketed(_stage_hf_tensors(model, spec, dtype), bucket_bytes)
+    yield from bucketed(_stage_hf_tensors(model, spec, dtype, tp_gather), bucket_bytes)
 
 
 def _aligned(n: int) -> int:
@@ -158,7 +141,6 @@ def _receive_bucket(src: int, group, device: torch.device) -> Bucket | None:
 
 def _this_stage_source() -> tuple[bool, int, int]:
     """(is this rank its stage's source, its stage, the number of stages)."""
-    from megatron.core import parallel_state
 
     is_source = _is_export_source_group_member() and parallel_state.get_tensor_model_parallel_rank() == 0
     return (is_source, parallel_state.get_pipeline_model_parallel_rank(),
@@ -166,7 +148,8 @@ def _this_stage_source() -> tuple[bool, int, int]:
 
 
 def gather_hf_buckets_to_rank0(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                               dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+                               dtype: torch.dtype | None = None,
+                               tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER) -> Iterator[Bucket]:
     """Every stage's buckets, yielded on global rank 0 in stage order; every rank must drain it.
 
     Stage 0's buckets come straight from :func:`export_hf_buckets`; then each later stage's source broadcasts its
@@ -178,7 +161,7 @@ def gather_hf_buckets_to_rank0(model: torch.nn.Module, spec: ModelSpec, *, bucke
     if rank == 0 and not (is_source and stage == 0):
         raise RuntimeError("global rank 0 is not TP 0 / DP 0 / PP 0: unexpected megatron rank order")
     stages = stage_broadcast_groups() if num_stages > 1 else None
-    buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype)
+    buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype, tp_gather=tp_gather)
     if rank == 0:
         yield from buckets
         device = next(unwrap_model(model).parameters()).device
@@ -195,14 +178,15 @@ def gather_hf_buckets_to_rank0(model: torch.nn.Module, spec: ModelSpec, *, bucke
 
 
 def stream_stage_buckets(model: torch.nn.Module, spec: ModelSpec, receiver: StageStreamReceiver, *,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None) -> str | None:
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
+                         tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER) -> str | None:
     """The per-stage route: each stage's source feeds its own buckets to ``receiver.open_stage(stage, stages)``.
 
     Every rank calls it (the TP gathers); a source whose consumer fails still drains its stage, so its TP partners
     are not left waiting. Returns this rank's error message, None when it had none (the caller shares them).
     """
     is_source, stage, num_stages = _this_stage_source()
-    buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype)
+    buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype, tp_gather=tp_gather)
     error = None
     if is_source:
         try:

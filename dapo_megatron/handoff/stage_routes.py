@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Protocol
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from dapo_megatron.hf_format.buckets import Bucket
 
@@ -70,7 +71,6 @@ def stage_broadcast_groups() -> StageGroups:
     """The per-stage broadcast groups of the initialized megatron layout, built on first use (``new_group`` is
     collective: every rank calls this, in the same order) and kept for the life of that layout."""
     global _built
-    from megatron.core import parallel_state
 
     pipeline_group = parallel_state.get_pipeline_model_parallel_group()
     if _built is not None and _built[0] is pipeline_group:

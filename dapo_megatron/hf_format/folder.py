@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from dapo_megatron.user_errors import ModelFolderError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -52,7 +54,6 @@ def copy_side_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
 
 def load_hf_config(model_dir: str | Path):
     """The ``transformers`` config of a local HF model folder (no hub access)."""
-    from transformers import AutoConfig
 
     model_dir = Path(model_dir)
     if not (model_dir / CONFIG_FILE).is_file():

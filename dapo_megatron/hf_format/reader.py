@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors import safe_open
 
 from dapo_megatron.hf_format.folder import INDEX_FILE, SINGLE_FILE, HFFormatError
 from dapo_megatron.hf_format.header import StoredTensor, read_safetensors_header
@@ -74,8 +75,6 @@ class HFWeights:
         self._handles.clear()
 
     def _handle(self, name: str):
-        from safetensors import safe_open
-
         if name not in self.tensors:
             raise HFFormatError(f"{self.model_dir} holds no tensor {name!r}")
         file = self.tensors[name].file

@@ -1,21 +1,3 @@
-"""The policy: megatron-core GPTModel built from a Hugging Face config, its weights, log-probs and training step."""
-
-from dapo_megatron.policy.model import (
-    ModelSpec,
-    ParallelLayoutError,
-    UnsupportedModelError,
-    build_model,
-    model_spec_from_hf,
-    padded_vocab_size,
-    transformer_config,
-)
-
-__all__ = [
-    "ModelSpec",
-    "ParallelLayoutError",
-    "UnsupportedModelError",
-    "build_model",
-    "model_spec_from_hf",
-    "padded_vocab_size",
-    "transformer_config",
-]
+"""The policy: megatron-core GPTModel built from a Hugging Face config (``model_spec``, ``model``), its weights
+(``hf_loader``, ``weight_mapping``), micro-batches (``packing``, ``batch_plan``), log-probs and training step
+(``logprobs``, ``actor``, ``optimizer``), and its memory plan (``memory``)."""

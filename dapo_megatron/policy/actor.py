@@ -1,7 +1,8 @@
 """The DAPO step on the policy: megatron-core's pipeline schedule running the DAPO loss, and forward-only log-probs.
 
-:func:`build_actor` builds this rank's ``GPTModel`` stage (``policy/model.py``) and its DDP wrapper, optimizer and LR
-schedule (``policy/optimizer.py``) from the run config's sections. :class:`Actor` then runs, through megatron-core's
+:func:`build_actor` builds this rank's ``GPTModel`` stage (``policy/model.py``) with the platform's backend
+(:mod:`dapo_megatron.backend`: layer spec, packed-row layout) and its DDP wrapper, optimizer and LR schedule
+(``policy/optimizer.py``) from the run config's sections. :class:`Actor` then runs, through megatron-core's
 pipeline schedule (``get_forward_backward_func``), either
 
 * :meth:`Actor.train_minibatch` — one optimizer update on a mini-batch with the DAPO loss
@@ -37,19 +38,21 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from dapo_megatron import cpu_compat
 from dapo_megatron.algorithm import policy_loss
-from dapo_megatron.policy.batch_plan import Batching, PackedBatching, plan_data_parallel
+from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
-from dapo_megatron.policy.model import config_row_multiple
-from dapo_megatron.policy.optimizer import clip_and_step, sync_params
-from dapo_megatron.policy.packing import MicroBatch, PackedLayout, PolicySample
+from dapo_megatron.policy.model import build_model, config_row_multiple, sequence_parallel_enabled, transformer_config
+from dapo_megatron.policy.optimizer import clip_and_step, sync_params, wrap_for_training
+from dapo_megatron.policy.packing import MicroBatch, PolicySample
 
 if TYPE_CHECKING:
+    from dapo_megatron.backend import Backend
     from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
-    from dapo_megatron.policy.model import ModelSpec
+    from dapo_megatron.policy.model_spec import ModelSpec
 
 METRIC_NAMES = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio_mean")
 
@@ -62,7 +65,7 @@ class PolicyLogProbs:
     entropy: list[Tensor]
 
 
-def aligned_batching(batching: Batching, multiple: int) -> Batching:
+def aligned_batching(batching: PackedBatching, multiple: int) -> PackedBatching:
     """``batching`` with every row — filler micro-batches too — padded to a multiple of ``multiple`` as well
     (:func:`dapo_megatron.policy.model.row_multiple`: TP under sequence parallelism, 16 or 32 for FP8 GEMMs)."""
     if batching.pad_to_multiple % multiple == 0:
@@ -70,69 +73,44 @@ def aligned_batching(batching: Batching, multiple: int) -> Batching:
     return replace(batching, pad_to_multiple=math.lcm(batching.pad_to_multiple, multiple))
 
 
-def packed_layout(model: torch.nn.Module) -> PackedLayout:
-    """How packed rows reach this model's attention: ``"segments"`` for the local spec's
-    :class:`dapo_megatron.policy.cpu_attention.PackedSequenceAttention`, ``"mask"`` for megatron's plain local
-    ``DotProductAttention``, ``"thd"`` for Transformer Engine's."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", parallel: "ParallelConfig",
+                optim: "OptimConfig", algorithm: "AlgorithmConfig", micro_batch_tokens: int,
+                temperature: float) -> "Actor":
+    """This rank's model stage for ``spec`` at the initialized TP/PP layout on ``backend``, ready to train.
 
-    from dapo_megatron.policy.cpu_attention import PackedSequenceAttention
-
-    kinds = {type(module) for module in model.modules() if isinstance(module, DotProductAttention)}
-    if PackedSequenceAttention in kinds:
-        return "segments"
-    return "mask" if kinds else "thd"
-
-
-def build_actor(spec: "ModelSpec", *, model: "ModelConfig", parallel: "ParallelConfig", optim: "OptimConfig",
-                algorithm: "AlgorithmConfig", micro_batch_tokens: int, temperature: float) -> "Actor":
-    """This rank's model stage for ``spec`` at the initialized TP/PP layout, ready to train.
-
-    ``model.precision`` picks the parameter dtype and ``model.recompute`` the activation recomputation;
-    ``parallel`` the sequence parallelism (where megatron supports it), the optimizer and the communication overlap;
-    ``optim`` its settings, ``algorithm`` the loss; micro-batches are packed to ``micro_batch_tokens`` tokens and
-    log-probs taken at the rollout ``temperature``.
+    ``model.precision`` picks the parameter dtype and ``model.recompute`` the activation recomputation (as the
+    backend allows); ``parallel`` the sequence parallelism (where megatron supports it), the optimizer and the
+    communication overlap; ``optim`` its settings, ``algorithm`` the loss; micro-batches are packed to
+    ``micro_batch_tokens`` tokens and log-probs taken at the rollout ``temperature``.
     """
-    from megatron.core import parallel_state
-
-    from dapo_megatron.policy.model import (
-        build_model,
-        effective_recompute,
-        sequence_parallel_enabled,
-        transformer_config,
-        transformer_engine_usable,
-    )
-    from dapo_megatron.policy.optimizer import wrap_for_training
-
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
     tconfig = transformer_config(
-        spec,
+        spec, backend,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
         precision=model.precision,
         sequence_parallel=sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,
-                                                    use_transformer_engine=transformer_engine_usable()),
-        recompute=effective_recompute(model.recompute, cuda_available=torch.cuda.is_available()),
+                                                    use_transformer_engine=backend.uses_transformer_engine),
+        recompute=backend.recompute(model.recompute),
     )
     ddp_model, optimizer, scheduler = wrap_for_training(
-        build_model(spec, tconfig), optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
+        build_model(spec, tconfig, backend), optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
         overlap_grad_reduce=parallel.overlap_grad_reduce, overlap_param_gather=parallel.overlap_param_gather)
-    return Actor(ddp_model, optimizer, scheduler, real_vocab_size=spec.vocab_size, algorithm=algorithm,
-                 batching=PackedBatching(token_budget=micro_batch_tokens), temperature=temperature)
+    return Actor(ddp_model, optimizer, scheduler, backend=backend, real_vocab_size=spec.vocab_size,
+                 algorithm=algorithm, batching=PackedBatching(token_budget=micro_batch_tokens),
+                 temperature=temperature)
 
 
 class Actor:
     """One DDP-wrapped model stage with its optimizer and LR schedule (all reachable as attributes).
 
-    ``algorithm``: the loss settings; ``batching``: how mini-batches become micro-batches unless a call says
-    otherwise; ``temperature``: log-probs are of ``log_softmax(logits / T)``.
+    ``backend``: the platform's (its row packer lays out the micro-batches); ``algorithm``: the loss settings;
+    ``batching``: the token budget of a micro-batch unless a call says otherwise; ``temperature``: log-probs are of
+    ``log_softmax(logits / T)``.
     """
 
-    def __init__(self, model, optimizer, scheduler, *, real_vocab_size: int, algorithm: "AlgorithmConfig",
-                 batching: Batching, temperature: float) -> None:
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
+    def __init__(self, model, optimizer, scheduler, *, backend: "Backend", real_vocab_size: int,
+                 algorithm: "AlgorithmConfig", batching: PackedBatching, temperature: float) -> None:
         tconfig = model.config
         if tconfig.fp16:
             raise ValueError("fp16 is not supported by the actor (its NaN guard assumes no loss scaler); use bf16")
@@ -148,7 +126,7 @@ class Actor:
         self.algorithm = algorithm
         self.batching = batching
         self.temperature = temperature
-        self.layout: PackedLayout = packed_layout(model)
+        self.backend = backend
         self.forward_backward = get_forward_backward_func()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -163,16 +141,16 @@ class Actor:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _batching(self, batching: Batching | None) -> Batching:
+    def _batching(self, batching: PackedBatching | None) -> PackedBatching:
         """The batching to use, with rows aligned for this model (:func:`aligned_batching`)."""
         return aligned_batching(batching or self.batching, config_row_multiple(self.model.config))
 
-    def _plan(self, samples: Sequence[PolicySample], batching: Batching | None):
+    def _plan(self, samples: Sequence[PolicySample], batching: PackedBatching | None):
         self._check_same_minibatch_on_dp_ranks(samples)
-        with cpu_compat.suspended():  # packing never names CUDA; its many small tensor calls need no redirect
+        with self.backend.host_compute():  # packing never names CUDA
             plan = plan_data_parallel(
-                samples, self._batching(batching), data_parallel=self.dp_size, data_parallel_rank=self.dp_rank,
-                layout=self.layout, vocab_size=self.real_vocab_size,
+                samples, self._batching(batching), self.backend.packer, data_parallel=self.dp_size,
+                data_parallel_rank=self.dp_rank, vocab_size=self.real_vocab_size,
             )
         device = self.device
         plan.micro_batches = [mb.to(device) for mb in plan.micro_batches]
@@ -242,7 +220,7 @@ class Actor:
             metrics.update(mb=mb, logprobs=logprobs.detach(), entropy=entropy)
         return loss * scale, metrics
 
-    def train_minibatch(self, samples: Sequence[PolicySample], batching: Batching | None = None
+    def train_minibatch(self, samples: Sequence[PolicySample], batching: PackedBatching | None = None
                         ) -> dict[str, float]:
         """One optimizer update on the mini-batch ``samples`` (the whole mini-batch, the same on every rank).
 
@@ -257,7 +235,7 @@ class Actor:
         return self._train(samples, batching, reuse=None)[0]
 
     def train_minibatch_reusing_logprobs(self, samples: Sequence[PolicySample], reuse: Sequence[bool],
-                                         batching: Batching | None = None) -> tuple[dict[str, float], PolicyLogProbs]:
+                                         batching: PackedBatching | None = None) -> tuple[dict[str, float], PolicyLogProbs]:
         """:meth:`train_minibatch` where sample ``i`` with ``reuse[i]`` takes π_old's log-probs from this update's
         own forward pass, detached (its ``old_logprobs`` are ignored): exact when the policy still holds the
         weights π_old stands for, and then its importance ratio is exactly 1. Returns the update's metrics and the
@@ -267,7 +245,7 @@ class Actor:
         metrics, outputs = self._train(samples, batching, reuse=list(reuse))
         return metrics, self._per_sample(samples, outputs)
 
-    def _train(self, samples: Sequence[PolicySample], batching: Batching | None, reuse: list[bool] | None):
+    def _train(self, samples: Sequence[PolicySample], batching: PackedBatching | None, reuse: list[bool] | None):
         plan = self._plan(samples, batching)
         num_micro_batches = len(plan.micro_batches)
         self.model.train()
@@ -330,7 +308,7 @@ class Actor:
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[PolicySample], temperature: float | None = None,
-                         batching: Batching | None = None) -> PolicyLogProbs:
+                         batching: PackedBatching | None = None) -> PolicyLogProbs:
         """Per-token log-probs (and entropy) of every sample's response, on every rank, in input order.
 
         ``temperature`` defaults to the actor's rollout temperature, ``batching`` to the actor's (a forward pass

@@ -2,9 +2,9 @@
 
 The actor hands every DP rank the WHOLE mini-batch. megatron's DDP needs every DP rank to run the same number of
 micro-batches, so :func:`plan_data_parallel` splits the samples over DP ranks by tokens (longest first, each to the
-least-loaded rank), builds this rank's micro-batches with :mod:`dapo_megatron.policy.packing` (packed or padded, as
-the :data:`Batching` says), and pads ranks with fewer micro-batches with empty ones (one padding segment, no
-response tokens). Every rank computes every rank's count from the sample lengths alone: no communication.
+least-loaded rank), builds this rank's micro-batches with the backend's
+:class:`~dapo_megatron.policy.packing.RowPacker`, and pads ranks with fewer micro-batches with the packer's filler (one
+padding segment, no response tokens). Every rank computes every rank's count from the sample lengths alone: no communication.
 """
 
 from __future__ import annotations
@@ -13,21 +13,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from dapo_megatron.policy.packing import (
-    MicroBatch,
-    PackedLayout,
-    PolicySample,
-    empty_micro_batch,
-    pack_micro_batches,
-    packing_bins,
-    packing_efficiency,
-    padded_micro_batches,
-)
+from dapo_megatron.policy.packing import MicroBatch, PolicySample, RowPacker, pack_micro_batches, packing_efficiency
 
 
 @dataclass(frozen=True)
 class PackedBatching:
-    """Rows of at most ``token_budget`` tokens, first-fit decreasing (the trainer's: ``trainer.micro_batch_tokens``).
+    """Micro-batches of at most ``token_budget`` tokens (the trainer's: ``trainer.micro_batch_tokens``).
 
     ``pad_to_multiple``: every row's length is a multiple of it (the actor raises it to the TP size under sequence
     parallelism).
@@ -35,17 +26,6 @@ class PackedBatching:
 
     token_budget: int
     pad_to_multiple: int = 1
-
-
-@dataclass(frozen=True)
-class PaddedBatching:
-    """``samples_per_micro_batch`` right-padded rows per micro-batch: the baseline packing is measured against."""
-
-    samples_per_micro_batch: int
-    pad_to_multiple: int = 1
-
-
-Batching = PackedBatching | PaddedBatching
 
 
 def split_for_data_parallel(lengths: Sequence[int], data_parallel: int) -> list[list[int]]:
@@ -79,30 +59,28 @@ class DataParallelPlan:
         return packing_efficiency(self.micro_batches)
 
 
-def _micro_batch_count(samples: Sequence[PolicySample], share: list[int], batching: Batching,
-                       layout: PackedLayout) -> int:
+def _micro_batch_count(samples: Sequence[PolicySample], share: list[int], batching: PackedBatching,
+                       packer: RowPacker) -> int:
     if not share:
         return 0
-    if isinstance(batching, PaddedBatching):
-        return -(-len(share) // batching.samples_per_micro_batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the rank that owns an oversize sample warns when it packs it
-        return len(packing_bins(samples, share, batching.token_budget, layout))
+        return len(packer.bins(samples, share, batching.token_budget))
 
 
 def plan_data_parallel(
     samples: Sequence[PolicySample],
-    batching: Batching,
+    batching: PackedBatching,
+    packer: RowPacker,
     *,
     data_parallel: int,
     data_parallel_rank: int,
-    layout: PackedLayout,
     vocab_size: int | None = None,
 ) -> DataParallelPlan:
     """Split the mini-batch (the same list on every rank) over DP ranks and build this rank's micro-batches.
 
     Every rank computes every rank's micro-batch count from the sample lengths alone, so the counts agree without
-    communication; ranks below the maximum get empty micro-batches.
+    communication; ranks below the maximum get filler micro-batches.
     """
     if not 0 <= data_parallel_rank < data_parallel:
         raise ValueError(f"data_parallel_rank {data_parallel_rank} is outside [0, {data_parallel})")
@@ -112,20 +90,13 @@ def plan_data_parallel(
         raise ValueError(f"pad_to_multiple must be >= 1, got {batching.pad_to_multiple}")
     lengths = [sample.length for sample in samples]
     shares = split_for_data_parallel(lengths, data_parallel)
-    target = max(_micro_batch_count(samples, share, batching, layout) for share in shares)
+    target = max(_micro_batch_count(samples, share, batching, packer) for share in shares)
     mine = shares[data_parallel_rank]
-    if isinstance(batching, PaddedBatching):
-        micro_batches = padded_micro_batches(samples, samples_per_micro_batch=batching.samples_per_micro_batch,
-                                             pad_to_multiple=batching.pad_to_multiple, indices=mine,
-                                             vocab_size=vocab_size)
-        empty_layout = "padded"
-    else:
-        micro_batches = pack_micro_batches(samples, token_budget=batching.token_budget, layout=layout,
-                                           pad_to_multiple=batching.pad_to_multiple, indices=mine,
-                                           vocab_size=vocab_size) if mine else []
-        empty_layout = layout
+    micro_batches = pack_micro_batches(samples, packer, token_budget=batching.token_budget,
+                                       pad_to_multiple=batching.pad_to_multiple, indices=mine,
+                                       vocab_size=vocab_size) if mine else []
     num_empty = target - len(micro_batches)
-    micro_batches += [empty_micro_batch(empty_layout, batching.pad_to_multiple) for _ in range(num_empty)]
+    micro_batches += [packer.row(samples, [], batching.pad_to_multiple) for _ in range(num_empty)]
     loss_tokens = [sample.num_loss_tokens for sample in samples]
     return DataParallelPlan(
         micro_batches=micro_batches,

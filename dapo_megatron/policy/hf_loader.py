@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state
 
 from dapo_megatron.hf_format import HFFormatError, HFWeights, compare_shapes, load_hf_config
-from dapo_megatron.policy.model import ModelSpec, model_spec_from_hf
+from dapo_megatron.policy.model_spec import ModelSpec, model_spec_from_hf
 from dapo_megatron.policy.weight_mapping import (
     BoundMapping,
     ShardGeometry,
@@ -51,7 +52,6 @@ def uses_transformer_engine_names(param_names: list[str]) -> bool:
 
 def model_stage_mappings(model: torch.nn.Module, spec: ModelSpec) -> list[BoundMapping]:
     """The mapping table bound to the stage ``model`` is (from parallel_state, checked against the model itself)."""
-    from megatron.core import parallel_state
 
     model = unwrap_model(model)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -105,7 +105,6 @@ def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, model_dir: str | Pa
     Call it before building the optimizer: a mixed-precision optimizer keeps fp32 main copies of the parameters
     made at construction (otherwise call its ``reload_model_params()`` afterwards).
     """
-    from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     geometry = ShardGeometry(spec, parallel_state.get_tensor_model_parallel_world_size())

@@ -53,8 +53,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from dapo_megatron.config import DAPOConfig
+from dapo_megatron.config.schema import Precision, Recompute
 from dapo_megatron.policy.logprobs import DEFAULT_CHUNK_ELEMENTS
-from dapo_megatron.policy.model import ModelSpec, Precision, Recompute, check_parallel_layout, padded_vocab_size
+from dapo_megatron.policy.model import sequence_parallel_enabled
+from dapo_megatron.policy.model_spec import ModelSpec, check_parallel_layout, padded_vocab_size
 
 GB = 10**9
 FIXED_MARGIN_BYTES = 3 * GB
@@ -182,3 +185,55 @@ def memory_table(stages: list[StageMemory], *, gpu_memory_gb: float) -> str:
                      + " ".join(f"{v / GB:>9.1f}GB" for v in values)
                      + f"  {'yes' if s.total_bytes <= gpu_memory_gb * GB else 'NO'}")
     return "\n".join(lines)
+
+
+def plan_stages(config: DAPOConfig, spec: ModelSpec, *, data_parallel: int, local_spec: bool = False
+                ) -> tuple[list[StageMemory], bool]:
+    """(the per-stage estimate, whether sequence parallelism is in effect) for ``config``'s layout."""
+    p = config.parallel
+    sequence_parallel = sequence_parallel_enabled(p.sequence_parallel, tensor_parallel=p.tensor,
+                                                  use_transformer_engine=not local_spec)
+    stages = estimate_memory(
+        spec, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline, data_parallel=data_parallel,
+        micro_batch_tokens=config.trainer.micro_batch_tokens, distributed_optimizer=p.use_distributed_optimizer,
+        precision=config.model.precision, recompute=config.model.recompute, sequence_parallel=sequence_parallel,
+        fused_attention=not local_spec,
+    )
+    return stages, sequence_parallel
+
+
+def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parallel: int | None = None,
+                gpu_memory_gb: float = 80.0, local_spec: bool = False) -> tuple[str, bool]:
+    """``dapo-megatron plan``: (the printed report, whether every stage fits ``gpu_memory_gb``) for ``config``'s
+    layout of ``spec``, whose shape came from ``origin``.
+
+    The layout is the config's: TP and PP, DP from ``parallel.data`` (or ``data_parallel``), the distributed optimizer,
+    ``trainer.micro_batch_tokens``, ``model.precision`` and ``model.recompute``. It plans for the GPU production path,
+    the Transformer Engine layer spec (fused attention, sequence parallelism as :func:`sequence_parallel_enabled`
+    decides it); ``local_spec=True`` plans megatron's local spec instead (unfused attention, no sequence parallelism).
+    """
+    # gpu_sharing builds on this module (a module-level import would be circular)
+    from dapo_megatron.policy.gpu_sharing import sharing_report
+
+    p = config.parallel
+    dp = data_parallel or p.data or 1
+    stages, sequence_parallel = plan_stages(config, spec, data_parallel=dp, local_spec=local_spec)
+    sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
+    fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
+    lines = [
+        f"model: {spec.arch}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size} ({origin})",
+        f"layout: TP {p.tensor} x PP {p.pipeline} x DP {dp}"
+        + ("" if data_parallel or p.data else " (parallel.data unset: DP 1 assumed, the largest optimizer share)")
+        + f", {'distributed' if p.use_distributed_optimizer else 'replicated'} optimizer, {config.model.precision}",
+        f"per micro-batch: {config.trainer.micro_batch_tokens} tokens; recompute: {config.model.recompute}; "
+        f"sequence parallel: {'on' if sequence_parallel else 'off'}; attention: "
+        f"{'megatron local spec (unfused)' if local_spec else 'Transformer Engine (fused)'}",
+        "",
+        memory_table(stages, gpu_memory_gb=gpu_memory_gb),
+        "",
+        *sharing,
+        *([""] if sharing else []),
+        f"{'fits' if fits else 'does NOT fit'} in {gpu_memory_gb:g} GB per GPU "
+        f"(the memory model: dapo_megatron/policy/memory.py)",
+    ]
+    return "\n".join(lines), fits

@@ -27,6 +27,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 if TYPE_CHECKING:
     from dapo_megatron.config import OptimConfig
@@ -35,7 +39,6 @@ if TYPE_CHECKING:
 def ddp_config(*, use_distributed_optimizer: bool, overlap_grad_reduce: bool = False,
                overlap_param_gather: bool = False):
     """megatron ``DistributedDataParallelConfig``: fp32 gradient reduction, the overlap switches as given."""
-    from megatron.core.distributed import DistributedDataParallelConfig
 
     if overlap_param_gather and not use_distributed_optimizer:
         raise ValueError("overlap_param_gather needs the distributed optimizer (it overlaps ITS parameter all-gather)")
@@ -50,9 +53,6 @@ def ddp_config(*, use_distributed_optimizer: bool, overlap_grad_reduce: bool = F
 def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distributed_optimizer: bool,
                       overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
     """``(DistributedDataParallel(stage), optimizer, scheduler)``; the stage is an unwrapped ``GPTModel``."""
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     tconfig = stage.config
     ddp_model = DistributedDataParallel(
@@ -116,7 +116,6 @@ def clip_and_step(optimizer, grad_norm: float) -> bool:
     ``prepare_grads`` → norm and ``clip_grad_by_total_norm_fp32`` over each optimizer's parameters (when
     ``clip_grad > 0``) → ``step_with_ready_grads``; the caller has done the first two (once), this does the rest.
     """
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0.0:

@@ -1,32 +1,23 @@
-"""Micro-batches for the policy: variable-length samples packed into token-budgeted rows, or padded one per row.
+"""Micro-batches for the policy: variable-length samples packed into token-budgeted rows.
 
 A :class:`PolicySample` is a prompt and a response (token ids), the response's loss mask, old log-probs and advantage.
 The model sees ``tokens = prompt ‖ response``; the log-prob of response token ``j`` comes from the logits at position
 ``P − 1 + j`` (the position before it), so every micro-batch carries, besides the model inputs, a
 ``response_index [n, R]`` into its flattened positions and the per-response-token tensors the loss needs, all
-``[n, R]`` with ``R`` the longest response in it (``response_valid`` marks the real entries).
+``[n, R]`` with ``R`` the longest response in it (``response_valid`` marks the real entries; :func:`response_tensors`
+builds them for every packer).
 
-Packed layout (:func:`pack_micro_batches`): first-fit decreasing puts samples into micro-batches of at most
-``token_budget`` tokens; each micro-batch is ONE row holding its samples back to back, each attending only to itself
-with positions restarting at 0:
+How samples become rows is a :class:`RowPacker`, which the platform's backend supplies
+(:mod:`dapo_megatron.backend`): it groups sample indices into micro-batches (``bins``) and lays one micro-batch out as
+model inputs (``row``; with no samples, the filler micro-batch a DP rank runs when it has fewer than the others).
+:class:`ThdPacker` is the layout of attention that reads sequence boundaries from ``cu_seqlens`` (Transformer
+Engine's fused attention, and the SDPA attention of :mod:`dapo_megatron.policy.sdpa_attention`): first-fit
+decreasing puts samples into micro-batches of at most ``token_budget`` tokens, each micro-batch is ONE row holding its
+samples back to back, each attending only to itself with positions restarting at 0
+(``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv=…)``; megatron's RoPE restarts at every boundary too).
 
-* ``layout="thd"`` (Transformer Engine attention): ``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv=…)``; TE and
-  megatron's RoPE then restart positions at every ``cu_seqlens`` boundary.
-* ``layout="segments"`` (the local spec's :class:`dapo_megatron.policy.cpu_attention.PackedSequenceAttention`, the
-  CPU path): each prompt once, followed by its responses, attention per sample; see
-  :mod:`dapo_megatron.policy.segment_layout`.
-* ``layout="mask"`` (megatron's plain local ``DotProductAttention``, the reference): a block-diagonal causal
-  ``attention_mask [1, 1, S, S]`` with True = masked — the local attention masks scores where the mask is True
-  (``masked_fill(mask, -10000)``) and, when a mask is given, does not add its own causal mask. megatron's standard
-  RoPE rotates by the position in the row, not by ``position_ids``; since a rotary score depends only on the
-  distance between query and key and attention never crosses a sample boundary, each sample's outputs equal those
-  of the sample run alone (up to the rounding of the rotary angles; tests check ≤ 1e-5).
-
-Rows are padded to a multiple of ``pad_to_multiple`` (the TP size under sequence parallelism); the padding is a
-segment of its own that nothing attends to. Packing efficiency = real tokens / processed tokens (rows × length).
-
-Padded layout (:func:`padded_micro_batches`, the baseline): a fixed number of samples per micro-batch, one per row,
-right-padded to the longest; plain causal attention (right padding is never seen by real tokens).
+Rows are padded to a multiple of ``pad_to_multiple`` (the TP size under sequence parallelism, 16 or 32 for FP8); the
+padding is a segment of its own that nothing attends to. Packing efficiency = real tokens / processed tokens.
 
 Which samples a DP rank packs, and how many micro-batches every rank runs, is :mod:`dapo_megatron.policy.batch_plan`'s
 job. Everything here is deterministic: the same samples in the same order give the same micro-batches on every rank.
@@ -36,12 +27,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, fields, replace
-from typing import Literal, Sequence
+from typing import Protocol, Sequence
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
-PackedLayout = Literal["thd", "mask", "segments"]
 PAD_TOKEN_ID = 0  # padding positions are never attended to and never in the loss; any valid id works
 
 
@@ -168,7 +159,7 @@ def packing_efficiency(micro_batches: Sequence[MicroBatch]) -> float:
     return sum(mb.num_real_tokens for mb in micro_batches) / max(processed, 1)
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -205,7 +196,7 @@ def first_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[list
     return bins
 
 
-def _check_vocab(samples: Sequence[PolicySample], indices: Sequence[int], vocab_size: int | None) -> None:
+def check_vocab(samples: Sequence[PolicySample], indices: Sequence[int], vocab_size: int | None) -> None:
     if vocab_size is None or not indices:
         return
     every = torch.cat([ids for i in indices for ids in (samples[i].prompt_ids, samples[i].response_ids)])
@@ -222,7 +213,7 @@ def _check_vocab(samples: Sequence[PolicySample], indices: Sequence[int], vocab_
                 )
 
 
-def _response_tensors(samples: Sequence[PolicySample], indices: Sequence[int], starts: Sequence[int],
+def response_tensors(samples: Sequence[PolicySample], indices: Sequence[int], starts: Sequence[int],
                       predictors: Sequence[int] | None = None):
     """``[n, R]`` response_index/valid/loss_mask/old_logprobs/advantages/response_ids. The logits predicting the
     response tokens are at the flat positions ``predictors`` (all samples' tokens in order) when given, else, for
@@ -265,11 +256,48 @@ def _response_tensors(samples: Sequence[PolicySample], indices: Sequence[int], s
             rows(advantages, torch.float32), rows(torch.cat([s.response_ids for s in picked]), torch.long))
 
 
-def _packed_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int, layout: PackedLayout
-                ) -> MicroBatch:
+class RowPacker(Protocol):
+    """How a backend's attention wants samples laid out in rows (see the module docstring)."""
+
+    def bins(self, samples: Sequence[PolicySample], indices: Sequence[int], token_budget: int) -> list[list[int]]:
+        """The sample indices of each micro-batch; deterministic."""
+
+    def row(self, samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int) -> MicroBatch:
+        """One micro-batch holding ``indices`` (none: the filler micro-batch, one padding segment)."""
+
+
+@dataclass
+class ThdRow(PackedSeqParams):
+    """megatron's ``PackedSeqParams`` of one THD row, with its segment lengths on the host as well (the SDPA
+    attention reads them there; Transformer Engine reads ``cu_seqlens``)."""
+
+    segment_lengths: tuple[int, ...] = ()
+
+
+class ThdPacker:
+    """Samples back to back in one row per micro-batch, sequence boundaries as ``cu_seqlens`` (THD)."""
+
+    def bins(self, samples: Sequence[PolicySample], indices: Sequence[int], token_budget: int) -> list[list[int]]:
+        bins = first_fit_decreasing([samples[i].length for i in indices], token_budget)
+        return [[indices[j] for j in members] for members in bins]
+
+    def row(self, samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int) -> MicroBatch:
+        tokens, labels, positions, starts, segment_lengths = concatenated_row(samples, indices, pad_to_multiple)
+        cu_seqlens = torch.tensor([0] + segment_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        longest = max(segment_lengths)
+        params = ThdRow(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                        max_seqlen_q=longest, max_seqlen_kv=longest, segment_lengths=tuple(segment_lengths))
+        return MicroBatch(tokens[None], positions[None], labels[None], None, params,
+                          *response_tensors(samples, indices, starts), sample_indices=tuple(indices),
+                          num_real_tokens=sum(samples[i].length for i in indices))
+
+
+def concatenated_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int):
+    """``indices``' samples back to back, padded to a multiple of ``pad_to_multiple``: (tokens ``[S]``, labels
+    ``[S]``, positions ``[S]`` restarting at every sample and at the padding, each sample's start, segment lengths)."""
     lengths = [samples[i].length for i in indices]
     real = sum(lengths)
-    total = _round_up(max(real, 1), pad_to_multiple)
+    total = round_up(max(real, 1), pad_to_multiple)
     segment_lengths = lengths + ([total - real] if total > real else [])
     tokens = torch.full((total,), PAD_TOKEN_ID, dtype=torch.long)
     labels = torch.zeros(total, dtype=torch.long)
@@ -282,108 +310,15 @@ def _packed_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_to_
         labels[offset:offset + ids.numel() - 1] = ids[1:]
         starts.append(offset)
         offset += ids.numel()
-
-    attention_mask = packed_seq_params = None
-    if layout == "mask":
-        segment = torch.repeat_interleave(torch.arange(len(segment_lengths)), torch.tensor(segment_lengths))
-        allowed = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
-        attention_mask = (~allowed)[None, None]
-    elif layout == "thd":
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        cu_seqlens = torch.tensor([0] + segment_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        longest = max(segment_lengths)
-        packed_seq_params = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-            max_seqlen_q=longest, max_seqlen_kv=longest,
-        )
-    else:
-        raise ValueError(f"unknown packed layout {layout!r}; expected 'thd' or 'mask'")
-    return MicroBatch(
-        tokens[None], positions[None], labels[None], attention_mask, packed_seq_params,
-        *_response_tensors(samples, indices, starts), sample_indices=tuple(indices), num_real_tokens=real,
-    )
+    return tokens, labels, positions, starts, segment_lengths
 
 
-def pack_micro_batches(
-    samples: Sequence[PolicySample],
-    *,
-    token_budget: int,
-    layout: PackedLayout,
-    pad_to_multiple: int = 1,
-    indices: Sequence[int] | None = None,
-    vocab_size: int | None = None,
-) -> list[MicroBatch]:
-    """Pack ``samples`` (or the subset ``indices`` of them) into first-fit-decreasing micro-batches of one row each.
-
-    ``vocab_size``, when given, is checked against every token id (an id in the padded vocabulary rows would
-    otherwise give a meaningless log-prob).
-    """
+def pack_micro_batches(samples: Sequence[PolicySample], packer: RowPacker, *, token_budget: int,
+                       pad_to_multiple: int = 1, indices: Sequence[int] | None = None,
+                       vocab_size: int | None = None) -> list[MicroBatch]:
+    """``samples`` (or the subset ``indices`` of them) as ``packer``'s micro-batches of at most ``token_budget``
+    tokens. ``vocab_size``, when given, is checked against every token id (an id in the padded vocabulary rows
+    would otherwise give a meaningless log-prob)."""
     indices = list(range(len(samples))) if indices is None else list(indices)
-    _check_vocab(samples, indices, vocab_size)
-    bins = packing_bins(samples, indices, token_budget, layout)
-    if layout == "segments":
-        from dapo_megatron.policy.segment_layout import segmented_row
-
-        return [segmented_row(samples, members, pad_to_multiple) for members in bins]
-    return [_packed_row(samples, members, pad_to_multiple, layout) for members in bins]
-
-
-def packing_bins(samples: Sequence[PolicySample], indices: Sequence[int], token_budget: int, layout: PackedLayout
-                 ) -> list[list[int]]:
-    """The sample indices of each packed micro-batch: first-fit decreasing by sample length, or, for the segments
-    layout, by prompt unit (:func:`dapo_megatron.policy.segment_layout.segment_bins`)."""
-    if layout == "segments":
-        from dapo_megatron.policy.segment_layout import segment_bins
-
-        return segment_bins(samples, indices, token_budget)
-    bins = first_fit_decreasing([samples[i].length for i in indices], token_budget)
-    return [[indices[j] for j in members] for members in bins]
-
-
-def empty_micro_batch(layout: PackedLayout | Literal["padded"], pad_to_multiple: int = 1) -> MicroBatch:
-    """A micro-batch with no sample: one padding segment, so the model runs and contributes zero gradient."""
-    if layout == "padded":
-        length = _round_up(1, pad_to_multiple)
-        return MicroBatch(
-            torch.full((1, length), PAD_TOKEN_ID, dtype=torch.long), torch.arange(length)[None],
-            torch.zeros(1, length, dtype=torch.long), None, None, *_response_tensors([], [], []),
-            sample_indices=(), num_real_tokens=0,
-        )
-    if layout == "segments":
-        from dapo_megatron.policy.segment_layout import segmented_row
-
-        return segmented_row([], [], pad_to_multiple)
-    return _packed_row([], [], pad_to_multiple, layout)
-
-
-def padded_micro_batches(
-    samples: Sequence[PolicySample],
-    *,
-    samples_per_micro_batch: int,
-    pad_to_multiple: int = 1,
-    indices: Sequence[int] | None = None,
-    vocab_size: int | None = None,
-) -> list[MicroBatch]:
-    """One sample per row, right-padded to the longest in its micro-batch; consecutive samples in input order."""
-    if samples_per_micro_batch < 1:
-        raise ValueError(f"samples_per_micro_batch must be >= 1, got {samples_per_micro_batch}")
-    indices = list(range(len(samples))) if indices is None else list(indices)
-    _check_vocab(samples, indices, vocab_size)
-    micro_batches = []
-    for begin in range(0, len(indices), samples_per_micro_batch):
-        members = indices[begin:begin + samples_per_micro_batch]
-        width = _round_up(max(samples[i].length for i in members), pad_to_multiple)
-        tokens = torch.full((len(members), width), PAD_TOKEN_ID, dtype=torch.long)
-        labels = torch.zeros(len(members), width, dtype=torch.long)
-        for row, index in enumerate(members):
-            ids = torch.cat([samples[index].prompt_ids, samples[index].response_ids])
-            tokens[row, :ids.numel()] = ids
-            labels[row, :ids.numel() - 1] = ids[1:]
-        positions = torch.arange(width).expand(len(members), width).contiguous()
-        micro_batches.append(MicroBatch(
-            tokens, positions, labels, None, None,
-            *_response_tensors(samples, members, [row * width for row in range(len(members))]),
-            sample_indices=tuple(members), num_real_tokens=sum(samples[i].length for i in members),
-        ))
-    return micro_batches
+    check_vocab(samples, indices, vocab_size)
+    return [packer.row(samples, members, pad_to_multiple) for members in packer.bins(samples, indices, token_budget)]

@@ -32,7 +32,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from dapo_megatron.policy.model import ModelSpec, padded_vocab_size
+from dapo_megatron.policy.model_spec import ModelSpec, padded_vocab_size
 
 
 class Split(enum.Enum):

@@ -1,10 +1,10 @@
-"""Rollout engines: the interface (:mod:`.engine`), the in-process engine (:mod:`.embedded`).
+"""Rollout engines: the interface every engine implements (:mod:`.engine`).
 
-The SGLang engine lives in :mod:`dapo_megatron.rollout.sglang_engine` and is imported from there explicitly, so that
-importing this package never pulls in SGLang or its HTTP stack.
+The engines are imported from their own modules — :mod:`dapo_megatron.rollout.embedded` (in-process) and
+:mod:`dapo_megatron.rollout.sglang_engine` (SGLang servers) — or built from the run config by
+:func:`dapo_megatron.rollout.factory.build_rollout_engine`, so that importing this package loads neither.
 """
 
-from dapo_megatron.rollout.embedded import EmbeddedEngine
 from dapo_megatron.rollout.engine import (
     EngineHealth,
     FinishedRequest,
@@ -15,5 +15,5 @@ from dapo_megatron.rollout.engine import (
     SamplingParams,
 )
 
-__all__ = ["RolloutEngine", "SamplingParams", "Sample", "EngineHealth", "RolloutError", "EmbeddedEngine",
-           "GenerationRequest", "FinishedRequest"]
+__all__ = ["RolloutEngine", "SamplingParams", "Sample", "EngineHealth", "RolloutError", "GenerationRequest",
+           "FinishedRequest"]

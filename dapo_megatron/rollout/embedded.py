@@ -15,37 +15,36 @@ Generation (:meth:`EmbeddedEngine.generate`) is a custom decode loop rather than
   transformers' per-call machinery, and an attention written for one query per row; logits equal up to rounding);
 * a row finishes on a stop token (kept in its ``token_ids``, reason ``"stop"``) or after ``max_new_tokens``
   (``"length"``); finished rows are dropped from the batch once they are a large enough share of it, which
-  shrinks every later forward at the cost of one copy of the cache.
+  shrinks every later forward at the cost of one copy of the cache. The steps of one chunk's decode:
+  :mod:`dapo_megatron.rollout.decode_chunk`.
+
+How it batches (rows per chunk, the KV-cache budget, when finished rows leave) is the run config's
+``rollout.embedded`` section (:class:`dapo_megatron.config.EmbeddedConfig`).
 
 Log-probs and the sampling rule are documented in :mod:`dapo_megatron.rollout.sampling`: ``Sample.logprobs`` holds
 ``log_softmax(logits / T)`` of the chosen token before top-k/top-p truncation (the untempered distribution when
 ``T == 0``, i.e. greedy).
 
 Streaming (:meth:`EmbeddedEngine.submit` / ``poll`` / ``abort``) runs the same decode loop in a background thread
-(:mod:`dapo_megatron.rollout.embedded_stream`); a weight update waits for the decode step in progress, and the loops
-re-prefill with the new weights before their next step (per-token versions in ``Sample.token_versions``).
+(:mod:`dapo_megatron.rollout.embedded_stream`); a weight update waits for the decode step in progress
+(:mod:`dapo_megatron.rollout.weight_gate`), and the loops re-prefill with the new weights before their next step
+(per-token versions in ``Sample.token_versions``).
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from dapo_megatron import cpu_compat
+from dapo_megatron.config import EmbeddedConfig
 from dapo_megatron.hf_format import Bucket, bucketed, iter_tensors, load_hf_config
-from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, prefill, preallocated_kv_cache
-from dapo_megatron.rollout.embedded_stream import (
-    ChunkListener,
-    GeneratedRow,
-    StreamedRows,
-    StreamWorker,
-    WeightGate,
-    row_result,
-)
+from dapo_megatron.rollout.decode_chunk import DecodingChunk, GeneratedRow
+from dapo_megatron.rollout.embedded_stream import StreamedRows, StreamWorker
 from dapo_megatron.rollout.engine import (
     EngineHealth,
     FinishedRequest,
@@ -58,12 +57,8 @@ from dapo_megatron.rollout.engine import (
 from dapo_megatron.rollout.lean_decode import LeanDecoder
 from dapo_megatron.rollout.named_tensors import load_named_tensors
 from dapo_megatron.rollout.request_book import RequestBook
-from dapo_megatron.rollout.sampling import (
-    TokenSampler,
-    per_sample_seeds,
-    per_sample_uniforms,
-    resolve_call_seed,
-)
+from dapo_megatron.rollout.sampling import TokenSampler, per_sample_seeds, resolve_call_seed
+from dapo_megatron.rollout.weight_gate import WeightGate
 
 NO_WEIGHTS_VERSION = -1
 """``weight_version`` of an engine that has not received (valid) weights yet; :meth:`generate` refuses to run."""
@@ -80,43 +75,41 @@ class EmbeddedEngine(RolloutEngine):
     Args:
         hf_config: the model's HF config; the model is built from it with random weights, which are never used:
             :meth:`generate` refuses to run until :meth:`update_weights` has delivered a full, valid set.
-        max_batch_rows: most sample rows decoded together (a chunk).
-        max_kv_cache_bytes: KV-cache budget of one chunk; chunks shrink so that rows x positions fits it.
-        drop_finished_fraction: finished rows leave the batch once they are at least this share of it (0: as soon as
-            one finishes; above 1: never). Dropping shrinks later forwards but copies the cache.
+        settings: how it batches (the run config's ``rollout.embedded``); None: the schema's defaults.
+        gate: what decode steps and weight updates take turns through; a test passes one that holds the decode loop
+            at a chosen step. None: a plain :class:`WeightGate`.
     """
 
-    def __init__(
-        self,
-        hf_config: PretrainedConfig,
-        *,
-        max_batch_rows: int = 512,
-        max_kv_cache_bytes: int = 2 * 2**30,
-        drop_finished_fraction: float = 0.25,
-    ):
+    def __init__(self, hf_config: PretrainedConfig, settings: EmbeddedConfig | None = None, *,
+                 gate: WeightGate | None = None, host_compute: Callable[[], AbstractContextManager] = nullcontext):
         check_supported_config(hf_config)
-        if max_batch_rows < 1:
-            raise ValueError(f"max_batch_rows must be >= 1, got {max_batch_rows}")
+        self.settings = settings or EmbeddedConfig()
+        if self.settings.max_batch_rows < 1:
+            raise ValueError(f"EmbeddedEngine: max_batch_rows must be >= 1, got {self.settings.max_batch_rows}")
+        self._host_compute = host_compute  # the backend's context for tensor work that never names CUDA
         config = copy.deepcopy(hf_config)
         self._model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         self._model.eval().requires_grad_(False)
         self._decode_step = LeanDecoder(self._model)  # the model's decode step without its per-call machinery
         self._config = self._model.config
-        self._max_batch_rows = max_batch_rows
-        self._max_kv_cache_bytes = max_kv_cache_bytes
-        self._drop_finished_fraction = drop_finished_fraction
         self._version = NO_WEIGHTS_VERSION
-        self._gate = WeightGate()  # decode steps vs. weight updates
+        self._gate = gate or WeightGate()  # decode steps vs. weight updates
         self._book = RequestBook("EmbeddedEngine")  # streamed requests
         self._worker: StreamWorker | None = None
 
     @classmethod
-    def from_hf_directory(cls, directory: str | Path, *, version: int = 0, **engine_kwargs) -> "EmbeddedEngine":
+    def from_hf_directory(cls, directory: str | Path, settings: EmbeddedConfig | None = None, *, version: int = 0,
+                          gate: WeightGate | None = None) -> "EmbeddedEngine":
         """Build from an HF checkpoint directory: its ``config.json``, then its safetensors weights pushed through
         :meth:`update_weights` as ``version``, one tensor per bucket."""
-        engine = cls(load_hf_config(directory), **engine_kwargs)
+        engine = cls(load_hf_config(directory), settings, gate=gate)
         engine.update_weights(bucketed(iter_tensors(directory), bucket_bytes=1), version)
         return engine
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The HF model it decodes with (fp32, eval mode, no grad), holding the served weights."""
+        return self._require_model()
 
     # -- weights ---------------------------------------------------------------------------------------------
 
@@ -178,7 +171,7 @@ class EmbeddedEngine(RolloutEngine):
         )
         rows_per_chunk = self._chunk_size(max(len(prompt) for prompt in prompts), params.max_new_tokens)
         results: dict[tuple[int, int], GeneratedRow] = {}
-        with cpu_compat.suspended():  # HF generation never names CUDA: the device redirect would only slow it down
+        with self._host_compute():  # HF generation never names CUDA (on CPU: no device redirect, which only slows it)
             for start in range(0, len(rows), rows_per_chunk):
                 chunk_rows = rows[start : start + rows_per_chunk]
                 if streamed is not None:
@@ -186,113 +179,40 @@ class EmbeddedEngine(RolloutEngine):
                     if not chunk_rows:
                         continue
                 chunk_index = torch.tensor(chunk_rows)  # [rows, 2]: (prompt index, sample index)
-                generated = self._generate_chunk(
+                generated = self._decode_chunk(
                     model,
-                    [prompts[prompt_index] for prompt_index, _ in chunk_rows],
-                    seeds[chunk_index[:, 0], chunk_index[:, 1]],
-                    params,
-                    sampler,
-                    streamed.for_chunk(chunk_rows) if streamed is not None else None,
+                    DecodingChunk([prompts[prompt_index] for prompt_index, _ in chunk_rows],
+                                  seeds[chunk_index[:, 0], chunk_index[:, 1]], params, sampler,
+                                  num_layers=self._config.num_hidden_layers,
+                                  listener=streamed.for_chunk(chunk_rows) if streamed is not None else None),
                 )
                 results.update(zip(chunk_rows, generated))
         return results
 
-    def _generate_chunk(
-        self,
-        model: torch.nn.Module,
-        prompts: list[Sequence[int]],
-        seeds: torch.Tensor,
-        params: SamplingParams,
-        sampler: TokenSampler,
-        listener: ChunkListener | None = None,
-    ) -> list[GeneratedRow]:
-        """Decode one chunk of rows; see the module docstring for the padding, mask and cache layout.
-
-        Each step runs inside the weight gate; a step that finds new weights re-prefills the prompt and the tokens
-        so far with them first. ``listener`` (streaming) stops aborted rows and receives rows as they finish."""
-        steps = params.max_new_tokens
-        batch = LeftPaddedBatch.build(prompts, steps, pad_token_id=0)
-        num_rows, padded = batch.input_ids.shape
-        uniforms = None if sampler.is_greedy else per_sample_uniforms(seeds, steps)
-        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.int64) if params.stop_token_ids else None
-
-        out_tokens = torch.zeros(num_rows, steps, dtype=torch.int64)
-        out_logprobs = torch.zeros(num_rows, steps, dtype=torch.float32)
-        lengths = torch.full((num_rows,), steps, dtype=torch.int64)
-        stopped = torch.zeros(num_rows, dtype=torch.bool)
-        aborted = torch.zeros(num_rows, dtype=torch.bool)
-        step_versions: list[int] = []  # the weight version that sampled step t's tokens
-        emitted: set[int] = set()
-
-        def emit(done_rows: torch.Tensor) -> None:  # streaming: hand finished rows over now
-            for row in done_rows.tolist():
-                emitted.add(row)
-                listener.finished(row, row_result(out_tokens, out_logprobs, row, int(lengths[row]),
-                                                         bool(stopped[row]), bool(aborted[row]), step_versions))
-
-        # The state below shrinks when finished rows leave; `rows` maps batch rows to chunk rows.
-        rows = torch.arange(num_rows)
-        key_valid = batch.key_valid
-        prompt_lengths = batch.prompt_lengths
-        finished = torch.zeros(num_rows, dtype=torch.bool)
-        cache = preallocated_kv_cache(self._config.num_hidden_layers, padded + steps - 1)
-
+    def _decode_chunk(self, model: torch.nn.Module, chunk: DecodingChunk) -> list[GeneratedRow]:
+        """Run ``chunk``'s decode steps (:mod:`dapo_megatron.rollout.decode_chunk`), each inside the weight gate; a
+        step that finds new weights re-prefills the prompts and the tokens so far with them first."""
         with torch.inference_mode():
             with self._gate.step():
                 version = self._version
-                cache, logits = prefill(model, batch.input_ids, key_valid, cache)
-            for step in range(steps):
+                chunk.prefill(model)
+            for step in range(chunk.steps):
                 with self._gate.step():
-                    if listener is not None:
-                        newly_aborted = listener.aborted(rows) & ~finished
-                        if bool(newly_aborted.any()):
-                            lengths[rows[newly_aborted]] = step
-                            aborted[rows[newly_aborted]] = True
-                            finished |= newly_aborted
-                            emit(rows[newly_aborted])
-                            if bool(finished.all()):
-                                break
+                    chunk.stop_aborted_rows(step)
+                    if chunk.all_finished:
+                        break
                     if self._version != version:  # new weights since the last step: the cache holds the old ones'
                         version = self._version
                         if version == NO_WEIGHTS_VERSION:
                             raise RolloutError("a generation in flight lost its weights: the last update failed")
-                        cache, logits = prefill(model, torch.cat([batch.input_ids[rows], out_tokens[rows, :step]], 1),
-                                                key_valid, preallocated_kv_cache(self._config.num_hidden_layers,
-                                                                                 padded + steps - 1))
-                    step_versions.append(version)
-                    step_uniforms = uniforms[rows, step] if uniforms is not None else None
-                    tokens, logprobs = sampler(logits, step_uniforms)
-                    out_tokens[rows, step] = tokens
-                    out_logprobs[rows, step] = logprobs
-                    if stop_ids is not None:
-                        newly_stopped = torch.isin(tokens, stop_ids) & ~finished
-                        if bool(newly_stopped.any()):
-                            lengths[rows[newly_stopped]] = step + 1
-                            stopped[rows[newly_stopped]] = True
-                            finished |= newly_stopped
-                            if listener is not None:
-                                emit(rows[newly_stopped])
-                    if step == steps - 1 or bool(finished.all()):
+                        chunk.re_prefill(model, step)
+                    chunk.sample(step, version)
+                    chunk.stop_at_stop_tokens(step)
+                    if step == chunk.steps - 1 or chunk.all_finished:
                         break
-                    num_finished = int(finished.sum())
-                    if num_finished and num_finished >= self._drop_finished_fraction * len(rows):
-                        keep = (~finished).nonzero().squeeze(-1)
-                        for layer in cache.layers:
-                            layer.batch_select_indices(keep)
-                        rows, key_valid, prompt_lengths = rows[keep], key_valid[keep], prompt_lengths[keep]
-                        tokens, finished = tokens[keep], finished[keep]
-                    logits = self._decode_step(
-                        tokens, key_valid[:, None, None, : padded + step + 1], (prompt_lengths + step)[:, None], cache
-                    )
-
-        results = [row_result(out_tokens, out_logprobs, row, length, is_stopped, is_aborted, step_versions)
-                   for row, (length, is_stopped, is_aborted)
-                   in enumerate(zip(lengths.tolist(), stopped.tolist(), aborted.tolist()))]
-        if listener is not None:
-            for row, result in enumerate(results):
-                if row not in emitted:
-                    listener.finished(row, result)
-        return results
+                    chunk.drop_finished_rows(self.settings.drop_finished_fraction)
+                    chunk.decode(self._decode_step, step)
+        return chunk.results()
 
     # -- streaming -------------------------------------------------------------------------------------------
 
@@ -303,7 +223,7 @@ class EmbeddedEngine(RolloutEngine):
             self._check_generate_inputs([request.prompt], request.params)
         self._book.add(requests)
         if self._worker is None:
-            self._worker = StreamWorker(self, self._book)
+            self._worker = StreamWorker(self._book, decode_rows=self._decode_rows, served_version=lambda: self._version)
 
     def poll(self, timeout_s: float = 0.0) -> list[FinishedRequest]:
         return self._book.poll(timeout_s)
@@ -316,12 +236,13 @@ class EmbeddedEngine(RolloutEngine):
         return self._book.num_in_flight
 
     def _chunk_size(self, prompt_length: int, max_new_tokens: int) -> int:
-        """Rows per chunk: ``max_batch_rows``, lowered so the chunk's KV cache fits ``max_kv_cache_bytes``."""
+        """Rows per chunk: ``max_batch_rows``, lowered so the chunk's KV cache fits ``max_kv_cache_mb``."""
         config = self._config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bytes_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # K+V, fp32
         bytes_per_row = bytes_per_position * (prompt_length + max_new_tokens)
-        return max(1, min(self._max_batch_rows, self._max_kv_cache_bytes // bytes_per_row))
+        max_kv_cache_bytes = int(self.settings.max_kv_cache_mb * 2**20)
+        return max(1, min(self.settings.max_batch_rows, max_kv_cache_bytes // bytes_per_row))
 
     def _check_generate_inputs(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
         vocab_size = self._config.vocab_size

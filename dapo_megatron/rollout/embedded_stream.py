@@ -1,100 +1,28 @@
-"""What the embedded engine needs to stream: a gate that lets weight updates in between two decode steps, and a
-background worker that decodes submitted requests and hands each one back as soon as its samples are done.
+"""The embedded engine's streamed requests: a background worker that decodes submitted requests and hands each one
+back as soon as its samples are done.
 
-* :class:`WeightGate` — every decode step (forward + sampling) runs inside ``gate.step()``; ``update_weights`` runs
-  inside ``gate.exclusive()``, which waits for the steps in progress to end and holds new ones back until the weights
-  are swapped. A decode loop that finds the version changed when it enters its next step re-prefills its prompt and
-  tokens so far with the new weights (:meth:`EmbeddedEngine._generate_chunk`), so every later token is sampled by
-  the new weights alone, and records the version of each step.
 * :class:`StreamWorker` — a daemon thread: takes every queued request from the :class:`RequestBook`, decodes them
   together (rows sorted by prompt length and cut into chunks as :meth:`EmbeddedEngine.generate` does), then the
-  next queued set. :class:`StreamedRows` maps a chunk's rows back to requests: it stops the rows of aborted requests
-  at their next step and finishes a request in the book when its last sample is done.
+  next queued set. It is given the engine's row decoder and served version, nothing else of the engine.
+* :class:`StreamedRows` maps a chunk's rows back to requests; its :class:`ChunkListener` (the decode loop's
+  :class:`~dapo_megatron.rollout.decode_chunk.RowListener`) stops the rows of aborted requests at their next step
+  and finishes a request in the book when its last sample is done.
+
+Weight updates while requests are in flight: :mod:`dapo_megatron.rollout.weight_gate`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import torch
 
-from dapo_megatron.rollout.engine import FinishReason, GenerationRequest, Sample, SamplingParams
+from dapo_megatron.rollout.decode_chunk import GeneratedRow
+from dapo_megatron.rollout.engine import GenerationRequest, Sample, SamplingParams
 from dapo_megatron.rollout.request_book import RequestBook
 from dapo_megatron.rollout.sampling import per_sample_seeds, resolve_call_seed
-
-if TYPE_CHECKING:
-    from dapo_megatron.rollout.embedded import EmbeddedEngine
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class GeneratedRow:
-    """One decoded row: its tokens, their log-probs and the weight version that sampled each."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-    token_versions: list[int]
-
-
-def row_result(out_tokens: torch.Tensor, out_logprobs: torch.Tensor, row: int, length: int, is_stopped: bool,
-               is_aborted: bool, step_versions: list[int]) -> GeneratedRow:
-    """Row ``row`` of a chunk's ``[rows, steps]`` outputs, cut at its ``length``."""
-    return GeneratedRow(
-        token_ids=out_tokens[row, :length].tolist(),
-        logprobs=out_logprobs[row, :length].tolist(),
-        finish_reason="abort" if is_aborted else "stop" if is_stopped else "length",
-        token_versions=step_versions[:length],
-    )
-
-
-class WeightGate:
-    """Decode steps run concurrently with each other, never with a weight update (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active_steps = 0
-        self._updating = False
-
-    @contextmanager
-    def step(self):
-        with self._cond:
-            while self._updating:
-                self._cond.wait()
-            self._active_steps += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active_steps -= 1
-                self._cond.notify_all()
-
-    def when_settled(self, read: Callable[[], T]) -> T:
-        """``read()`` at a moment no weight update is in progress (waiting for one to end)."""
-        with self._cond:
-            while self._updating:
-                self._cond.wait()
-            return read()
-
-    @contextmanager
-    def exclusive(self):
-        with self._cond:
-            while self._updating:
-                self._cond.wait()
-            self._updating = True  # from here on no step starts
-            while self._active_steps:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._updating = False
-                self._cond.notify_all()
 
 
 class StreamedRows:
@@ -111,8 +39,8 @@ class StreamedRows:
         live = []
         for request_index, sample_index in rows:
             if self.book.is_aborted(self.requests[request_index].request_id):
-                self._add(request_index, sample_index, Sample(prompt_index=0, token_ids=[], logprobs=[],
-                                                              finish_reason="abort", weight_version=self.version))
+                self.add_sample(request_index, sample_index, Sample(prompt_index=0, token_ids=[], logprobs=[],
+                                                                    finish_reason="abort", weight_version=self.version))
             else:
                 live.append((request_index, sample_index))
         return live
@@ -120,7 +48,8 @@ class StreamedRows:
     def for_chunk(self, chunk_rows: list[tuple[int, int]]) -> "ChunkListener":
         return ChunkListener(self, chunk_rows)
 
-    def _add(self, request_index: int, sample_index: int, sample: Sample) -> None:
+    def add_sample(self, request_index: int, sample_index: int, sample: Sample) -> None:
+        """Sample ``sample_index`` of request ``request_index`` is done; the request finishes with its last one."""
         done = self._samples[request_index]
         done[sample_index] = sample
         request = self.requests[request_index]
@@ -146,19 +75,25 @@ class ChunkListener:
     def finished(self, chunk_row: int, row: GeneratedRow) -> None:
         request_index, sample_index = self.chunk_rows[chunk_row]
         versions = list(row.token_versions)
-        self.rows._add(request_index, sample_index, Sample(
+        self.rows.add_sample(request_index, sample_index, Sample(
             prompt_index=0, token_ids=row.token_ids, logprobs=row.logprobs, finish_reason=row.finish_reason,
             weight_version=versions[0] if versions else self.rows.version, token_versions=versions))
 
 
+RowDecoder = Callable[[Sequence[Sequence[int]], torch.Tensor, SamplingParams, StreamedRows], object]
+"""``(prompts, seeds [prompts, n], params, rows)``: decode every sample row of ``prompts``, reporting to ``rows``."""
+
+
 class StreamWorker:
-    """The background thread of an embedded engine's streamed requests."""
+    """The background thread of an embedded engine's streamed requests: ``decode_rows`` decodes a pass,
+    ``served_version()`` is what a request aborted before its first token reports."""
 
     POLL_S = 0.2  # how often an idle worker looks at the closed flag
 
-    def __init__(self, engine: "EmbeddedEngine", book: RequestBook) -> None:
-        self.engine = engine
+    def __init__(self, book: RequestBook, decode_rows: RowDecoder, served_version: Callable[[], int]) -> None:
         self.book = book
+        self.decode_rows = decode_rows
+        self.served_version = served_version
         self.thread = threading.Thread(target=self._run, name="embedded-stream", daemon=True)
         self.thread.start()
 
@@ -171,8 +106,8 @@ class StreamWorker:
                     by_params.setdefault(dataclasses.replace(request.params, seed=None), []).append(request)
                 for params, group in by_params.items():
                     seeds = torch.cat([per_sample_seeds(resolve_call_seed(r.params.seed), 1, params.n) for r in group])
-                    self.engine._decode_rows([r.prompt for r in group], seeds, params,
-                                             StreamedRows(self.book, group, self.engine.weight_version))
+                    self.decode_rows([r.prompt for r in group], seeds, params,
+                                     StreamedRows(self.book, group, self.served_version()))
         except BaseException as error:  # noqa: BLE001 - the next poll() raises it in the caller's thread
             self.book.fail(error)
 

@@ -27,6 +27,11 @@ continues — a partial rollout. Every token records the version of the weights 
 (``Sample.token_versions``, non-decreasing along a response); ``Sample.weight_version`` is the first (oldest) one.
 Which tokens the trainer may train, and how, is decided from those versions
 (:mod:`dapo_megatron.algorithm.staleness`, :mod:`dapo_megatron.algorithm.rollout_correction`).
+
+GPUs shared with the trainer (``rollout.placement: colocated``, :mod:`dapo_megatron.rollout.placement`): the trainer
+calls :meth:`~RolloutEngine.before_generation` / :meth:`~RolloutEngine.after_generation` around every generation and
+:meth:`~RolloutEngine.before_policy_update` before training; the next :meth:`~RolloutEngine.update_weights` brings the
+released weights back. They do nothing for an engine with memory of its own (the default).
 """
 
 from __future__ import annotations
@@ -168,6 +173,18 @@ class RolloutEngine(abc.ABC):
     def commit_stage_streams(self, version: int) -> None:
         """After every stage has streamed through :meth:`stage_stream_receiver`: check and serve ``version``."""
         raise NotImplementedError(f"{type(self).__name__} does not receive per-stage weight streams")
+
+    # ---- turns on GPUs shared with the trainer (colocated placement); nothing to do by default -------------------
+    def before_generation(self) -> None:
+        """Take back the memory generating needs (a colocated server's KV cache); raises while the weights are
+        released and no :meth:`update_weights` brought new ones."""
+
+    def after_generation(self) -> None:
+        """Give the memory only generating needs back to the trainer (a colocated server's KV cache)."""
+
+    def before_policy_update(self) -> None:
+        """Give the rest back too (a colocated server's weights): the trainer needs the GPU; the next
+        :meth:`update_weights` takes the weights' memory back and fills it."""
 
     @property
     @abc.abstractmethod

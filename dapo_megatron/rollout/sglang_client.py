@@ -131,6 +131,17 @@ class SGLangClient:
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
 
+    # ---- memory (colocated placement: dapo_megatron/rollout/placement.py) ---------------------------------------
+    def release_memory_occupation(self, tags: tuple[str, ...]) -> None:
+        """Free the GPU memory of these regions ("weights", "kv_cache", "cuda_graph"); the server must be idle.
+        Frees something only in a server started with ``--enable-memory-saver``."""
+        self._call("POST", "/release_memory_occupation", {"tags": list(tags)})
+
+    def resume_memory_occupation(self, tags: tuple[str, ...]) -> None:
+        """Map these released regions again (their old contents are gone). Resuming a region that is not released
+        kills an SGLang 0.5.23 server: the caller tracks what it released."""
+        self._call("POST", "/resume_memory_occupation", {"tags": list(tags)})
+
     # ---- weight updates -------------------------------------------------------------------------------------------
     def update_weights_from_disk(self, model_path: str, version: str) -> None:
         self._call("POST", "/update_weights_from_disk",

@@ -21,6 +21,12 @@ wait in the server's queue and resume on the new weights), flushes its cache, pu
 configured transport (:mod:`dapo_megatron.rollout.sglang_transports`), continues generation, and reads back each
 server's ``weight_version`` (``/model_info``), raising :class:`RolloutError` on any mismatch. Every generated
 sample's reported ``weight_version`` is checked as well.
+
+Colocated servers (``placement="colocated"``, :mod:`dapo_megatron.rollout.placement`) release and resume their memory
+in the trainer's turns (:meth:`SGLangEngine.before_generation`, :meth:`~SGLangEngine.after_generation`,
+:meth:`~SGLangEngine.before_policy_update`; :meth:`~SGLangEngine.update_weights` resumes released weights before it
+pushes). The engine tracks what each server released, sends only moves that state allows, and refuses to generate on
+a server whose memory is released.
 """
 
 from __future__ import annotations
@@ -32,14 +38,24 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Iterable, Sequence
 
-import torch
 from tqdm import tqdm
 
+from dapo_megatron.backend import Backend, select_backend
+from dapo_megatron.config import SGLangConfig
 from dapo_megatron.hf_format import CONFIG_FILE, Bucket
 from dapo_megatron.host_address import pin_gloo_interface, weight_update_address
-from dapo_megatron.rollout.engine import EngineHealth, RolloutEngine, RolloutError, Sample, SamplingParams
+from dapo_megatron.rollout.engine import (
+    EngineHealth,
+    FinishedRequest,
+    GenerationRequest,
+    RolloutEngine,
+    RolloutError,
+    Sample,
+    SamplingParams,
+)
+from dapo_megatron.rollout.placement import Placement, ServerMemory, ServerMemoryError
 from dapo_megatron.rollout.sglang_client import ServerFailure
 from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
@@ -53,10 +69,6 @@ from dapo_megatron.rollout.sglang_transports import (
     WeightTransport,
 )
 
-if TYPE_CHECKING:
-    from dapo_megatron.config import SGLangConfig
-    from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest
-
 logger = logging.getLogger(__name__)
 
 
@@ -69,17 +81,23 @@ class SGLangEngine(RolloutEngine):
     must be readable by the servers, i.e. on a shared filesystem for remote ones); None: a temporary directory.
     ``dtype``: what launched servers compute in (SGLang's ``--dtype``; the trainer passes
     :func:`dapo_megatron.rollout.sglang_server.served_dtype` of its ``model.precision``).
-    Servers run on CUDA when torch sees a GPU, else on CPU.
+    ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its device
+    type, in the environment it gives them.
+    ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.
     """
 
-    def __init__(self, config: "SGLangConfig", *, model_path: str | Path, run_dir: str | Path | None = None,
-                 show_progress: bool = True, dtype: str = "auto") -> None:
+    def __init__(self, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
+                 show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
+                 placement: Placement = "separate") -> None:
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
         self.config = config
         self.model_path = str(model_path)
         self.show_progress = show_progress
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.placement = placement
+        self._server_memory: dict[int, tuple[int, ServerMemory]] = {}  # slot index -> (generation, what it released)
+        backend = select_backend() if backend is None else backend
+        self.device = backend.device_type
         self._closed = False
         self._temp_dir = None if run_dir else tempfile.TemporaryDirectory(prefix="dapo_sglang_")
         self.run_dir = Path(run_dir or self._temp_dir.name)
@@ -87,10 +105,12 @@ class SGLangEngine(RolloutEngine):
         self._update_lock = threading.Lock()
         self._warned_unseeded = False
         self.pool = ServerPool(config, model_path=self.model_path, run_dir=self.run_dir, device=self.device,
-                               dtype=dtype)
+                               dtype=dtype, server_environment=backend.sglang_server_environment,
+                               placement=placement)
         self.transport: WeightTransport | None = None
         self._weight_version = 0  # until the pool reports the servers' version; shutdown reads it on a failed start
-        self.streams = SGLangStreams(self)
+        self.streams = SGLangStreams(self.pool, max_concurrent_requests=config.max_concurrent_requests,
+                                     served_version=lambda: self._weight_version, on_failure=self.recover_server)
         atexit.register(self.shutdown)
         try:
             self._weight_version = self.pool.start()
@@ -136,6 +156,7 @@ class SGLangEngine(RolloutEngine):
                 raise ValueError(f"SGLangEngine.generate: prompt {index} is empty")
         if not prompts:
             return []
+        self._check_memory_for_generation()
         seeded = params.seed is not None and self.pool.deterministic
         if params.seed is not None and not seeded and not self._warned_unseeded:
             logger.warning("SamplingParams.seed=%s is not honored: the SGLang servers do not run deterministic "
@@ -164,22 +185,17 @@ class SGLangEngine(RolloutEngine):
     def _generate_one(self, index: int, prompt: Sequence[int], params: SamplingParams,
                       seeded: bool) -> list[Sample]:
         payload = build_generate_payload(prompt, index, params, seeded=seeded)
-        while True:
-            slot, generation = self.pool.acquire()
-            try:
-                outputs = slot.client.generate(payload)
-            except ServerFailure as error:
-                self.pool.release(slot)
-                if self.pool.recover(slot, generation, error, version=self._weight_version,
-                                     restart_path=self._restart_model_path()):
-                    self.transport.reset()
-                continue
-            self.pool.release(slot)
+
+        def generate_on(slot: ServerSlot) -> list[Sample]:
+            outputs = slot.client.generate(payload)
             return samples_from_outputs(outputs, index, params.n, self._weight_version, slot.client.base_url)
+
+        return self.pool.send(generate_on, self.recover_server)
 
     # ---- streaming -------------------------------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         self._check_open()
+        self._check_memory_for_generation()
         self.streams.submit(requests)
 
     def poll(self, timeout_s: float = 0.0) -> list[FinishedRequest]:
@@ -190,7 +206,15 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def num_in_flight(self) -> int:
-        return self.streams.book.num_in_flight
+        return self.streams.num_in_flight
+
+    # ---- failover --------------------------------------------------------------------------------------------------
+    def recover_server(self, slot: ServerSlot, generation: int, error: ServerFailure) -> None:
+        """A request failed on ``slot``: relaunch its server with the served version's weights (the transport then
+        forgets what it held for the old process), or take it out of rotation (:meth:`ServerPool.recover`)."""
+        if self.pool.recover(slot, generation, error, version=self._weight_version,
+                             restart_path=self._restart_model_path()):
+            self.transport.reset()
 
     def _restart_model_path(self) -> str | None:
         """A model directory holding the served version's weights, to relaunch a failed server from."""
@@ -212,6 +236,7 @@ class SGLangEngine(RolloutEngine):
                 raise RolloutError("SGLangEngine.update_weights: no SGLang server is available")
             targets = _targets(slots)
             started = time.monotonic()
+            self._move_memory(slots, ServerMemory.for_weight_update, release=False)
             for target in targets:
                 target.client.pause_generation(mode="retract")
                 target.client.flush_cache()
@@ -230,6 +255,57 @@ class SGLangEngine(RolloutEngine):
             self.verify_served_version(version, slots)
             logger.info("weights v%d pushed to %d server(s) over %s in %.1f s", version, len(slots),
                         self.transport.name, time.monotonic() - started)
+
+    # ---- turns on GPUs shared with the trainer (colocated placement) ------------------------------------------------
+    def before_generation(self) -> None:
+        with self._update_lock:
+            self._move_memory(self.pool.available(), ServerMemory.for_generation, release=False)
+
+    def after_generation(self) -> None:
+        self._require_idle("after_generation")
+        with self._update_lock:
+            self._move_memory(self.pool.available(), ServerMemory.after_generation, release=True)
+
+    def before_policy_update(self) -> None:
+        self._require_idle("before_policy_update")
+        with self._update_lock:
+            self._move_memory(self.pool.available(), ServerMemory.for_training, release=True)
+
+    def server_memory(self, slot: ServerSlot) -> ServerMemory:
+        """What ``slot``'s server has released (a server restarted since holds everything again)."""
+        generation, memory = self._server_memory.get(slot.index, (slot.generation, ServerMemory()))
+        return memory if generation == slot.generation else ServerMemory()
+
+    def _move_memory(self, slots: Sequence[ServerSlot], tags_of, *, release: bool) -> None:
+        """Release (or resume) on each colocated server the tags ``tags_of(its ServerMemory)`` names, and record it."""
+        if self.placement != "colocated":
+            return
+        for slot in slots:
+            memory = self.server_memory(slot)
+            tags = tags_of(memory)
+            if not tags:
+                continue
+            if release:
+                slot.client.release_memory_occupation(tags)
+                memory = memory.released(tags)
+            else:
+                slot.client.resume_memory_occupation(tags)
+                memory = memory.resumed(tags)
+            self._server_memory[slot.index] = (slot.generation, memory)
+            logger.info("SGLang server %d %s %s", slot.index, "released" if release else "resumed", ", ".join(tags))
+
+    def _check_memory_for_generation(self) -> None:
+        held_back = [slot.client.base_url for slot in self.pool.available()
+                     if not self.server_memory(slot).can_generate]
+        if held_back:
+            raise ServerMemoryError(f"SGLangEngine: colocated server(s) {', '.join(held_back)} gave their memory to "
+                                    f"the trainer; call before_generation() before generating")
+
+    def _require_idle(self, turn: str) -> None:
+        """A server releases memory only when idle (SGLang asserts it, and the failed assertion ends the server)."""
+        if self.placement == "colocated" and self.streams.num_in_flight:
+            raise RolloutError(f"SGLangEngine.{turn}: {self.streams.num_in_flight} streamed request(s) in flight; "
+                               f"colocated servers release memory only when idle")
 
     def verify_served_version(self, expected: int | None = None, slots: Sequence[ServerSlot] | None = None) -> None:
         """Raise :class:`RolloutError` unless every available server reports ``weight_version == expected``."""

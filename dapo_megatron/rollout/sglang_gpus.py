@@ -16,17 +16,12 @@ before ``init_distributed``; the servers get it in their launch environment.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from dapo_megatron.config import ConfigError
-
-if TYPE_CHECKING:
-    from dapo_megatron.config import DAPOConfig, SGLangConfig
+from dapo_megatron.config import ConfigError, DAPOConfig, SGLangConfig
 
 NCCL_CUMEM_OFF = {"NCCL_CUMEM_ENABLE": "0"}
 
 
-def server_gpu_ranges(config: "SGLangConfig", *, trainer_local_ranks: int, visible_gpus: int) -> list[range]:
+def server_gpu_ranges(config: SGLangConfig, *, trainer_local_ranks: int, visible_gpus: int) -> list[range]:
     """The GPUs of each launched server (indices among this process's visible GPUs); :class:`ConfigError` naming the
     keys when the layout does not fit the node or collides with the trainer under the ``distributed`` transport."""
     tp = config.tp_per_server
@@ -56,7 +51,7 @@ def nccl_carries_weights(transport: str, device: str) -> bool:
     return transport == "distributed" and device == "cuda"
 
 
-def trainer_nccl_env(config: "DAPOConfig", *, cuda_available: bool) -> dict[str, str]:
+def trainer_nccl_env(config: DAPOConfig, *, cuda_available: bool) -> dict[str, str]:
     """Variables the trainer process sets before it creates any NCCL communicator (see the module docstring)."""
     r = config.rollout
     uses_nccl = r.engine == "sglang" and nccl_carries_weights(r.sglang.transport, "cuda" if cuda_available else "cpu")

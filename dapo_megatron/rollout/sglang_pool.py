@@ -2,6 +2,9 @@
 
 Dispatch: each request goes to the available server with the fewest requests in flight
 (:meth:`ServerPool.acquire` / :meth:`ServerPool.release`); while every server is restarting, callers wait.
+:meth:`ServerPool.send` is the one retry loop both of the engine's ways to generate use: it sends, and when the
+server fails it has the failure handled (:meth:`ServerPool.recover`, through the engine, which knows the weights to
+restart from) and sends again to another server.
 
 Failover (:meth:`ServerPool.recover`): a server that refuses connections, drops them or does not answer within
 ``request_timeout_s`` is declared failed. A server this pool launched is restarted (at most ``max_restarts`` times
@@ -10,7 +13,9 @@ one out of restarts, or one with no such directory is taken out of rotation and 
 With no server left, :class:`RolloutError` is raised.
 
 Launched CUDA servers take the GPUs :func:`dapo_megatron.rollout.sglang_gpus.server_gpu_ranges` gives them (after the
-trainer's, by default). Launched servers run on this host; an attached one does when its URL names this host.
+trainer's, by default), or, colocated, the trainer's own (:func:`dapo_megatron.rollout.placement.colocated_gpu_ranges`,
+started with SGLang's memory saver). Launched servers run on this host; an attached one does when its URL names this
+host.
 """
 
 from __future__ import annotations
@@ -22,16 +27,27 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Callable, Literal, TypeVar
 
-from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.rollout.sglang_client import SGLangClient, SGLangServerError
+import torch
+
+from dapo_megatron.config import SGLangConfig
 from dapo_megatron.platform import local_world_size
+from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.rollout.placement import Placement, check_attached_server, colocated_gpu_ranges, uses_memory_saver
+from dapo_megatron.rollout.sglang_client import ServerFailure, SGLangClient, SGLangServerError
 from dapo_megatron.rollout.sglang_gpus import server_gpu_ranges
-from dapo_megatron.rollout.sglang_server import SGLangServerProcess, require_sglang, server_python
+from dapo_megatron.rollout.sglang_server import (
+    ServerEnvironment,
+    SGLangServerProcess,
+    require_sglang,
+    server_python,
+    unchanged_environment,
+)
 
-if TYPE_CHECKING:
-    from dapo_megatron.config import SGLangConfig
+T = TypeVar("T")
+FailureHandler = Callable[["ServerSlot", int, ServerFailure], None]
+"""``(slot, generation, error)``: restart the failed server or take it out of rotation (:meth:`ServerPool.recover`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +80,23 @@ def is_this_host(url: str) -> bool:
     return host in ("localhost", "::1", socket.gethostname(), socket.getfqdn()) or host.startswith("127.")
 
 
-def read_api_key(config: "SGLangConfig") -> str | None:
+def read_api_key(config: SGLangConfig) -> str | None:
     """The key attached servers were started with (``rollout.sglang.api_key_file``), or None."""
     return Path(config.api_key_file).read_text().strip() if config.api_key_file else None
 
 
 class ServerPool:
     """``config.urls`` non-empty: attach to those servers; otherwise launch ``config.num_servers`` on ``device``
-    serving ``dtype`` (SGLang's ``--dtype``)."""
+    serving ``dtype`` (SGLang's ``--dtype``), in the environment ``server_environment`` makes of the one they
+    would get (the backend's: :meth:`dapo_megatron.backend.Backend.sglang_server_environment`), placed as
+    ``placement`` says (``rollout.placement``)."""
 
-    def __init__(self, config: "SGLangConfig", *, model_path: str, run_dir: Path,
-                 device: Literal["cpu", "cuda"], dtype: str = "auto") -> None:
+    def __init__(self, config: SGLangConfig, *, model_path: str, run_dir: Path, device: Literal["cpu", "cuda"],
+                 dtype: str = "auto", server_environment: ServerEnvironment = unchanged_environment,
+                 placement: Placement = "separate") -> None:
         self.config = config
+        self.placement = placement
+        self.server_environment = server_environment
         self.model_path = model_path
         self.run_dir = run_dir
         self.device = device
@@ -92,17 +113,16 @@ class ServerPool:
     def _launch(self) -> int:
         config = self.config
         if self.device == "cuda":
-            import torch
-
-            gpus = server_gpu_ranges(config, trainer_local_ranks=local_world_size(),
-                                     visible_gpus=torch.cuda.device_count())
+            layout = colocated_gpu_ranges if self.placement == "colocated" else server_gpu_ranges
+            gpus = layout(config, trainer_local_ranks=local_world_size(), visible_gpus=torch.cuda.device_count())
         else:
             gpus = [None] * config.num_servers
         require_sglang(server_python(config))
         for index in range(config.num_servers):
             process = SGLangServerProcess(config, model_path=self.model_path, index=index, run_dir=self.run_dir,
                                           weight_version="0", device=self.device, gpus=gpus[index],
-                                          dtype=self.dtype)
+                                          dtype=self.dtype, platform_environment=self.server_environment,
+                                          memory_saver=uses_memory_saver(self.placement, self.device))
             self.processes.append(process)
             process.start()
         for process in self.processes:  # started together, so the startups overlap
@@ -136,6 +156,8 @@ class ServerPool:
             if "tp_size" not in info:
                 raise SGLangServerError(f"{slot.client.base_url}/server_info has no tp_size; is it an SGLang server?")
             slot.tp_size = int(info["tp_size"])
+            if self.placement == "colocated":
+                check_attached_server(slot.client.base_url, info)
         self.deterministic = all(bool(info.get("enable_deterministic_inference")) for info in infos)
         return int(version)
 
@@ -184,6 +206,20 @@ class ServerPool:
     def release(self, slot: ServerSlot) -> None:
         with self._dispatch:
             slot.in_flight -= 1
+
+    def send(self, call: Callable[[ServerSlot], T], on_failure: FailureHandler) -> T:
+        """``call(slot)`` on the least-loaded server. When that server fails (:class:`ServerFailure`), ``on_failure``
+        restarts it or takes it out of rotation, and ``call`` runs again on the next server; raises when none is left.
+        """
+        while True:
+            slot, generation = self.acquire()
+            try:
+                return call(slot)
+            except ServerFailure as error:
+                failure = error
+            finally:
+                self.release(slot)
+            on_failure(slot, generation, failure)
 
     # ---- failover ----------------------------------------------------------------------------------------------
     def recover(self, slot: ServerSlot, generation: int, error: Exception, *, version: int,

@@ -17,8 +17,9 @@ per launch (:func:`new_api_key`). SGLang then refuses every endpoint except ``/h
 0600 YAML file passed with ``--config``, not on the command line, so other local users cannot read it from
 ``ps``.
 
-CPU servers get ``SGLANG_USE_CPU_ENGINE=1`` and the ``sgl_kernel`` stand-in of
-:mod:`dapo_megatron.rollout.sglang_cpu` on ``PYTHONPATH``, plus ``--sleep-on-idle`` (otherwise the idle scheduler
+A server's environment is this process's, minus what must not reach it, passed through the platform's
+``platform_environment`` (on CPU the backend adds ``SGLANG_USE_CPU_ENGINE=1`` and its ``sgl_kernel`` stand-in on
+``PYTHONPATH``). CPU servers get ``--sleep-on-idle`` (otherwise the idle scheduler
 spins a core) and a bounded KV cache (:data:`CPU_KV_CACHE_TOKENS`). Every server runs offline
 (``HF_HUB_OFFLINE=1``): the model directory must hold the tokenizer. Per-request ``sampling_seed`` needs
 ``--enable-deterministic-inference`` in ``extra_server_args`` (SGLang 0.5.23: GPU attention backends only).
@@ -37,16 +38,22 @@ import urllib.error
 import urllib.request
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Callable, Literal
 
+import psutil
+
+from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.sglang_client import SGLangServerError
-from dapo_megatron.rollout.sglang_cpu import server_pythonpath
 from dapo_megatron.rollout.sglang_gpus import NCCL_CUMEM_OFF, nccl_carries_weights
 
-if TYPE_CHECKING:
-    from dapo_megatron.config import SGLangConfig
-
 SGLANG_VERSION = "0.5.23"
+
+ServerEnvironment = Callable[[dict[str, str]], dict[str, str]]
+
+
+def unchanged_environment(environment: dict[str, str]) -> dict[str, str]:
+    return environment
+
 INSTALL_HINT = (
     f"install it into that interpreter: `scripts/install_sglang_cpu.sh PYTHON` on a CPU machine, "
     f"`PYTHON -m pip install sglang=={SGLANG_VERSION}` on a GPU machine"
@@ -60,6 +67,10 @@ _ENV_REMOVED_FROM_SERVER = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
 # sizes the cache from free RAM (a 15 GB cache and a 99 s start were measured for a tiny model).
 CPU_KV_CACHE_TOKENS = 16384
 
+# Makes /release_memory_occupation and /resume_memory_occupation free and map GPU memory (colocated placement,
+# dapo_megatron/rollout/placement.py); without it both answer 200 and change nothing.
+MEMORY_SAVER_FLAG = "--enable-memory-saver"
+
 # model.precision -> the dtype the servers compute in: FP8 training keeps BF16 weights for the handoff.
 _SERVED_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 
@@ -69,7 +80,7 @@ def served_dtype(precision: str) -> str:
     return _SERVED_DTYPES[precision]
 
 
-def server_python(config: "SGLangConfig") -> str:
+def server_python(config: SGLangConfig) -> str:
     """The interpreter launched servers run: ``rollout.sglang.python``, else this one."""
     return config.python or sys.executable
 
@@ -99,6 +110,18 @@ def find_free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def require_free_port(host: str, port: int) -> None:
+    """Raise :class:`SGLangServerError` when ``port`` is taken: a server started there cannot bind it, and the one
+    already there would answer this run's health checks (and refuse its API key)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise SGLangServerError(
+                f"port {port} on {host} is taken ({error.strerror}): another process (an SGLang server of another "
+                f"run?) listens there; set rollout.sglang.base_port to a free range, or 0 for free ports") from None
+
+
 def new_api_key() -> str:
     """A fresh 256-bit key in hex. Not ``token_urlsafe``: SGLang turns the config file into the argv words
     ``--api-key <key>``, and argparse takes a word starting with ``-`` for an option, so one launch in 64 died with
@@ -109,12 +132,14 @@ def new_api_key() -> str:
 class SGLangServerProcess:
     """One ``sglang.launch_server`` process group serving ``model_path`` at ``url``, protected by ``api_key``.
 
-    ``gpus``: the GPUs of a CUDA server (its TP ranks, consecutive); ``dtype``: SGLang's ``--dtype``.
+    ``gpus``: the GPUs of a CUDA server (its TP ranks, consecutive); ``dtype``: SGLang's ``--dtype``;
+    ``memory_saver``: start with SGLang's memory saver (a colocated server on GPUs).
     """
 
-    def __init__(self, config: "SGLangConfig", *, model_path: str | Path, index: int, run_dir: str | Path,
+    def __init__(self, config: SGLangConfig, *, model_path: str | Path, index: int, run_dir: str | Path,
                  weight_version: str, device: Literal["cpu", "cuda"], gpus: range | None = None,
-                 dtype: str = "auto") -> None:
+                 dtype: str = "auto", platform_environment: ServerEnvironment = unchanged_environment,
+                 memory_saver: bool = False) -> None:
         if device == "cuda" and (gpus is None or len(gpus) != config.tp_per_server):
             raise ValueError(f"SGLang server {index}: a CUDA server needs its {config.tp_per_server} GPU(s), got {gpus}")
         self.config = config
@@ -123,8 +148,10 @@ class SGLangServerProcess:
         self.run_dir = Path(run_dir)
         self.weight_version = weight_version
         self.device = device
+        self.platform_environment = platform_environment
         self.gpus = gpus
         self.dtype = dtype
+        self.memory_saver = memory_saver
         self.api_key = ""
         self.port = 0
         self._process: subprocess.Popen | None = None
@@ -165,6 +192,8 @@ class SGLangServerProcess:
             command += ["--dtype", self.dtype]
         if config.mem_fraction_static is not None:
             command += ["--mem-fraction-static", str(config.mem_fraction_static)]
+        if self.memory_saver:
+            command.append(MEMORY_SAVER_FLAG)
         if self.device == "cpu":
             command.append("--sleep-on-idle")
             if not _given(config.extra_server_args, "--max-total-tokens"):
@@ -180,10 +209,7 @@ class SGLangServerProcess:
         env["PYTHONUNBUFFERED"] = "1"
         if nccl_carries_weights(self.config.transport, self.device):
             env.update(NCCL_CUMEM_OFF)
-        if self.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (server_pythonpath(), env.get("PYTHONPATH")) if p)
-        return env
+        return self.platform_environment(env)
 
     def start(self) -> None:
         """Start the process (returns at once; see :meth:`wait_until_ready`). A running server is stopped first."""
@@ -192,6 +218,8 @@ class SGLangServerProcess:
         self.api_key = new_api_key()
         base_port = self.config.base_port
         self.port = base_port + self.index if base_port else find_free_port(self.config.host)
+        if base_port:
+            require_free_port(self.config.host, self.port)
         config_file = self.run_dir / f"server{self.index}.yaml"
         config_file.unlink(missing_ok=True)
         descriptor = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -258,8 +286,6 @@ def _given(arguments: list[str], flag: str) -> bool:
 
 
 def _process_tree(pid: int) -> list:
-    import psutil
-
     try:
         root = psutil.Process(pid)
         return [root] + root.children(recursive=True)
@@ -271,8 +297,6 @@ def _kill_process_tree(process: subprocess.Popen, grace_s: float, known_shared_m
     """SIGTERM the process group, wait ``grace_s``, SIGKILL the group and every recorded descendant, then unlink
     the ``/dev/shm`` files the tree maps or mapped when it became ready (SGLang's load-report segments and
     multiprocessing semaphores, which a killed server never unlinks)."""
-    import psutil
-
     tree = _process_tree(process.pid)
     shared_memory_files = known_shared_memory | _mapped_shared_memory_files(tree)
     group = process.pid  # start_new_session=True: the server leads its own process group
@@ -304,8 +328,6 @@ def _kill_process_tree(process: subprocess.Popen, grace_s: float, known_shared_m
 
 
 def _mapped_shared_memory_files(processes: list) -> set[str]:
-    import psutil
-
     paths: set[str] = set()
     for member in processes:
         try:

@@ -21,28 +21,30 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, Sample
 from dapo_megatron.rollout.request_book import RequestBook, aborted_samples
 from dapo_megatron.rollout.sglang_client import ServerFailure
+from dapo_megatron.rollout.sglang_pool import FailureHandler, ServerPool, ServerSlot
 from dapo_megatron.rollout.sglang_requests import build_stream_payload, sample_rid, streamed_samples
-
-if TYPE_CHECKING:
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine
-    from dapo_megatron.rollout.sglang_pool import ServerSlot
 
 logger = logging.getLogger(__name__)
 
 
 class SGLangStreams:
-    def __init__(self, engine: "SGLangEngine") -> None:
-        self.engine = engine
+    """The streamed requests of one engine on its ``pool``: ``served_version()`` is the engine's weight version (what
+    a request aborted before its first token reports), ``on_failure`` its failover (:meth:`ServerPool.send`)."""
+
+    def __init__(self, pool: ServerPool, *, max_concurrent_requests: int, served_version: Callable[[], int],
+                 on_failure: FailureHandler) -> None:
+        self.pool = pool
+        self.served_version = served_version
+        self.on_failure = on_failure
         self.book = RequestBook("SGLangEngine")
-        self._workers = ThreadPoolExecutor(max_workers=engine.config.max_concurrent_requests,
-                                           thread_name_prefix="sglang-stream")
+        self._workers = ThreadPoolExecutor(max_workers=max_concurrent_requests, thread_name_prefix="sglang-stream")
         self._lock = threading.Lock()
-        self._running_on: dict[str, tuple["ServerSlot", GenerationRequest]] = {}
+        self._running_on: dict[str, tuple[ServerSlot, GenerationRequest]] = {}
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         self.book.add(requests)
@@ -53,10 +55,14 @@ class SGLangStreams:
         return self.book.poll(timeout_s)
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        self._abort_on_servers(self.book.abort(request_ids, self.engine.weight_version))
+        self._abort_on_servers(self.book.abort(request_ids, self.served_version()))
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.book.num_in_flight
 
     def close(self) -> None:
-        self._abort_on_servers(self.book.close(self.engine.weight_version))
+        self._abort_on_servers(self.book.close(self.served_version()))
         self._workers.shutdown(wait=False, cancel_futures=True)
 
     def _abort_on_servers(self, running_ids: list[str]) -> None:
@@ -64,7 +70,7 @@ class SGLangStreams:
             with self._lock:
                 slot, request = self._running_on.get(request_id, (None, None))
             if slot is None:
-                continue  # not sent yet: _run sees the flag before sending
+                continue  # not sent yet: _generate_on sees the flag before sending
             for j in range(request.params.n):
                 try:
                     slot.client.abort_request(sample_rid(request_id, j))
@@ -76,36 +82,28 @@ class SGLangStreams:
         if request is None:
             return  # aborted while it waited here
         try:
-            samples = self._generate(request)
+            payload = build_stream_payload(request, seeded=request.params.seed is not None and self.pool.deterministic)
+            samples = self.pool.send(lambda slot: self._generate_on(slot, request, payload), self.on_failure)
         except BaseException as error:  # noqa: BLE001 - the caller's next poll() raises it
             self.book.fail(error)
             return
         self.book.finish(request_id, samples)
 
-    def _generate(self, request: GenerationRequest) -> list[Sample]:
-        engine = self.engine
-        payload = build_stream_payload(request, seeded=request.params.seed is not None and engine.pool.deterministic)
-        while True:
-            slot, generation = engine.pool.acquire()
-            with self._lock:
-                self._running_on[request.request_id] = (slot, request)
+    def _generate_on(self, slot: ServerSlot, request: GenerationRequest, payload: dict) -> list[Sample]:
+        """One attempt on ``slot``; a failure is the pool's to recover from, and the request is then sent again from
+        its prompt."""
+        with self._lock:
+            self._running_on[request.request_id] = (slot, request)
+        try:
             if self.book.is_aborted(request.request_id):  # aborted before it reached a server
-                self._stop_tracking(request.request_id, slot)
-                return aborted_samples(request, engine.weight_version)
+                return aborted_samples(request, self.served_version())
             try:
                 outputs = slot.client.generate(payload)
-            except ServerFailure as error:
-                self._stop_tracking(request.request_id, slot)
+            except ServerFailure:
                 if self.book.closed:  # the engine is shutting down and stopped the server: nothing to recover
-                    return aborted_samples(request, engine.weight_version)
-                if engine.pool.recover(slot, generation, error, version=engine.weight_version,
-                                       restart_path=engine._restart_model_path()):
-                    engine.transport.reset()
-                continue  # regenerate from the prompt
-            self._stop_tracking(request.request_id, slot)
+                    return aborted_samples(request, self.served_version())
+                raise
             return streamed_samples(outputs, request, slot.client.base_url)
-
-    def _stop_tracking(self, request_id: str, slot: "ServerSlot") -> None:
-        with self._lock:
-            self._running_on.pop(request_id, None)
-        self.engine.pool.release(slot)
+        finally:
+            with self._lock:
+                self._running_on.pop(request.request_id, None)

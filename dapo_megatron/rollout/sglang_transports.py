@@ -38,10 +38,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch.distributed import distributed_c10d as c10d
 
 from dapo_megatron.hf_format import CONFIG_FILE, Bucket, checked_buckets, write_hf_folder
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang_client import SGLangClient
+from dapo_megatron.rollout.sglang_server import find_free_port
 from dapo_megatron.rollout.tensor_payloads import BucketPayloads
 
 
@@ -175,8 +177,6 @@ def open_sender_group(*, master_address: str, master_port: int, world_size: int,
     it. That needs torch's private ``_new_process_group_helper``, the call SGLang makes on the other end; both ends
     must run the same torch version.
     """
-    from torch.distributed import distributed_c10d as c10d
-
     store, rank, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(
@@ -211,8 +211,6 @@ class DistributedTransport(WeightTransport):
 
     def connect(self, servers: Sequence[ServerTarget]) -> None:
         """Form the group: every server joins with ranks from its ``rank_offset`` while this process joins as 0."""
-        from dapo_megatron.rollout.sglang_server import find_free_port
-
         port = self.master_port or find_free_port(self.master_address)
         # A fresh name per group: servers that outlived a previous group still hold it under the old name.
         self._groups_formed += 1

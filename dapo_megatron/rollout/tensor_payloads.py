@@ -27,15 +27,12 @@ import inspect
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch.multiprocessing import reductions
 
 from dapo_megatron.hf_format import Bucket
-
-if TYPE_CHECKING:
-    from dapo_megatron.rollout.sglang_transports import ServerTarget
 
 # torch's reducers, even if SGLang's patch replaced them in this process (then they already write UUIDs).
 _reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
@@ -87,13 +84,21 @@ def sends_by_reference(on_cuda: bool, same_host: bool) -> bool:
     return on_cuda and same_host
 
 
+class PayloadDestination(Protocol):
+    """What a payload's layout depends on: the server's TP degree (one entry per rank) and whether it runs on this
+    host (CUDA handles are meaningful there only). The transports' ``ServerTarget`` is one."""
+
+    tp_size: int
+    same_host: bool
+
+
 class BucketPayloads:
     """One bucket's ``serialized_named_tensors`` for each server (:meth:`for_server`).
 
     ``by_reference``: some server got handles into :attr:`tensors`, which must then outlive the update session.
     """
 
-    def __init__(self, bucket: Bucket, servers: Sequence["ServerTarget"]) -> None:
+    def __init__(self, bucket: Bucket, servers: Sequence[PayloadDestination]) -> None:
         self.tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
         on_cuda = bucket_on_cuda(self.tensors)
         self.by_reference = False
@@ -107,5 +112,5 @@ class BucketPayloads:
                 by_value = by_value or serialize_by_value(self.tensors)
                 self._per_server[id(server)] = [by_value] * server.tp_size
 
-    def for_server(self, server: "ServerTarget") -> list[str]:
+    def for_server(self, server: PayloadDestination) -> list[str]:
         return self._per_server[id(server)]

@@ -13,9 +13,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from dapo_megatron.config import ConfigError, DAPOConfig, TinyModelConfig
+from dapo_megatron.data.tokenizer import build_tiny_tokenizer
+from dapo_megatron.tiny_model.warm_start import warm_start_on_synthetic_task
 
 logger = logging.getLogger(__name__)
 
@@ -56,17 +58,13 @@ def prepare_tiny_model(config: DAPOConfig, out_dir: str | Path) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
 
-    from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.data.tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(tmp)
     hf_config = tiny_qwen2_config(config.model.tiny, tokenizer)
     torch.manual_seed(config.trainer.seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     if config.warm_start.enabled:
-        from dapo_megatron.tiny_model.warm_start import warm_start_on_synthetic_task
-
         report = warm_start_on_synthetic_task(config, model, tokenizer, hf_config)
         (tmp / WARM_START_REPORT).write_text(json.dumps(report, indent=2))
     model.save_pretrained(tmp, safe_serialization=True)

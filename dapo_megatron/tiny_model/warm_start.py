@@ -27,6 +27,7 @@ from dapo_megatron.config import DAPOConfig, WarmStartConfig
 from dapo_megatron.data.prompts import PromptRecord, build_prompt_records
 from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic import make_split
+from dapo_megatron.rollout.embedded import EmbeddedEngine
 from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,6 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer, *, train_records: S
 
 def warm_start_on_synthetic_task(config: DAPOConfig, model: torch.nn.Module, tokenizer, hf_config) -> dict:
     """:func:`supervised_warm_start` on the synthetic training problems; returns the report saved with the model."""
-    from dapo_megatron.rollout.embedded import EmbeddedEngine
 
     synthetic = config.data.synthetic
     split = make_split(synthetic.seed, synthetic.num_train, synthetic.num_heldout)

@@ -9,9 +9,8 @@ mostly generated during the previous step(s) by the weights of then:
   ``algorithm.dynamic_sampling`` says so) as soon as its G samples are back.
 * **How far ahead.** It keeps ``buffered groups + in-flight prompts × observed keep rate`` at
   ``train_batch_size × rollout.max_staleness`` (at most ``max_gen_rounds`` chunks in flight), so what it generates
-  during step s is trained in steps s+1 … s+max_staleness. A chunk is sized to the expected shortfall: a full
-  chunk submitted for a shortfall of a few groups would overshoot by most of a batch, whose groups then age past the
-  bound and are dropped. ``collect(step)`` takes a batch from the buffer, waiting
+  during step s is trained in steps s+1 … s+max_staleness; chunks are sized to the expected shortfall
+  (:mod:`.async_pace`). ``collect(step)`` takes a batch from the buffer, waiting
   while it is short; after ``max_gen_rounds`` chunks' worth of finished groups since the last batch it trains on
   what it has (``train/hit_gen_round_cap``), as sync mode does.
 * **Weight updates.** ``rollout.partial_rollouts: true``: requests in flight at an update are paused by the engine
@@ -28,47 +27,34 @@ mostly generated during the previous step(s) by the weights of then:
 * **Nothing lost.** Aborted requests' prompts go back to the front of the queue. The checkpoint holds the sampler,
   the buffered groups and every prompt queued or in flight; after ``--resume`` the latter are generated again
   (``async/regenerated_prompts``). A prompt ledger (``async/ledger/*``) checks the books every step:
-  drawn = trained + filtered + dropped + held (buffered, queued or in flight).
+  drawn = trained + filtered + dropped + held (buffered, queued or in flight). Where each prompt is, the ledger and
+  their checkpoint: :mod:`.async_prompts`.
 * **Failures.** An engine error in the driver thread (a server lost past its restarts) is raised by the next
-  ``collect`` on the trainer's thread, never a silent hang.
+  ``collect`` on the trainer's thread, never a silent hang (:mod:`.async_driver`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
-from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from dapo_megatron.algorithm import DynamicSamplingBuffer, FilterStats
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
-from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, RolloutEngine, RolloutError
-from dapo_megatron.trainer.rollout_collector import RolloutGroup, generation_seed, sampling_params, score_group
+from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, RolloutEngine
+from dapo_megatron.trainer.async_driver import DriverThread
+from dapo_megatron.trainer.async_pace import GenerationPace
+from dapo_megatron.trainer.async_prompts import AsyncPrompts
+from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, sampling_params, score_group
 from dapo_megatron.trainer.step_metrics import rollout_metrics
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # the driver's reaction time to finished requests and weight updates
 COLLECT_CHECK_S = 1.0  # how often a waiting collect() looks at the driver thread's health
-
-
-@dataclass
-class PromptLedger:
-    """Cumulative prompt accounting (checkpointed): every prompt drawn ends trained, filtered, dropped or held."""
-
-    drawn: int = 0
-    trained: int = 0
-    filtered: int = 0  # dynamic sampling: all answers right or all wrong
-    dropped: int = 0  # too stale to train, or spanning more versions than allowed
-    requeued: int = 0  # aborted and queued again (not an outcome: the prompt is held again)
-    regenerated_after_resume: int = 0
-
-    def metrics(self, held: int) -> dict[str, float]:
-        return {f"async/ledger/{k}": float(v) for k, v in asdict(self).items()} | {"async/ledger/held": float(held)}
 
 
 @dataclass
@@ -86,6 +72,9 @@ class _SinceLastBatch:
 
 
 class AsyncRolloutCollector:
+    """Steps 1–4 from a driver thread (see the module docstring). The thread starts with the first :meth:`collect`,
+    or earlier with :meth:`start`."""
+
     def __init__(self, engine: RolloutEngine, sampler: PromptSampler, tokenizer, config: DAPOConfig):
         a, r, t = config.algorithm, config.rollout, config.trainer
         self.engine = engine
@@ -93,24 +82,14 @@ class AsyncRolloutCollector:
         self.tokenizer = tokenizer
         self.config = config
         self.max_staleness = r.max_staleness
-        self.chunk_size = a.gen_batch_size if a.dynamic_sampling else t.train_batch_size
-        self.target_groups = t.train_batch_size * r.max_staleness
-        self.max_in_flight = a.max_gen_rounds * self.chunk_size
+        self.pace = GenerationPace.from_config(config)
         # Surplus is the point of async mode: what does not fit this batch is the next one's (within staleness).
         self.buffer = DynamicSamplingBuffer(t.train_batch_size, surplus_policy="keep", filter_groups=a.dynamic_sampling)
-        self.ledger = PromptLedger()
-        self._pending: deque[PromptRecord] = deque()  # to generate before drawing new prompts
-        self._in_flight: dict[str, tuple[PromptRecord, int]] = {}  # request id → (prompt, engine version at submit)
-        self._aborted: set[str] = set()
+        self.prompts = AsyncPrompts()
         self._since = _SinceLastBatch()
         self._next_collect: int | None = None  # the policy version of the next batch; None: the engine's
-        self._kept_finished = [0, 0]  # groups kept, groups finished: the observed keep rate
-        self._next_request = 0
-        self._regenerated: int | None = None  # prompts a resumed run generates again, reported once
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stop = False
-        self._error: BaseException | None = None
+        self._driver = DriverThread(self._drive_once, self._cond, name="async-rollout-driver")
         if a.rollout_correction == "none":
             logger.warning("rollout.mode=async with algorithm.rollout_correction=none: tokens sampled by older weights "
                            "than the policy's are masked out of the loss (rollout_corr/masked_token_fraction); set "
@@ -118,23 +97,27 @@ class AsyncRolloutCollector:
 
     # ------------------------------------------------------------------------------------------------ trainer side
 
+    def start(self) -> None:
+        """Start generating (the first :meth:`collect` does it otherwise); calling it again does nothing."""
+        self._driver.start()
+
     def collect(self, step: int) -> tuple[list[RolloutGroup], dict[str, float]]:
         """The batch of step ``step`` (the policy is at version ``step``), waiting while the buffer is short."""
-        self._start()
+        self.start()
         started = time.perf_counter()
         with self._cond:
             hit_cap = False
             while True:
-                self._raise_driver_error()
+                self._driver.check()
                 self._evict_stale(oldest_usable=step - self.max_staleness)
                 if self.buffer.is_full:
                     batch = self.buffer.pop()
                     break
-                if len(self._since.generated) >= self.max_in_flight:
+                if len(self._since.generated) >= self.pace.max_in_flight:
                     batch, hit_cap = self.buffer.drain(), True
                     break
                 self._cond.wait(COLLECT_CHECK_S)
-            self.ledger.trained += len(batch)
+            self.prompts.ledger.trained += len(batch)
             self._next_collect = step + 1
             since, self._since = self._since, _SinceLastBatch()
             metrics = rollout_metrics(batch, since.generated, since.stats, since.chunks, hit_cap,
@@ -144,141 +127,95 @@ class AsyncRolloutCollector:
         return batch, metrics
 
     def _async_metrics(self, since: _SinceLastBatch, waited_s: float) -> dict[str, float]:
-        held = len(self.buffer) + len(self._pending) + len(self._in_flight)
+        prompts = self.prompts
+        held = len(self.buffer) + len(prompts.queued) + prompts.num_in_flight
         metrics = {
             "async/wait_s": waited_s,
             "async/buffered_groups": float(len(self.buffer)),
-            "async/in_flight_prompts": float(len(self._in_flight)),
-            "async/queued_prompts": float(len(self._pending)),
+            "async/in_flight_prompts": float(prompts.num_in_flight),
+            "async/queued_prompts": float(len(prompts.queued)),
             "async/aborted_requests": float(since.aborted_requests),
             "async/dropped_groups": float(since.dropped_groups),
             "rollout/wasted_tokens/aborted": float(since.aborted_tokens),
             "rollout/wasted_tokens/dropped": float(since.dropped_tokens),
             "rollout/wasted_tokens/filtered": float(since.filtered_tokens),
-            **self.ledger.metrics(held),
+            **prompts.ledger.metrics(held),
         }
-        if self._regenerated is not None:
-            metrics["async/regenerated_prompts"], self._regenerated = float(self._regenerated), None
+        regenerated = prompts.take_regenerated()
+        if regenerated is not None:
+            metrics["async/regenerated_prompts"] = float(regenerated)
         return metrics
 
     def close(self) -> None:
         """Stop the driver and abort what it has in flight."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=60.0)
-        in_flight = list(self._in_flight)
+        self._driver.stop(timeout_s=60.0)
+        in_flight = self.prompts.request_ids()
         if in_flight:
             self.engine.abort(in_flight)
 
     def state_dict(self) -> dict:
         with self._cond:
             return {"mode": "async", "sampler": self.sampler.state_dict(), "buffer": self.buffer.state_dict(),
-                    "pending_prompts": list(self._pending) + [record for record, _ in self._in_flight.values()],
-                    "ledger": asdict(self.ledger)}
+                    **self.prompts.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint (of either mode): its queued and in-flight prompts are generated first."""
         with self._cond:
             self.sampler.load_state_dict(state["sampler"])
             self.buffer.load_state_dict(state["buffer"])
-            pending = list(state.get("pending_prompts", []))
-            self._pending = deque(pending)
-            self.ledger = PromptLedger(**state["ledger"]) if "ledger" in state else self._ledger_from_sync(state)
-            self.ledger.regenerated_after_resume += len(pending)
-            self._regenerated = len(pending)
-
-    def _ledger_from_sync(self, state: dict) -> PromptLedger:
-        # A sync checkpoint keeps no ledger: start the books from what it holds.
-        held = len(state["buffer"]["groups"])
-        return PromptLedger(drawn=held)
+            self.prompts.load_state_dict(state)
 
     # ------------------------------------------------------------------------------------------------ driver thread
 
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._drive, name="async-rollout-driver", daemon=True)
-            self._thread.start()
-
-    def _raise_driver_error(self) -> None:
-        if self._error is not None:
-            raise RolloutError(f"the async rollout driver failed: {self._error}") from self._error
-        if self._thread is not None and not self._thread.is_alive() and not self._stop:
-            raise RolloutError("the async rollout driver thread died")
-
-    def _drive(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    if self._stop:
-                        return
-                    version = self.engine.weight_version
-                    next_collect = version if self._next_collect is None else self._next_collect
-                    self._evict_stale(oldest_usable=next_collect - self.max_staleness)
-                    self._abort_unusable(version, oldest_usable=next_collect - self.max_staleness)
-                    requests = self._next_chunk(version)
-                if requests:
-                    self.engine.submit(requests)
-                finished = self.engine.poll(timeout_s=POLL_S)
-                if finished:
-                    groups = [(f, self._score(f)) for f in finished]  # outside the lock: decoding and rewards
-                    with self._cond:
-                        for request, group in groups:
-                            self._take_result(request, group)
-                        self._cond.notify_all()
-        except BaseException as error:  # noqa: BLE001 - raised by the trainer's next collect()
+    def _drive_once(self) -> None:
+        """One round of the driver: evict and abort what can no longer train, submit a chunk if the next batches
+        need one, take what finished."""
+        with self._cond:
+            version = self.engine.weight_version
+            next_collect = version if self._next_collect is None else self._next_collect
+            self._evict_stale(oldest_usable=next_collect - self.max_staleness)
+            self._abort_unusable(version, oldest_usable=next_collect - self.max_staleness)
+            requests = self._next_chunk(version)
+        if requests:
+            self.engine.submit(requests)
+        finished = self.engine.poll(timeout_s=POLL_S)
+        if finished:
+            groups = [(f, self._score(f)) for f in finished]  # outside the lock: decoding and rewards
             with self._cond:
-                self._error = error
+                for request, group in groups:
+                    self._take_result(request, group)
                 self._cond.notify_all()
 
     def _next_chunk(self, version: int) -> list[GenerationRequest]:
-        """A chunk of prompts to submit when the buffer and what is in flight will not cover ``target_groups``."""
-        kept, finished = self._kept_finished
-        keep_rate = kept / finished if finished else self.config.trainer.train_batch_size / self.chunk_size
-        keep_rate = min(max(keep_rate, 0.05), 1.0)
-        live = len(self._in_flight) - len(self._aborted)  # aborted requests are still on their way back
-        shortfall = self.target_groups - len(self.buffer) - live * keep_rate
-        size = min(self.chunk_size, math.ceil(shortfall / keep_rate))
-        if shortfall <= 0 or len(self._in_flight) + size > self.max_in_flight:
+        """A chunk of prompts to submit when the buffer and what is in flight will not cover the pace's target."""
+        prompts = self.prompts
+        size = self.pace.next_chunk_size(buffered=len(self.buffer), live=prompts.num_live,
+                                         in_flight=prompts.num_in_flight)
+        if not size:
             return []
-        records = [self._pending.popleft() for _ in range(min(len(self._pending), size))]
-        if len(records) < size:
-            drawn = self.sampler.next_batch(size - len(records))
-            self.ledger.drawn += len(drawn)
-            records += drawn
         self._since.chunks += 1
         requests = []
-        for record in records:
-            number = self._next_request
-            self._next_request += 1
-            request_id = f"r{number}"
-            seed = generation_seed(self.config.trainer.seed, number, 0)
-            params = sampling_params(self.config, self.tokenizer, seed)
+        for record in prompts.take(size, self.sampler):
+            request_id, number = prompts.submit(record, version)
+            params = sampling_params(self.config, self.tokenizer, generation_seed(self.config.trainer.seed, number, 0))
             requests.append(GenerationRequest(request_id, tuple(record.prompt_ids), params))
-            self._in_flight[request_id] = (record, version)
         return requests
 
     def _abort_unusable(self, version: int, oldest_usable: int) -> None:
         """Abort (and queue again) requests that can no longer make a trainable group: submitted before
         ``oldest_usable``, or — without partial rollouts — before the current version."""
-        limit = oldest_usable if self.config.rollout.partial_rollouts else version
-        doomed = [rid for rid, (_, submitted) in self._in_flight.items()
-                  if submitted < limit and rid not in self._aborted]
+        doomed = self.prompts.abort_submitted_before(oldest_usable if self.config.rollout.partial_rollouts else version)
         if doomed:
-            self._aborted.update(doomed)
             self.engine.abort(doomed)
 
     def _score(self, finished: FinishedRequest) -> RolloutGroup | None:
-        if finished.aborted or finished.request_id in self._aborted:
+        if finished.aborted or self.prompts.is_aborting(finished.request_id):
             return None
-        record, _ = self._in_flight[finished.request_id]
-        return score_group(record, finished.samples, self.tokenizer, self.config)
+        return score_group(self.prompts.record(finished.request_id), finished.samples, self.tokenizer, self.config)
 
     def _take_result(self, finished: FinishedRequest, group: RolloutGroup | None) -> None:
-        record, _ = self._in_flight.pop(finished.request_id)
+        record = self.prompts.returned(finished.request_id)
         if group is None:  # aborted: the prompt is generated again
-            self._aborted.discard(finished.request_id)
             self._requeue(record, finished.num_tokens)
             return
         spans = [group.response_span(i) for i in range(len(group.responses))]
@@ -291,20 +228,18 @@ class AsyncRolloutCollector:
         self._since.generated.append(group)
         stats = self.buffer.add([group])
         self._since.stats = self._since.stats + stats
-        self._kept_finished[0] += stats.num_kept
-        self._kept_finished[1] += 1
+        self.pace.observe(stats.num_kept)
         if not stats.num_kept:
-            self.ledger.filtered += 1
+            self.prompts.ledger.filtered += 1
             self._since.filtered_tokens += finished.num_tokens
 
     def _requeue(self, record: PromptRecord, wasted_tokens: int) -> None:
-        self._pending.appendleft(record)
-        self.ledger.requeued += 1
+        self.prompts.requeue(record)
         self._since.aborted_requests += 1
         self._since.aborted_tokens += wasted_tokens
 
     def _drop(self, groups: int, tokens: int) -> None:
-        self.ledger.dropped += groups
+        self.prompts.ledger.dropped += groups
         self._since.dropped_groups += groups
         self._since.dropped_tokens += tokens
 

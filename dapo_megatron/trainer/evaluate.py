@@ -12,10 +12,19 @@ from pathlib import Path
 from typing import Sequence
 
 from dapo_megatron.algorithm import math_reward
+from dapo_megatron.backend import Backend
+from dapo_megatron.checkpoint import MODEL_DIR, load_model
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.evaluation import avg_at_k, score_samples
 from dapo_megatron.data.prompts import PromptRecord
+from dapo_megatron.policy.hf_loader import load_model_spec
+from dapo_megatron.policy.model import build_model, transformer_config
+from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
+from dapo_megatron.rollout.factory import build_rollout_engine
+from dapo_megatron.trainer.model_source import initial_model_dir, load_tokenizer
+from dapo_megatron.trainer.task import eval_prompts
+from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
 EVAL_SEED = 1_234_567  # fixed: every evaluation of a run samples with the same seed, so curves are comparable
 
@@ -43,17 +52,13 @@ def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, 
     return avg_at_k(scored, k).metrics(prefix="val")
 
 
-def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path) -> dict[str, float]:
+def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path, backend: Backend) -> dict[str, float]:
     """Score a checkpoint's model on the config's validation prompts; every rank calls it, after
-    ``init_distributed``. Builds only what that needs (:func:`checkpoint_engine`, the validation prompts); the run
-    the checkpoint came from is read (its initial model's config and tokenizer), never written."""
-    from dapo_megatron.rank_zero import run_on_rank0
-    from dapo_megatron.trainer.model_source import initial_model_dir, load_tokenizer
-    from dapo_megatron.trainer.task import eval_prompts
-
+    ``init_distributed`` (on ``backend``). Builds only what that needs (:func:`checkpoint_engine`, the validation
+    prompts); the run the checkpoint came from is read (its initial model's config and tokenizer), never written."""
     tokenizer = load_tokenizer(config, initial_model_dir(config))
     with tempfile.TemporaryDirectory(prefix="dapo_eval_") as scratch:
-        engine = checkpoint_engine(config, checkpoint, scratch)
+        engine = checkpoint_engine(config, checkpoint, scratch, backend)
         try:
             return run_on_rank0(lambda: evaluate(engine, eval_prompts(config, tokenizer), tokenizer, config),
                                 what="evaluation")
@@ -62,30 +67,24 @@ def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path) -> dict[str,
                 engine.shutdown()
 
 
-def checkpoint_engine(config: DAPOConfig, checkpoint: str | Path, work_dir: str | Path) -> RolloutEngine | None:
+def checkpoint_engine(config: DAPOConfig, checkpoint: str | Path, work_dir: str | Path, backend: Backend
+                      ) -> RolloutEngine | None:
     """A rollout engine (on rank 0; None elsewhere) serving ``<checkpoint>/model``, a megatron-core distributed
     checkpoint loaded at the config's TP/PP into this rank's model stage: no DDP, no optimizer. The engine keeps its
     working files (SGLang's logs and weight snapshots) under ``work_dir``."""
-    from dapo_megatron.policy.hf_loader import load_model_spec
-    from dapo_megatron.policy.model import build_model, transformer_config
-    from dapo_megatron.rank_zero import run_on_rank0
-    from dapo_megatron.rollout.factory import build_rollout_engine
-    from dapo_megatron.checkpoint import MODEL_DIR, load_model
-    from dapo_megatron.trainer.model_source import initial_model_dir
-    from dapo_megatron.trainer.weight_sync import sync_engine_weights
-
     model_dir = initial_model_dir(config)
     spec = load_model_spec(model_dir)
     p = config.parallel
-    tconfig = transformer_config(spec, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
+    tconfig = transformer_config(spec, backend, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
                                  precision=config.model.precision)
     tconfig.perform_initialization = False  # every parameter comes from the checkpoint
-    model = build_model(spec, tconfig)
+    model = build_model(spec, tconfig, backend)
     load_model([model], Path(checkpoint) / MODEL_DIR)
-    engine = run_on_rank0(lambda: build_rollout_engine(config, model_dir, work_dir),
+    engine = run_on_rank0(lambda: build_rollout_engine(config, model_dir, work_dir, backend),
                           what="starting the rollout engine", broadcast_result=False)
     try:
-        sync_engine_weights(model, spec, engine, version=1, bucket_bytes=int(config.rollout.handoff_bucket_mb * 2**20))
+        sync_engine_weights(model, spec, engine, version=1, bucket_bytes=int(config.rollout.handoff_bucket_mb * 2**20),
+                            tp_gather=backend.tp_gather)
     except BaseException:
         if engine is not None:
             engine.shutdown()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dapo_megatron.backend import Backend
 from dapo_megatron.checkpoint import (
     CONFIG_FILE,
     MODEL_DIR,
@@ -36,14 +37,14 @@ from dapo_megatron.trainer.model_source import check_model_folder
 from dapo_megatron.trainer.run_config import check_resume_config, read_config_file
 
 
-def check_run_inputs(config: DAPOConfig, *, world_size: int, resume: bool = False,
+def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, resume: bool = False,
                      checkpoint: str | Path | None = None) -> None:
     """Raise the :class:`~dapo_megatron.user_errors.UserError` of the first bad input (see the module docstring).
     ``checkpoint``: the one ``eval`` reads (then nothing is trained, so the training memory is not checked)."""
     if config.model.source == "hf":
         spec = check_user_model(config)
         if checkpoint is None:
-            check_training_memory(config, spec, world_size=world_size)
+            check_training_memory(config, spec, world_size=world_size, fused_attention=backend.uses_transformer_engine)
     check_data_files(config)
     if resume:
         check_resume(config, world_size)
@@ -53,7 +54,7 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, resume: bool = Fals
 
 def check_user_model(config: DAPOConfig):
     """The user's model folder, checked; returns its :class:`~dapo_megatron.policy.model.ModelSpec`."""
-    from dapo_megatron.policy.model import ParallelLayoutError, check_parallel_layout
+    from dapo_megatron.policy.model_spec import ParallelLayoutError, check_parallel_layout
 
     spec = check_model_folder(config.model.hf_path, tokenizer_path=config.model.tokenizer_path)
     p = config.parallel
@@ -70,23 +71,22 @@ def check_user_model(config: DAPOConfig):
 CPU_PROCESS_BYTES = 10**9
 
 
-def check_training_memory(config: DAPOConfig, spec, *, world_size: int, available: tuple[int, str] | None = None
-                          ) -> None:
+def check_training_memory(config: DAPOConfig, spec, *, world_size: int, fused_attention: bool,
+                          available: tuple[int, str] | None = None) -> None:
     """Refuse a layout whose estimated training memory exceeds what is there, naming both numbers.
 
     On GPU every rank has its own device: the largest stage's estimate must fit one GPU. On CPU the trainer ranks of
     this host share its memory: the largest stage's estimate (without the GPU plan's CUDA margin, plus a process's
-    own cost) times the ranks on this host must fit the host's RAM. ``available``: (bytes, what they are), for
-    tests; default: this machine's."""
+    own cost) times the ranks on this host must fit the host's RAM. ``fused_attention``: the backend runs Transformer
+    Engine's. ``available``: (bytes, what they are), for tests; default: this machine's."""
     import torch
 
-    from dapo_megatron.plan import plan_stages
     from dapo_megatron.platform import local_world_size
-    from dapo_megatron.policy.model import transformer_engine_usable
+    from dapo_megatron.policy.memory import plan_stages
 
     p = config.parallel
     data_parallel = max(world_size // (p.tensor * p.pipeline), 1)
-    stages, _ = plan_stages(config, spec, data_parallel=data_parallel, local_spec=not transformer_engine_usable())
+    stages, _ = plan_stages(config, spec, data_parallel=data_parallel, local_spec=not fused_attention)
     largest = max(stages, key=lambda stage: stage.total_bytes)
     on_gpu = torch.cuda.is_available()
     if on_gpu:

@@ -9,14 +9,14 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
 4. filter and buffer: keep groups with mixed outcomes until the batch is full or the generation-round cap is hit
    (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank
    as packed tensors (:mod:`.rollout_batch`);
-5. group-normalized advantages, overlong-filtering masks (:mod:`.samples`, :mod:`dapo_megatron.algorithm.advantages`);
+5. group-normalized advantages, overlong-filtering masks (:mod:`dapo_megatron.algorithm.advantages`);
 6. π_old's log-probs of the sampled tokens, recomputed by the policy, forward only — except for the first
-   mini-batch's samples of the current weights, whose π_old the first update's own forward gives
-   (:mod:`.policy_update`); then the rollout correction of tokens the policy did not sample itself —
-   importance-weighted, masked, or (sync ``surplus_policy: keep``) trained as they are
-   (:func:`.samples.corrected_samples`, :mod:`dapo_megatron.algorithm.rollout_correction`);
+   mini-batch's samples of the current weights, whose π_old the first update's own forward gives; then the rollout
+   correction of tokens the policy did not sample itself — importance-weighted, masked, or (sync
+   ``surplus_policy: keep``) trained as they are (:mod:`dapo_megatron.algorithm.rollout_correction`);
 7. ``train_batch_size / mini_batch_size`` optimizer updates on shuffled mini-batches with the DAPO loss
    (:meth:`dapo_megatron.policy.actor.Actor.train_minibatch`, :mod:`dapo_megatron.algorithm.loss`);
+   5–7 are one stage, :class:`.policy_update.PolicyUpdate`;
 8. the new weights go to the engine (Megatron shards → HF tensors → ``engine.update_weights``; :mod:`.weight_sync`);
 9. validation on schedule, metrics (TensorBoard + metrics.jsonl; :mod:`.step_metrics`), a checkpoint on schedule.
 
@@ -26,6 +26,9 @@ The trainer starts from an HF folder (:mod:`.model_source`); making the CPU demo
 ``rollout.mode: async`` changes only where steps 1–4 come from: :mod:`.async_collector` generates in a background
 thread during the other steps, so ``collect`` mostly hands over groups sampled by the previous weights; the weight
 version is the policy's step count, and staleness is counted against it (:mod:`dapo_megatron.algorithm.staleness`).
+
+``rollout.placement: colocated`` puts the SGLang servers on the trainer's GPUs: generation, the update and the handoff
+then take turns with the servers' memory (:mod:`.colocation`).
 """
 
 from __future__ import annotations
@@ -39,18 +42,26 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dapo_megatron import checkpoint as ckpt
+from dapo_megatron.backend import Backend
 from dapo_megatron.config import DAPOConfig
+from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.platform import seed_everything
+from dapo_megatron.policy.actor import build_actor
+from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 from dapo_megatron.rank_zero import run_on_rank0
+from dapo_megatron.rollout.factory import build_rollout_engine
+from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
+from dapo_megatron.trainer.colocation import Colocation
 from dapo_megatron.trainer.evaluate import evaluate
 from dapo_megatron.trainer.metrics import MetricsWriter
 from dapo_megatron.trainer.model_source import load_tokenizer
-from dapo_megatron.trainer.policy_update import forward_only_old_logprobs, optimizer_updates, plan_updates
+from dapo_megatron.trainer.policy_update import PolicyUpdate
 from dapo_megatron.trainer.rollout_batch import hand_over_rollouts
+from dapo_megatron.trainer.rollout_collector import RolloutCollector
 from dapo_megatron.trainer.run_config import record_start
-from dapo_megatron.trainer.samples import corrected_samples, corrects_before_update, training_samples, with_old_logprobs
 from dapo_megatron.trainer.step_metrics import StepTimer, policy_metrics, step_metrics, summary_line
 from dapo_megatron.trainer.stop_signals import StopSignals
+from dapo_megatron.trainer.task import eval_prompts, train_prompts
 from dapo_megatron.trainer.training_progress import WARN_AFTER_STEPS, TrainingProgress
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
@@ -58,15 +69,14 @@ logger = logging.getLogger(__name__)
 
 
 class DAPOTrainer:
-    """Every rank builds one, after ``init_distributed``, from the run config and the HF folder the policy starts
-    from (:func:`dapo_megatron.trainer.model_source.prepare_initial_model`)."""
+    """Every rank builds one, after ``init_distributed``, from the run config, the HF folder the policy starts from
+    (:func:`dapo_megatron.trainer.model_source.prepare_initial_model`) and the platform's backend."""
 
-    def __init__(self, config: DAPOConfig, model_dir: str | Path, *, resume: bool = False,
+    def __init__(self, config: DAPOConfig, model_dir: str | Path, backend: Backend, *, resume: bool = False,
                  stop: StopSignals | None = None):
-        from dapo_megatron.policy.actor import build_actor
-        from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
-
         self.config = config
+        self.backend = backend
+        logger.info("policy backend: %s", backend.name)
         self.model_dir = Path(model_dir)
         self.resume = resume
         self.stop = stop or StopSignals()  # `train` passes the process's installed handlers
@@ -88,30 +98,28 @@ class DAPOTrainer:
         self.tokenizer = load_tokenizer(config, self.model_dir)
         self.spec = load_model_spec(self.model_dir)
         c = config
-        self.actor = build_actor(self.spec, model=c.model, parallel=c.parallel, optim=c.optim, algorithm=c.algorithm,
-                                 micro_batch_tokens=c.trainer.micro_batch_tokens, temperature=c.rollout.temperature)
+        self.actor = build_actor(self.spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim,
+                                 algorithm=c.algorithm, micro_batch_tokens=c.trainer.micro_batch_tokens,
+                                 temperature=c.rollout.temperature)
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
         self.actor.optimizer.reload_model_params()
+        self.policy_update = PolicyUpdate(self.actor, config)
         self.writer = MetricsWriter(self.run_dir, tensorboard=config.trainer.tensorboard, enabled=self.rank == 0)
 
-        # The rollout side, on rank 0 only.
+        # The rollout side, on rank 0 only; colocated servers start in a generation turn (they size their memory then).
         self.engine = None
         self.collector = None
         self.eval_prompts: tuple = ()
-        run_on_rank0(self._start_rollout_side, what="starting the rollout side", broadcast_result=False)
+        self.colocation = Colocation(config, self.actor.optimizer, lambda: self.engine, device_type=backend.device_type)
+        with self.colocation.generating():
+            run_on_rank0(self._start_rollout_side, what="starting the rollout side", broadcast_result=False)
 
     def _start_rollout_side(self) -> None:
-        from dapo_megatron.data.sampler import PromptSampler
-        from dapo_megatron.rollout.factory import build_rollout_engine
-        from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
-        from dapo_megatron.trainer.rollout_collector import RolloutCollector
-        from dapo_megatron.trainer.task import eval_prompts, train_prompts
-
         c = self.config
         sampler = PromptSampler(train_prompts(c, self.tokenizer), batch_size=c.trainer.train_batch_size,
                                 seed=c.trainer.seed)
         self.eval_prompts = eval_prompts(c, self.tokenizer)
-        self.engine = build_rollout_engine(c, self.model_dir, self.run_dir)
+        self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend)
         collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
         self.collector = collector(self.engine, sampler, self.tokenizer, c)
 
@@ -121,28 +129,18 @@ class DAPOTrainer:
         """DAPO step ``step`` → ``step + 1``, on every rank; returns the metrics it logged as step ``step + 1``."""
         c, timer, done = self.config, StepTimer(), step + 1
         with timer.phase("step"):
-            with timer.phase("gen"):  # 1-4: prompts → G responses each → rewards → dynamic-sampling filter/buffer
+            with timer.phase("gen"), self.colocation.generating():  # 1-4: prompts → G responses → rewards → filter
                 groups, rollout = hand_over_rollouts(lambda: self.collector.collect(step),
                                                      what=f"step {done} rollouts")
-            samples = training_samples(groups, c)  # 5: group-normalized advantages, overlong-filtering masks
-            old, updates, correction = None, [], {}
-            if samples:
-                plan = plan_updates(groups, c, step, policy_version=step)  # the policy holds version `step` now
-                with timer.phase("old_logprob"):  # 6: π_old's log-probs, forward only, where 7 cannot reuse its own
-                    samples, forward_only = forward_only_old_logprobs(self.actor, samples, plan)
-                if corrects_before_update(c):  # 6b: tokens other weights sampled, importance-weighted or masked
-                    samples, correction = corrected_samples(samples, groups, c, policy_version=step)
-                with timer.phase("update"):  # 7: one optimizer update per mini-batch, with the DAPO loss
-                    updates, old = optimizer_updates(self.actor, samples, plan, forward_only,
-                                                     lambda batches: self._progress(batches, done))
-                if not corrects_before_update(c):  # 6b's diagnostics only: the loss took the samples as they are
-                    _, correction = corrected_samples(with_old_logprobs(samples, old.logprobs), groups, c,
-                                                      policy_version=step)
+            self.colocation.before_policy_update()  # colocated servers give the GPU memory to the training
+            # 5-7: advantages → π_old's log-probs → rollout correction → one update per mini-batch, the DAPO loss
+            update = self.policy_update.run(groups, step, timer, progress=lambda batches: self._progress(batches, done))
             with timer.phase("handoff"):  # 8: the new weights → the rollout engine
                 self.hand_off_weights(version=done)
         # 9: metrics (+ validation on schedule) to TensorBoard and metrics.jsonl; a checkpoint on schedule.
-        metrics = step_metrics(rollout, {**policy_metrics(groups, samples, old, updates, policy_version=step),
-                                         **correction}, timer,
+        policy = policy_metrics(groups, update.samples, update.old, update.updates, update.correction,
+                                policy_version=step)
+        metrics = step_metrics(rollout, policy, timer,
                                weight_version=self.engine.weight_version if self.engine else done)
         last = done == c.trainer.total_steps
         if last or (c.eval.every and done % c.eval.every == 0):
@@ -156,12 +154,15 @@ class DAPOTrainer:
         return metrics
 
     def hand_off_weights(self, version: int) -> None:
+        self.colocation.before_handoff()
         sync_engine_weights(self.actor.model, self.spec, self.engine, version=version,
-                            bucket_bytes=int(self.config.rollout.handoff_bucket_mb * 2**20))
+                            bucket_bytes=int(self.config.rollout.handoff_bucket_mb * 2**20),
+                            tp_gather=self.backend.tp_gather)
 
     def validate(self) -> dict[str, float]:
-        return run_on_rank0(lambda: evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config),
-                            what="validation")
+        with self.colocation.generating():
+            return run_on_rank0(lambda: evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config),
+                                what="validation")
 
     def _progress(self, batches: list, step: int):
         return tqdm(batches, desc=f"step {step} updates", leave=False, unit="mini-batch",

@@ -16,7 +16,11 @@ from transformers import AutoTokenizer
 
 from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.hf_format import CONFIG_FILE, compare_shapes, list_tensors, load_hf_config
+from dapo_megatron.policy.model_spec import ModelSpec, UnsupportedModelError, model_spec_from_hf
+from dapo_megatron.policy.shapes import published_hf_config, published_name
+from dapo_megatron.policy.weight_mapping import ShardGeometry, full_model_mappings, hf_shapes
 from dapo_megatron.rank_zero import run_on_rank0
+from dapo_megatron.tiny_model import prepare_tiny_model
 from dapo_megatron.tiny_model.build import COMPLETE_MARKER
 from dapo_megatron.user_errors import ModelFolderError
 
@@ -44,8 +48,6 @@ def prepare_initial_model(config: DAPOConfig) -> Path:
     ``init_distributed`` when there are several): rank 0 prepares, the others wait, and a failure on rank 0 is raised
     on every rank."""
     if config.model.source == "tiny":
-        from dapo_megatron.tiny_model import prepare_tiny_model
-
         run_on_rank0(lambda: prepare_tiny_model(config, tiny_model_dir(config)), what="preparing the tiny model")
     return initial_model_dir(config)
 
@@ -64,8 +66,6 @@ def check_model_folder(model_dir: str | Path, *, tokenizer_path: str | None = No
 
     So a folder with only ``{"model_type": "qwen2"}`` in its config is refused before a 7B model (that config's
     defaults) is allocated, and a truncated shard is named before any weight is read."""
-    from dapo_megatron.policy.model import UnsupportedModelError, model_spec_from_hf
-    from dapo_megatron.policy.weight_mapping import ShardGeometry, full_model_mappings, hf_shapes
 
     model_dir = Path(model_dir)
     try:
@@ -90,3 +90,24 @@ def check_model_folder(model_dir: str | Path, *, tokenizer_path: str | None = No
         raise ModelFolderError(f"{tokenizer_dir}: the tokenizer has no chat template (transformers reads it from "
                                f"chat_template.jinja or tokenizer_config.json)")
     return spec
+
+
+def model_spec_for_plan(config: DAPOConfig) -> tuple[ModelSpec, str]:
+    """(the model's spec, where its shape came from) for ``dapo-megatron plan``: ``model.hf_path``'s
+    ``config.json`` when that folder is here, else the published shape its folder is named after
+    (:mod:`dapo_megatron.policy.shapes`; the 32B example points at a cluster path), or for ``model.source = tiny``
+    the prepared tiny model's."""
+    if config.model.source == "tiny":
+        folder = Path(tiny_model_dir(config))
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"model.source: the tiny model's vocabulary comes from its tokenizer; run "
+                              f"`dapo-megatron prepare-tiny` first (no {folder / 'config.json'})")
+        return model_spec_from_hf(load_hf_config(folder)), str(folder / "config.json")
+    folder = Path(config.model.hf_path)
+    if (folder / "config.json").is_file():
+        return model_spec_from_hf(load_hf_config(folder)), str(folder / "config.json")
+    name = published_name(folder)
+    if name is None:
+        raise ConfigError(f"model.hf_path: {folder / 'config.json'} does not exist and the folder name is not one of "
+                          f"the published shapes dapo_megatron.policy.shapes knows")
+    return model_spec_from_hf(published_hf_config(name)), f"published {name} shape ({folder} is not on this machine)"

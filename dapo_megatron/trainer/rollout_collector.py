@@ -13,120 +13,20 @@ Every generate call gets a seed derived from (run seed, step, round), so a resum
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
-import torch
 from tqdm import tqdm
 
-from dapo_megatron.algorithm import DynamicSamplingBuffer, FilterStats, math_reward, overlong_penalty
-from dapo_megatron.algorithm.staleness import response_staleness, version_span
+from dapo_megatron.algorithm import DynamicSamplingBuffer, FilterStats
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
-from dapo_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
+from dapo_megatron.rollout.engine import RolloutEngine
+from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, sampling_params, score_group
 from dapo_megatron.trainer.step_metrics import rollout_metrics
 
 
-@dataclass
-class RolloutGroup:
-    """The G responses to one prompt, scored. ``accs`` (exact-match correctness) drives dynamic sampling;
-    ``scores`` (±1 plus the overlong penalty) drive the advantages.
-
-    ``weight_version`` is the OLDEST weight version that sampled a token of the group, so ``weight_version == V``
-    means the policy at version V sampled every token (the group is on-policy for V); staleness is counted from it
-    (:mod:`dapo_megatron.algorithm.staleness`). ``token_versions`` gives each response's per-token versions when
-    they differ from ``weight_version`` (a partial rollout continued across a weight update); None when every
-    token was sampled by ``weight_version``.
-    """
-
-    prompt_ids: list[int]
-    ground_truth: str
-    data_source: str
-    responses: list[list[int]]
-    engine_logprobs: list[list[float]]
-    finish_reasons: list[str]
-    accs: list[bool]
-    scores: list[float]
-    overlong_penalties: list[float]
-    weight_version: int
-    token_versions: list[list[int]] | None = None
-
-    @property
-    def truncated(self) -> list[bool]:
-        return [reason == "length" for reason in self.finish_reasons]
-
-    def response_versions(self, index: int) -> list[int]:
-        """The weight version that sampled each token of response ``index``."""
-        if self.token_versions is not None:
-            return self.token_versions[index]
-        return [self.weight_version] * len(self.responses[index])
-
-    def response_staleness(self, index: int, policy_version: int) -> int:
-        """:func:`~dapo_megatron.algorithm.staleness.response_staleness` of response ``index``; a response of one
-        version is not expanded per token (the per-step metrics read every response of the batch)."""
-        return response_staleness(self._distinct_versions(index), policy_version)
-
-    def response_span(self, index: int) -> int:
-        """:func:`~dapo_megatron.algorithm.staleness.version_span` of response ``index``, as cheaply."""
-        return version_span(self._distinct_versions(index))
-
-    def _distinct_versions(self, index: int) -> list[int]:
-        if self.token_versions is not None:
-            return self.token_versions[index]
-        return [self.weight_version] if self.responses[index] else []
-
-
-def generation_seed(run_seed: int, step: int, round_index: int) -> int:
-    return (run_seed * 1_000_003 + step * 1_009 + round_index) % (2**31 - 1)
-
-
-def sampling_params(config: DAPOConfig, tokenizer, seed: int | None) -> SamplingParams:
-    """The rollout's sampling parameters (G samples per prompt) with ``seed``."""
-    r = config.rollout
-    return SamplingParams(n=r.n_samples, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_response_length, stop_token_ids=(tokenizer.eos_token_id,), seed=seed)
-
-
-def score_group(record: PromptRecord, samples: list[Sample], tokenizer, config: DAPOConfig) -> RolloutGroup:
-    a, r = config.algorithm, config.rollout
-    accs, base_scores = [], []
-    for sample in samples:
-        text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        result = math_reward(text, record.ground_truth, use_math_verify=a.use_math_verify)
-        accs.append(result.acc)
-        base_scores.append(result.score)
-    lengths = torch.tensor([len(s.token_ids) for s in samples])
-    if a.overlong_penalty:
-        penalties = overlong_penalty(lengths, r.max_response_length, a.overlong_buffer_len,
-                                     a.overlong_penalty_factor).tolist()
-    else:
-        penalties = [0.0] * len(samples)
-    return RolloutGroup(
-        prompt_ids=list(record.prompt_ids),
-        ground_truth=record.ground_truth,
-        data_source=record.data_source,
-        responses=[list(s.token_ids) for s in samples],
-        engine_logprobs=[list(s.logprobs) for s in samples],
-        finish_reasons=[s.finish_reason for s in samples],
-        accs=accs,
-        scores=[b + p for b, p in zip(base_scores, penalties)],
-        overlong_penalties=penalties,
-        **_versions(samples),
-    )
-
-
-def _versions(samples: list[Sample]) -> dict:
-    """``weight_version`` (the oldest) and, only when some token differs from it, ``token_versions``."""
-    if not samples:
-        return {"weight_version": -1}
-    per_token = [list(s.token_versions) if s.token_versions else [s.weight_version] * len(s.token_ids)
-                 for s in samples]
-    oldest = min([s.weight_version for s in samples] + [v for versions in per_token for v in versions])
-    mixed = any(v != oldest for versions in per_token for v in versions)
-    return {"weight_version": oldest, "token_versions": per_token if mixed else None}
-
-
 class RolloutCollector:
+    """Steps 1–4 in sync mode: ``collect(step)`` generates, scores and filters until the batch is full."""
+
     def __init__(self, engine: RolloutEngine, sampler: PromptSampler, tokenizer, config: DAPOConfig):
         self.engine = engine
         self.sampler = sampler

@@ -15,11 +15,11 @@ import torch
 
 from dapo_megatron.algorithm import FilterStats
 from dapo_megatron.algorithm.staleness import staleness_metrics
+from dapo_megatron.trainer.rollout_group import RolloutGroup
 
 if TYPE_CHECKING:
     from dapo_megatron.policy.actor import PolicyLogProbs
     from dapo_megatron.policy.packing import PolicySample
-    from dapo_megatron.trainer.rollout_collector import RolloutGroup
 
 
 class StepTimer:
@@ -89,10 +89,11 @@ def staleness_of_batch(groups: list[RolloutGroup], policy_version: int) -> dict[
             **staleness_metrics(staleness)}
 
 
-def policy_metrics(groups: list[RolloutGroup], samples: list[PolicySample], old: PolicyLogProbs | None,
-                   updates: list[dict], *, policy_version: int) -> dict[str, float]:
-    """The policy side: loss, clip fractions, KL, entropy, gradient norm over the applied updates, staleness against
-    ``policy_version``, and the gap between the engine's and the policy's log-probs of the sampled tokens."""
+def policy_metrics(groups: list[RolloutGroup], samples: list["PolicySample"], old: "PolicyLogProbs | None",
+                   updates: list[dict], correction: dict[str, float], *, policy_version: int) -> dict[str, float]:
+    """The policy side (what :class:`dapo_megatron.trainer.policy_update.StepUpdate` holds): loss, clip fractions,
+    KL, entropy, gradient norm over the applied updates, staleness against ``policy_version``, the gap between the
+    engine's and the policy's log-probs of the sampled tokens, and the rollout correction's diagnostics."""
     if not samples:
         return {"train/skipped_empty_batch": 1.0, **staleness_of_batch(groups, policy_version)}
     # Engine vs policy log-probs of the same tokens, over responses every token of which the policy's current
@@ -126,6 +127,7 @@ def policy_metrics(groups: list[RolloutGroup], samples: list[PolicySample], old:
         **({"rollout/logprob_diff/mean_abs": float(gap.mean()), "rollout/logprob_diff/max_abs": float(gap.max())}
            if gap.numel() else {}),
         "perf/num_tokens": float(sum(s.length for s in samples)),
+        **correction,
     }
 
 

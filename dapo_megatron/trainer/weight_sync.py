@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
+from dapo_megatron.handoff import choose_route, gather_hf_buckets_to_rank0, stream_stage_buckets
+from dapo_megatron.handoff.tp_gather import TensorParallelGather
 from dapo_megatron.rank_zero import feed_rank0, run_on_rank0
 from dapo_megatron.rollout.engine import RolloutEngine
 
@@ -28,23 +31,20 @@ class StageStreamError(RuntimeError):
 
 
 def sync_engine_weights(model: torch.nn.Module, spec, engine: RolloutEngine | None, *, version: int,
-                        bucket_bytes: int) -> None:
+                        bucket_bytes: int, tp_gather: TensorParallelGather) -> None:
     """Hand ``model``'s weights (this rank's stage shard; DDP-wrapped or not) to ``engine`` as ``version``.
-    ``engine`` is the rollout engine on global rank 0 and None on every other rank."""
-    from megatron.core import parallel_state
-
-    from dapo_megatron.handoff import choose_route, gather_hf_buckets_to_rank0, stream_stage_buckets
-
+    ``engine`` is the rollout engine on global rank 0 and None on every other rank; ``tp_gather`` is the backend's
+    (:mod:`dapo_megatron.handoff.tp_gather`)."""
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     receiver = None
     if stages > 1:
         receiver = run_on_rank0(lambda: engine.stage_stream_receiver(), what="asking the engine for its stage receiver")
     if choose_route(stages, receiver is not None) == "gather_to_rank0":
-        buckets = gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes)
+        buckets = gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes, tp_gather=tp_gather)
         feed_rank0(buckets, lambda stream: engine.update_weights(stream, version),
                    what=f"weight handoff (version {version})")
         return
-    error = stream_stage_buckets(model, spec, receiver, bucket_bytes=bucket_bytes)
+    error = stream_stage_buckets(model, spec, receiver, bucket_bytes=bucket_bytes, tp_gather=tp_gather)
     errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [message for message in errors if message]

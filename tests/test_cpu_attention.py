@@ -1,8 +1,8 @@
-"""The CPU attention path (policy/cpu_attention.py + policy/segment_layout.py) against the dense computation.
+"""The CPU backend's attention (cpu/attention.py + cpu/segment_packing.py) against the dense computation.
 
 The "segments" layout (attention per sample, each prompt once per row, responses without their last token) must give
 the same per-token log-probs and the same parameter gradients as the dense block-diagonal masked square ("mask"
-layout, megatron's own DotProductAttention path) and as each sample run alone, up to float rounding: for samples with
+layout of bench/baseline_packing.py, megatron's own DotProductAttention path) and as each sample run alone, up to float rounding: for samples with
 distinct prompts and for groups sharing a prompt, in one row or cut into several padded rows, at TP=1 and TP=2. And
 the local spec with RoPE moved into the core attention computes exactly what megatron's stock local model computes.
 """
@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from actor_harness import TINY_VOCAB, actor_settings, build_test_actor, random_samples, write_tiny_qwen2
+from actor_harness import (
+    TINY_VOCAB,
+    actor_settings,
+    build_test_actor,
+    logprobs_and_gradients,
+    random_samples,
+    write_tiny_qwen2,
+)
+from baseline_packing import MaskPacker, PaddedPacker
 from spawn_ranks import run_distributed
 
 from dapo_megatron.policy.packing import PolicySample
@@ -37,40 +45,29 @@ CASES = {"distinct prompts": lambda: random_samples(7, seed=3, prompt_lengths=(1
 
 def layouts_job(hf_dir: str, tensor_parallel: int):
     """Per case and layout: per-sample log-probs and this rank's parameter gradients of Σ w·log p."""
-    from dapo_megatron.policy.batch_plan import PackedBatching, PaddedBatching
+    from dapo_megatron.cpu.segment_packing import SegmentPacker
+    from dapo_megatron.policy.batch_plan import PackedBatching
 
     actor, _ = build_test_actor(hf_dir, tensor_parallel, 1, actor_settings())
-    assert actor.layout == "segments"
-    layouts = {"segments, rows of 24": ("segments", PackedBatching(token_budget=24, pad_to_multiple=4)),
-               "segments, one row": ("segments", PackedBatching(token_budget=4096)),
-               "mask": ("mask", PackedBatching(token_budget=64, pad_to_multiple=4)),
-               "alone": ("segments", PaddedBatching(samples_per_micro_batch=1))}
+    assert isinstance(actor.backend.packer, SegmentPacker)
+    layouts = {"segments, rows of 24": (SegmentPacker(), PackedBatching(token_budget=24, pad_to_multiple=4)),
+               "segments, one row": (SegmentPacker(), PackedBatching(token_budget=4096)),
+               "mask": (MaskPacker(), PackedBatching(token_budget=64, pad_to_multiple=4)),
+               "alone": (PaddedPacker(samples_per_micro_batch=1), PackedBatching(token_budget=4096))}
     results = {}
     for case, make in CASES.items():
         samples = make()
         weights = [torch.rand(s.response_length, generator=torch.Generator().manual_seed(i)) + 0.5
                    for i, s in enumerate(samples)]
-        for name, (layout, batching) in layouts.items():
-            actor.layout = layout
-            plan = actor._plan(samples, batching)
-            actor.model.zero_grad_buffer()
-            logprobs = [None] * len(samples)
-            for mb in plan.micro_batches:
-                logits = actor.model(mb.tokens, mb.position_ids, mb.attention_mask,
-                                     packed_seq_params=mb.packed_seq_params)
-                rows, _ = actor._response_logprobs(mb, logits, temperature=1.0)
-                loss = logits.sum() * 0.0
-                for row, index in enumerate(mb.sample_indices):
-                    length = samples[index].response_length
-                    logprobs[index] = rows[row, :length].detach()
-                    loss = loss + (rows[row, :length] * weights[index]).sum()
-                loss.backward()
-            grads = {name: param.main_grad.clone() for name, param in actor.model.named_parameters()}
-            results[case, name] = dict(logprobs=logprobs, grads=grads,
-                                       micro_batches=len(plan.micro_batches),
-                                       tokens=sum(mb.num_processed_tokens for mb in plan.micro_batches),
+        for name, (packer, batching) in layouts.items():
+            actor.backend.packer = packer
+            result = logprobs_and_gradients(actor, samples, weights, batching, temperature=1.0)
+            micro_batches = result["micro_batches"]
+            results[case, name] = dict(logprobs=result["logprobs"], grads=result["grads"],
+                                       micro_batches=len(micro_batches),
+                                       tokens=sum(mb.num_processed_tokens for mb in micro_batches),
                                        classes=max(len(getattr(mb.packed_seq_params, "classes", ()))
-                                                   for mb in plan.micro_batches))
+                                                   for mb in micro_batches))
     results["leaky"] = leaky_logprobs(actor, CASES["shared prompts"]())
     return results
 
@@ -80,9 +77,10 @@ def leaky_logprobs(actor, samples):
     boundaries (what a broken segment index would compute); per-sample log-probs."""
     from dataclasses import replace
 
+    from dapo_megatron.cpu.segment_packing import SegmentPacker
     from dapo_megatron.policy.batch_plan import PackedBatching
 
-    actor.layout = "segments"
+    actor.backend.packer = SegmentPacker()
     (mb,) = actor._plan(samples, PackedBatching(token_budget=4096)).micro_batches
     row = mb.packed_seq_params
     length = row.slot.numel()
@@ -169,7 +167,7 @@ def test_the_local_spec_is_megatrons_stock_local_model(hf_dir):
 def test_explicit_and_flash_class_attention_equal_masked_attention(heads, kv_heads):
     """Both per-class attention paths (explicit scores for small classes, SDPA's flash kernel for large ones) against
     a float64 softmax with a causal mask, values and gradients, grouped query heads included."""
-    from dapo_megatron.policy.cpu_attention import causal_attention_explicit, causal_attention_flash
+    from dapo_megatron.cpu.attention import causal_attention_explicit, causal_attention_flash
 
     generator = torch.Generator().manual_seed(0)
     n, length, dim = 5, 11, 8
@@ -202,8 +200,8 @@ def test_explicit_and_flash_class_attention_equal_masked_attention(heads, kv_hea
 
 
 def test_segmented_row_layout():
-    from dapo_megatron.policy import segment_layout
-    from dapo_megatron.policy.segment_layout import segment_bins, segmented_row
+    from dapo_megatron.cpu import segment_packing
+    from dapo_megatron.cpu.segment_packing import segment_bins, segmented_row
 
     prompt = torch.tensor([1, 2, 3])
     samples = [PolicySample(prompt, torch.tensor([4, 5])), PolicySample(torch.tensor([9]), torch.tensor([8, 7, 6])),
@@ -218,7 +216,7 @@ def test_segmented_row_layout():
     # views: sample 0 (prompt + 1), sample 3 (prompt + 2), the other prompt + 2, padding; sample 2 (one token, not
     # the prompt's owner) needs none. Length classes: the views of 5, 4 and 3 tokens, then padding (3 tokens too)
     assert row.classes == ((4, 5),)
-    assert segment_layout.length_classes([9, 4, 5, 2, 8]) == [([0, 4, 2], 9), ([1, 3], 4)]
+    assert segment_packing.length_classes([9, 4, 5, 2, 8]) == [([0, 4, 2], 9), ([1, 3], 4)]
     assert torch.equal(row.gather[row.slot], torch.arange(12))  # each position's output slot reads that position
     assert len(set(row.slot.tolist())) == 12
     valid = mb.response_valid

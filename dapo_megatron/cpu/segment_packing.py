@@ -1,6 +1,6 @@
-"""The ``"segments"`` packed layout: one row per micro-batch, each prompt once, its responses after it.
+"""The CPU backend's packed layout, "segments": one row per micro-batch, each prompt once, its responses after it.
 
-The CPU attention (:class:`dapo_megatron.policy.cpu_attention.PackedSequenceAttention`) attends per *view*, a
+The CPU attention (:class:`dapo_megatron.cpu.attention.PackedSequenceAttention`) attends per *view*, a
 sample's prompt positions followed by its response positions, so samples that share a prompt (the G responses of a
 GRPO/DAPO group) need the prompt in the row only once: every layer's projections, MLP and norms then run on
 ``P + Σ R`` tokens instead of ``G·P + Σ R``. A response's last token is left out too: it predicts nothing, and no
@@ -14,6 +14,7 @@ then padding to a multiple of ``pad_to_multiple`` (its own view). Response token
 the logits at the last prompt position (``t = 0``) or at its own token ``t − 1``. A prompt's positions belong to the
 view of the unit's first sample (its outputs are taken from there); each response position to its own view.
 
+:class:`SegmentPacker` is this layout as the CPU backend's :class:`~dapo_megatron.policy.packing.RowPacker`.
 Binning (:func:`segment_bins`): samples are grouped by prompt (identical token ids, in first-appearance order); a
 group larger than the budget is cut into units that fit (each unit repeats the prompt); units are placed first-fit
 decreasing. Deterministic: the same samples in the same order give the same rows on every rank.
@@ -25,13 +26,14 @@ from typing import Sequence
 
 import torch
 
+from dapo_megatron.cpu.attention import SegmentedRow
 from dapo_megatron.policy.packing import (
     PAD_TOKEN_ID,
     MicroBatch,
     PolicySample,
-    _response_tensors,
-    _round_up,
     first_fit_decreasing,
+    response_tensors,
+    round_up,
 )
 
 
@@ -81,8 +83,6 @@ def length_classes(lengths: Sequence[int]) -> list[tuple[list[int], int]]:
 def segmented_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int) -> MicroBatch:
     """One row holding ``indices`` (consecutive samples with the same prompt share it), as the module docstring lays
     it out. Plain Python lists until the end: one tensor op per field, not per sample."""
-    from dapo_megatron.policy.cpu_attention import SegmentedRow
-
     tokens: list[int] = []
     positions: list[int] = []
     views: list[list[int]] = []  # row positions each view reads, in order
@@ -111,7 +111,7 @@ def segmented_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_t
             owned_from.append(0 if owns_prompt else prompt_length)
         owns_prompt = False
     real = len(tokens)
-    total = _round_up(max(real, 1), pad_to_multiple)
+    total = round_up(max(real, 1), pad_to_multiple)
     if total > real:  # padding: a view of its own
         views.append(list(range(real, total)))
         owned_from.append(0)
@@ -138,6 +138,16 @@ def segmented_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_t
                        gather=torch.tensor(gather, dtype=torch.long), slot=torch.tensor(slot, dtype=torch.long))
     return MicroBatch(
         torch.tensor(tokens, dtype=torch.long)[None], row.positions[None], torch.tensor(labels, dtype=torch.long)[None],
-        None, row, *_response_tensors(samples, indices, (), predictors), sample_indices=tuple(indices),
+        None, row, *response_tensors(samples, indices, (), predictors), sample_indices=tuple(indices),
         num_real_tokens=real,
     )
+
+
+class SegmentPacker:
+    """The segments layout as a :class:`~dapo_megatron.policy.packing.RowPacker`."""
+
+    def bins(self, samples: Sequence[PolicySample], indices: Sequence[int], token_budget: int) -> list[list[int]]:
+        return segment_bins(samples, indices, token_budget)
+
+    def row(self, samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int) -> MicroBatch:
+        return segmented_row(samples, indices, pad_to_multiple)

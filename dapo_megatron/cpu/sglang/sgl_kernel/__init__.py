@@ -12,7 +12,7 @@ themselves when called, so a code path that does need one fails loudly instead o
 The list is exactly what SGLang 0.5.23 imports for dense decoder models at TP=1; an ``ImportError`` naming
 another ``sgl_kernel`` function means SGLang took a path this stand-in does not cover (a newer SGLang, an MoE or
 multimodal model): add the name here only after checking that the path never calls it.
-Only on the server's ``PYTHONPATH`` on CPU (see :func:`dapo_megatron.rollout.sglang_cpu.server_pythonpath`).
+Only on the server's ``PYTHONPATH`` on CPU (see :func:`dapo_megatron.cpu.sglang.server_pythonpath`).
 """
 
 from __future__ import annotations

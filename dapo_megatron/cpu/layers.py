@@ -1,5 +1,5 @@
-"""megatron's local (non-Transformer-Engine) layer spec as this project builds it — the CPU path — and the two
-modules it swaps in besides the core attention (:mod:`dapo_megatron.policy.cpu_attention`).
+"""The CPU backend's layer spec: megatron's local (non-Transformer-Engine) spec with the two modules it swaps in
+besides the core attention (:mod:`dapo_megatron.cpu.attention`).
 
 On CPU, more than half of an update of the demo-sized models is spent outside the GEMMs, much of it in elementwise
 passes over the activations, and autograd runs RMSNorm and SwiGLU op by op: RMSNorm's forward is six operations and its
@@ -32,7 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from torch import Tensor
 
-from dapo_megatron.policy.cpu_attention import PackedSequenceAttention, RotarySettings
+from dapo_megatron.cpu.attention import PackedSequenceAttention, RotarySettings
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -1,5 +1,4 @@
-"""Core attention for megatron's local (non-Transformer-Engine) layer spec (:mod:`dapo_megatron.policy.local_layers`):
-the CPU path, at a cost per sample.
+"""Core attention of the CPU backend's layer spec (:mod:`dapo_megatron.cpu.layers`), at a cost per sample.
 
 megatron-core's local ``DotProductAttention`` has no packed-sequence support: a row holding several samples had to
 be one dense ``S × S`` score matrix with a block-diagonal causal mask, so attention grew with the square of the row
@@ -7,7 +6,7 @@ and rows had to stay short (many micro-batches, each paying megatron's per-layer
 queries and keys (RoPE) by their position in the row, not in their sample.
 
 :class:`PackedSequenceAttention` is that module with RoPE moved inside it and a packed layout of its own, the
-``"segments"`` layout (:class:`SegmentedRow`, built by :mod:`dapo_megatron.policy.segment_layout`):
+``"segments"`` layout (:class:`SegmentedRow`, built by :mod:`dapo_megatron.cpu.segment_packing`):
 
 * a row holds *views*: a view is the row positions of one sample in order — its prompt, then its response. Views
   may share positions: every response to the same prompt reads the prompt's positions, so a prompt is embedded,
@@ -22,11 +21,11 @@ queries and keys (RoPE) by their position in the row, not in their sample.
   of them through the gather.
 
 The result equals the dense masked computation of each sample alone up to float rounding
-(tests/test_policy_cpu_attention.py). Without ``packed_seq_params`` (right-padded rows, the dense-mask layout) the
-module rotates by row position and runs megatron's ``DotProductAttention`` unchanged: megatron's own path, up to
+(tests/test_policy_cpu_attention.py). Without ``packed_seq_params`` (right-padded rows or a dense mask, the
+baselines of ``bench/baseline_packing.py``) the module rotates by row position and runs megatron's ``DotProductAttention`` unchanged: megatron's own path, up to
 the rounding of the rotation's fused multiply-adds (:class:`_Rotate`).
 
-Models built with this module use ``position_embedding_type="none"`` (:func:`dapo_megatron.policy.model.build_model`):
+Models built with this module use ``position_embedding_type="none"`` (the CPU backend's ``rope_in_attention``):
 megatron's own RoPE would rotate by row position before the core attention sees the tensors. Its rotary embedding
 holds no weights, so the checkpoint layout is the same.
 """
@@ -41,6 +40,8 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
+
+from dapo_megatron.policy.sdpa_attention import unsupported_by_packed_attention
 
 
 @dataclass(frozen=True)
@@ -236,14 +237,7 @@ class PackedSequenceAttention(DotProductAttention):
             unsupported.append(f"packed_seq_params of type {type(row).__name__} (only SegmentedRow)")
         elif query.shape[1] != 1 or row.slot.numel() != query.shape[0]:
             unsupported.append(f"a query of shape {tuple(query.shape)} for a row of {row.slot.numel()} tokens")
-        if attention_bias is not None:
-            unsupported.append("an attention bias")
-        if self.scale_mask_softmax.window_size is not None:
-            unsupported.append("sliding-window attention")
-        if self.softmax_offset is not None:
-            unsupported.append(f"softmax_type={self.config.softmax_type!r}")
-        if self.training and self.attention_dropout.p > 0:
-            unsupported.append(f"attention dropout {self.attention_dropout.p}")
+        unsupported += unsupported_by_packed_attention(self, attention_bias)
         if unsupported:
             raise ValueError("PackedSequenceAttention does not support " + ", ".join(unsupported))
 

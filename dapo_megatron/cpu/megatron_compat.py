@@ -46,7 +46,13 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode, _pop_mode_temporarily
+from megatron.core.tensor_parallel import random as megatron_random
+from torch.overrides import (
+    TorchFunctionMode,
+    _get_current_function_mode,
+    _get_current_function_mode_stack,
+    _pop_mode_temporarily,
+)
 
 _install_lock = threading.Lock()
 _installed_mode: "CudaToCpuMode | None" = None
@@ -115,8 +121,6 @@ def _cpu_rng_manual_seed(seed: int) -> None:
 
 
 def _mode_active() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
-
     return any(isinstance(mode, CudaToCpuMode) for mode in _get_current_function_mode_stack())
 
 
@@ -139,7 +143,6 @@ def install() -> bool:
     with _install_lock:
         if _installed_mode is not None:
             return False
-        from megatron.core.tensor_parallel import random as megatron_random
 
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda device=None: None

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from dapo_megatron.policy.cpu_attention import _rotate
-from dapo_megatron.policy.local_layers import LocalRMSNorm, SwiGLUMLP, _RMSNorm, swiglu
+from dapo_megatron.cpu.attention import _rotate
+from dapo_megatron.cpu.layers import LocalRMSNorm, SwiGLUMLP, _RMSNorm, swiglu
 
 
 def tiny_config(**overrides) -> TransformerConfig:

@@ -1,0 +1,47 @@
+"""What every backend supplies (:mod:`dapo_megatron.backend` says which backend runs where)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Literal
+
+from dapo_megatron.config.schema import Recompute
+from dapo_megatron.handoff.tp_gather import ProcessGroupGather, TensorParallelGather
+from dapo_megatron.policy.model_spec import ModelSpec
+from dapo_megatron.policy.packing import RowPacker, ThdPacker
+
+
+class Backend:
+    """The choices of one platform; the defaults are CUDA's."""
+
+    name: str = ""
+    device_type: Literal["cuda", "cpu"] = "cuda"
+    collective: Literal["nccl", "gloo"] = "nccl"
+    uses_transformer_engine: bool = False
+    rope_in_attention: bool = False  # True: the core attention rotates q/k itself (no megatron RoPE embedding)
+
+    def __init__(self) -> None:
+        self.packer: RowPacker = ThdPacker()
+        self.tp_gather: TensorParallelGather = ProcessGroupGather()
+
+    def prepare_process(self) -> None:
+        """Run once per process before megatron-core does anything (nothing on CUDA)."""
+
+    def layer_spec(self, spec: ModelSpec, num_layers: int | None):
+        """megatron's layer spec for ``spec``; with ``num_layers`` (this pipeline stage's) it may be a block spec."""
+        raise NotImplementedError
+
+    def host_compute(self) -> AbstractContextManager:
+        """A context for host-side tensor work that never names CUDA."""
+        return nullcontext()
+
+    def recompute(self, requested: Recompute) -> Recompute:
+        """The activation recomputation a training run uses."""
+        return requested
+
+    def sglang_server_environment(self, environment: dict[str, str]) -> dict[str, str]:
+        """The environment of an SGLang server launched by this process, from the one it would otherwise get."""
+        return environment
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"

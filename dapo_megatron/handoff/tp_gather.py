@@ -1,0 +1,55 @@
+"""How the exporter brings every tensor-parallel rank's shard of a parameter to the stage's source (TP rank 0).
+
+An export opens one :class:`ShardGather` over the TP group with the shards it will ask for, in an order every TP rank
+shares (:meth:`TensorParallelGather.open`); then every TP rank calls :meth:`ShardGather.shards` once per shard, in that
+order — the source gets the shards of all ranks in rank order, the others None — and :meth:`ShardGather.finish` at the
+end. Which gather runs is the backend's choice (:mod:`dapo_megatron.backend`): :class:`ProcessGroupGather`, one
+``gather`` per parameter over the TP process group (NCCL between GPUs), unless the backend has a faster one for its
+platform.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class ShardGather(Protocol):
+    def shards(self, index: int, own: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every TP rank's ``index``-th shard on the source (``own`` is this rank's), None on the other ranks."""
+
+    def finish(self) -> None:
+        """Every TP rank calls it once the export has read every shard."""
+
+
+class TensorParallelGather(Protocol):
+    def open(self, group, shards: Sequence[torch.Tensor]) -> ShardGather:
+        """One export's gather over the TP ``group``; every rank of it calls this with its own ``shards``."""
+
+
+class _PerParameterGather:
+    def __init__(self, group) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.source = dist.get_global_rank(group, 0)
+        self.is_source = dist.get_rank(group) == 0
+
+    def shards(self, index: int, own: torch.Tensor) -> list[torch.Tensor] | None:
+        own = own.detach().contiguous()  # gloo mis-scatters views
+        if self.size == 1:
+            return [own]
+        gathered = [torch.empty_like(own) for _ in range(self.size)] if self.is_source else None
+        dist.gather(own, gathered, dst=self.source, group=self.group)
+        return gathered
+
+    def finish(self) -> None:
+        """Each gather was complete when it returned."""
+
+
+class ProcessGroupGather:
+    """One ``dist.gather`` per parameter over the TP process group."""
+
+    def open(self, group, shards: Sequence[torch.Tensor]) -> ShardGather:
+        return _PerParameterGather(group)

@@ -1,0 +1,145 @@
+"""GPU memory of a trainer GPU that an SGLang server shares (``rollout.placement: colocated``), for ``dapo-megatron
+plan``: :func:`sharing_report`, printed after :mod:`.memory`'s table of the trainer alone.
+
+Colocated, every trainer GPU also holds one TP rank of a server, and the two take turns
+(:mod:`dapo_megatron.rollout.placement`, :mod:`dapo_megatron.trainer.colocation`). A GPU of ``G`` bytes, on each
+pipeline stage (their trainer footprints differ), must hold in every turn:
+
+* generation: the trainer's weights, gradients and fixed margin (and its optimizer state, unless
+  ``rollout.offload_optimizer`` moved it to host memory); the server's context ``C``, its static memory ``S``
+  (weights + KV cache) and the runtime memory ``R`` SGLang keeps for its activations and CUDA graphs;
+* training: the trainer's peak (:func:`.memory.estimate_memory`) and ``C`` (the server released everything else);
+* weight handoff: the trainer without activations plus one handoff bucket; ``C`` and the server's weights.
+
+``S`` is fixed when the server starts. SGLang 0.5.23 (``mem_cache/kv_cache_configurator.py``,
+``_profile_available_bytes``) gives the KV cache the memory free once its weights are loaded minus ``(1 − f)·B``, ``B``
+being the memory free before they were and ``f`` = ``rollout.sglang.mem_fraction_static``: so ``S = f·B``. The trainer
+launches the servers inside a generation turn, so ``B = G − C − the trainer's generation footprint`` at that moment.
+Without offloading, Adam's moments do not exist yet then (the first update creates them): they come out of the
+``(1 − f)·B`` that is left, on top of ``R``.
+
+``R`` is SGLang's own estimate, the one it picks its default ``mem_fraction_static`` with (0.5.23
+``arg_groups/memory_hook.py``): 512 MiB + 1.5 MiB per token of the chunked-prefill size + TP/8 GiB + 2 MiB per
+decode CUDA-graph batch slot, with the prefill size and graph batch SGLang picks for the GPU's memory
+(:func:`sglang_runtime_reserve_bytes`; its floor of 10 GiB above 60 GiB never binds at those defaults, and its prefill
+CUDA graphs, a few tens of MiB, are left out). Prefill sizes set in ``extra_server_args`` are not read.
+
+``C``, a server's CUDA context plus what it allocates outside the memory saver's regions, is an assumption:
+:data:`SERVER_CONTEXT_BYTES`, not measured (nothing of this project has run on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dapo_megatron.config import DAPOConfig
+from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, GB, StageMemory, layer_parameters
+from dapo_megatron.policy.model_spec import ModelSpec
+
+MIB = 2**20
+GIB = 2**30
+SERVER_CONTEXT_BYTES = 2 * GB
+
+# SGLang 0.5.23's defaults by GPU memory (GiB): (below, chunked-prefill tokens, decode graph batch at TP < 4 and >= 4).
+_SGLANG_GPU_DEFAULTS = ((20, 2048, 8, 8), (35, 4096, 48, 160), (60, 4096, 32, 160), (90, 8192, 256, 512),
+                        (160, 8192, 256, 512), (float("inf"), 16384, 512, 512))
+
+
+def sglang_runtime_reserve_bytes(gpu_bytes: int, tp: int) -> int:
+    """The memory SGLang 0.5.23 keeps for activations and CUDA graphs on a GPU of ``gpu_bytes`` at TP ``tp``."""
+    gib = gpu_bytes / GIB
+    _, prefill, small_tp_graph, large_tp_graph = next(row for row in _SGLANG_GPU_DEFAULTS if gib < row[0])
+    reserve_mib = 512 + 1.5 * max(prefill, 2048) + tp / 8 * 1024 + 2 * (small_tp_graph if tp < 4 else large_tp_graph)
+    return int(reserve_mib * MIB)
+
+
+def model_parameters(spec: ModelSpec) -> int:
+    """Parameters of the whole model as SGLang serves it (the unpadded vocabulary)."""
+    embedding = spec.vocab_size * spec.hidden_size
+    return (spec.num_layers * layer_parameters(spec, 1) + embedding + (0 if spec.tie_embeddings else embedding)
+            + spec.hidden_size)
+
+
+def kv_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
+    """KV-cache bytes of one token on one GPU of a TP-``tp`` server (KV heads split over TP, at least one each)."""
+    return 2 * spec.num_layers * max(spec.num_kv_heads // tp, 1) * spec.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class SharedGpu:
+    """One GPU of pipeline stage ``stage``: (trainer, server) bytes in each turn, and the server's KV cache."""
+
+    stage: int
+    generation: tuple[int, int]
+    training: tuple[int, int]
+    handoff: tuple[int, int]
+    kv_cache_bytes: int
+    kv_cache_tokens: int
+
+    def fits(self, gpu_bytes: float) -> bool:
+        return self.kv_cache_bytes > 0 and all(sum(turn) <= gpu_bytes
+                                               for turn in (self.generation, self.training, self.handoff))
+
+
+def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], *, data_parallel: int,
+                gpu_memory_gb: float) -> list[SharedGpu]:
+    """Each stage's GPU under colocated placement (see the module docstring for the model)."""
+    r, s = config.rollout, config.rollout.sglang
+    gpu = int(gpu_memory_gb * GB)
+    tp, fraction = s.tp_per_server, s.mem_fraction_static
+    dtype_bytes = 4 if config.model.precision == "fp32" else 2
+    server_weights = model_parameters(spec) * dtype_bytes // tp
+    bucket = max(int(r.handoff_bucket_mb * MIB), spec.vocab_size * spec.hidden_size * dtype_bytes)
+    runtime = sglang_runtime_reserve_bytes(gpu, tp)
+    per_token = kv_bytes_per_token(spec, tp, dtype_bytes)
+    moments_share = 8 / (data_parallel if config.parallel.use_distributed_optimizer else 1)
+    result = []
+    for stage in stages:
+        moments = int(stage.parameters * moments_share)
+        main_params = stage.optimizer_bytes - moments
+        resident = stage.params_bytes + stage.grads_bytes + FIXED_MARGIN_BYTES
+        at_launch = resident + (0 if r.offload_optimizer else main_params)
+        generating = resident + (0 if r.offload_optimizer else stage.optimizer_bytes)
+        free_at_launch = gpu - SERVER_CONTEXT_BYTES - at_launch
+        static = int(fraction * free_at_launch)
+        kv_cache = static - server_weights
+        result.append(SharedGpu(
+            stage=stage.stage,
+            generation=(generating, SERVER_CONTEXT_BYTES + static + runtime),
+            training=(stage.total_bytes, SERVER_CONTEXT_BYTES),
+            handoff=(resident + stage.optimizer_bytes + bucket, SERVER_CONTEXT_BYTES + server_weights),
+            kv_cache_bytes=kv_cache, kv_cache_tokens=max(kv_cache, 0) // per_token,
+        ))
+    return result
+
+
+def sharing_report(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], *, data_parallel: int,
+                   gpu_memory_gb: float) -> tuple[list[str], bool]:
+    """``dapo-megatron plan``'s lines on what shares the trainer's GPUs, and whether each turn fits."""
+    r = config.rollout
+    if r.engine != "sglang":
+        return [], True
+    if r.placement == "separate":
+        return ["SGLang servers: on GPUs of their own (rollout.placement: separate); the trainer has its GPUs to "
+                "itself"], True
+    s = r.sglang
+    gpus = shared_gpus(config, spec, stages, data_parallel=data_parallel, gpu_memory_gb=gpu_memory_gb)
+    header = f"{'stage':>5} {'turn':<11} {'trainer':>9} {'server':>9} {'total':>9}  fits"
+    lines = [f"SGLang servers on the trainer's GPUs (rollout.placement: colocated): TP {s.tp_per_server}, "
+             f"mem_fraction_static {s.mem_fraction_static:g}, optimizer state "
+             f"{'in host memory' if r.offload_optimizer else 'on the GPU'} while they generate; server context "
+             f"{SERVER_CONTEXT_BYTES / GB:g} GB (assumed), SGLang's runtime reserve "
+             f"{sglang_runtime_reserve_bytes(int(gpu_memory_gb * GB), s.tp_per_server) / GB:.1f} GB",
+             header, "-" * len(header)]
+    for shared in gpus:
+        for turn, (trainer, server) in (("generation", shared.generation), ("training", shared.training),
+                                        ("handoff", shared.handoff)):
+            fits = trainer + server <= gpu_memory_gb * GB and (turn != "generation" or shared.kv_cache_bytes > 0)
+            line = (f"{shared.stage:>5} {turn:<11} {trainer / GB:>7.1f}GB {server / GB:>7.1f}GB "
+                    f"{(trainer + server) / GB:>7.1f}GB  {'yes' if fits else 'NO'}")
+            if turn == "generation":
+                line += (f"  KV cache {shared.kv_cache_bytes / GB:.1f} GB, {shared.kv_cache_tokens / 1e6:.2f}M tokens "
+                         f"per server" if shared.kv_cache_bytes > 0 else
+                         "  no KV cache: SGLang refuses to start (raise mem_fraction_static)")
+            lines.append(line)
+    return lines, all(shared.fits(gpu_memory_gb * GB) for shared in gpus)

@@ -1,0 +1,84 @@
+"""The trainer's side of the turns it takes with SGLang servers on its own GPUs (``rollout.placement: colocated``).
+
+Every rank calls these; the engine lives on global rank 0, whose outcome :func:`~dapo_megatron.rank_zero.run_on_rank0`
+shares, so every rank also waits there until the servers have moved their memory. The turns of a step
+(:mod:`dapo_megatron.rollout.placement` has the servers' side and the SGLang facts):
+
+* :meth:`Colocation.generating`, around every generation (a step's rollouts, validation, the servers' launch): on
+  entry each rank moves its optimizer state to host memory (``rollout.offload_optimizer``, on GPUs) and returns its
+  allocator's cached blocks to the driver, then the servers take their KV cache back; on exit the servers release
+  it, then the optimizer state comes back;
+* :meth:`Colocation.before_policy_update`: the servers release their weights;
+* :meth:`Colocation.before_handoff`: each rank returns its allocator's cached blocks (the update's activations),
+  so that the handoff can map the servers' weights again and fill them.
+
+Under separate placement every turn does nothing. The optimizer state moves with megatron-core's facility for RL,
+``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (0.16.1: the fp32 main parameters and Adam's moments;
+megatron's own RL loop calls them around inference the same way); the bf16 weights and the gradient buffers stay.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from dapo_megatron.config import DAPOConfig
+from dapo_megatron.rank_zero import run_on_rank0
+from dapo_megatron.rollout.engine import RolloutEngine
+
+logger = logging.getLogger(__name__)
+
+
+class Colocation:
+    """``engine`` gives the rollout engine when it exists (rank 0), else None; ``device_type``: the backend's."""
+
+    def __init__(self, config: DAPOConfig, optimizer, engine: Callable[[], RolloutEngine | None], *,
+                 device_type: str) -> None:
+        r = config.rollout
+        self.colocated = r.placement == "colocated"
+        self.on_gpu = device_type == "cuda"
+        self.offload_optimizer = self.colocated and r.offload_optimizer and self.on_gpu
+        if self.colocated and r.offload_optimizer and not self.on_gpu:
+            logger.info("rollout.offload_optimizer: the optimizer state is in host memory already (no GPU)")
+        self.optimizer = optimizer
+        self.engine = engine
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """The servers' turn (see the module docstring). An exception inside leaves the turn as it is: the run is
+        ending, and no rank may start a collective that another rank, failing elsewhere, would never join."""
+        if not self.colocated:
+            yield
+            return
+        if self.offload_optimizer:
+            self.optimizer.offload_to_cpu()
+        self._return_cached_blocks()
+        self._engine_turn("before_generation", "colocated servers taking their KV cache back")
+        yield
+        self._engine_turn("after_generation", "colocated servers releasing their KV cache")
+        if self.offload_optimizer:
+            self.optimizer.restore_from_cpu()
+
+    def before_policy_update(self) -> None:
+        if self.colocated:
+            self._engine_turn("before_policy_update", "colocated servers releasing their weights")
+
+    def before_handoff(self) -> None:
+        if self.colocated:
+            self._return_cached_blocks()
+
+    def _engine_turn(self, turn: str, what: str) -> None:
+        def on_rank0() -> None:
+            engine = self.engine()
+            if engine is not None:  # not yet, on entry to the turn that launches the servers
+                getattr(engine, turn)()
+
+        run_on_rank0(on_rank0, what=what, broadcast_result=False)
+
+    def _return_cached_blocks(self) -> None:
+        """Blocks PyTorch's caching allocator keeps for reuse count as used for the server sharing the GPU."""
+        if self.on_gpu:
+            torch.cuda.empty_cache()
