@@ -1,7 +1,7 @@
 """``dapo-megatron`` — prepare the demo model, train, evaluate, plot.
 
     dapo-megatron prepare-tiny CONFIG.yaml [dotted.key=value ...] [--out DIR]
-    dapo-megatron train        CONFIG.yaml [dotted.key=value ...] [--resume]
+    dapo-megatron train        CONFIG.yaml [dotted.key=value ...] [--resume | --overwrite]
     dapo-megatron eval         CONFIG.yaml --ckpt RUN/checkpoints/step_000012 [dotted.key=value ...] [--out FILE]
     dapo-megatron plot         RUN_DIR [--out FILE.png]
     dapo-megatron plan         CONFIG.yaml [dotted.key=value ...] [--data-parallel N] [--gpu-memory-gb 80]
@@ -11,6 +11,11 @@ looks for it (``<run_dir>/initial_model``); ``train`` prepares it itself when it
 all. ``train`` and ``eval`` run as one process, or under torchrun / srun for many (the layout comes from the
 environment; see dapo_megatron.platform). ``plan`` prints the training ranks' GPU memory per pipeline stage for a
 config (dapo_megatron.policy.memory) and exits 1 when a stage does not fit.
+
+``train`` holds its run directory's lock while it runs, and refuses a directory that holds a run unless ``--resume``
+continues it or ``--overwrite`` moves it aside (dapo_megatron.trainer.run_directory). SIGTERM or SIGUSR1 make it
+save a checkpoint at the end of the step in progress and exit 75; Ctrl-C ends it at once with 130
+(dapo_megatron.trainer.stop_signals).
 
 Bad input (a config key, a data file, a model folder, a checkpoint, a server) ends a command with one line on rank 0,
 ``<kind> error: <message>``, and the kind's exit code on every rank (dapo_megatron.user_errors); ``train`` and
@@ -26,6 +31,7 @@ import sys
 from pathlib import Path
 
 from dapo_megatron.config import load_config
+from dapo_megatron.trainer.stop_signals import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE, StopNow, StopSignals
 from dapo_megatron.user_errors import UserError
 
 
@@ -34,6 +40,9 @@ def _setup_logging(rank: int) -> None:
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
     # megatron-core logs every parameter name and its FSDP probing at INFO: keep its warnings only.
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    # Its checkpoint writer logs a writer process's failure as an error line, then raises it: the raised error says it
+    # (a full disk becomes one `checkpoint error:` line, dapo_megatron.checkpoint.save_load).
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async").setLevel(logging.CRITICAL)
 
 
 def _rank_from_env() -> int:
@@ -83,42 +92,64 @@ def cmd_prepare_tiny(args: argparse.Namespace) -> int:
     from dapo_megatron.platform import LaunchError, launch_env
     from dapo_megatron.tiny_model import prepare_tiny_model
     from dapo_megatron.trainer.model_source import tiny_model_dir
+    from dapo_megatron.trainer.run_lock import RunLock
 
     config = load_config(args.config, args.overrides)
     if launch_env().world_size > 1:
         raise LaunchError("prepare-tiny runs as one process (not under torchrun / srun with several tasks): "
                           "`train` prepares the model on rank 0 by itself")
     _setup_logging(0)
-    out = prepare_tiny_model(config, args.out or tiny_model_dir(config))
+    if args.out is None:  # into the run directory: not while a run there may be making or reading it
+        Path(config.trainer.run_dir).mkdir(parents=True, exist_ok=True)
+        with RunLock(config.trainer.run_dir):
+            out = prepare_tiny_model(config, tiny_model_dir(config))
+    else:
+        out = prepare_tiny_model(config, args.out)
     print(f"tiny model: {Path(out).resolve()}")
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from dapo_megatron.platform import destroy_distributed
+    from dapo_megatron.rank_zero import run_on_rank0
     from dapo_megatron.trainer.loop import DAPOTrainer
     from dapo_megatron.trainer.model_source import prepare_initial_model
+    from dapo_megatron.trainer.run_directory import claim_run_directory
 
     config = load_config(args.config, args.overrides)
     rank = _rank_from_env()
     _setup_logging(rank)
-    backend = _init_distributed(config).backend
-    try:
-        _check_inputs(config, backend, resume=args.resume)
-        model_dir = prepare_initial_model(config)  # model.source = tiny: rank 0 makes it (once), the others wait
-        trainer = DAPOTrainer(config, model_dir, backend, resume=args.resume)
+    with StopSignals() as stop:
+        backend = _init_distributed(config).backend
+        lock = None
         try:
-            result = trainer.run()
+            lock = run_on_rank0(lambda: claim_run_directory(config.trainer.run_dir, resume=args.resume,
+                                                            overwrite=args.overwrite),
+                                what="claiming the run directory", broadcast_result=False)
+            _check_inputs(config, backend, resume=args.resume)
+            model_dir = prepare_initial_model(config)  # model.source = tiny: rank 0 makes it (once), the others wait
+            trainer = DAPOTrainer(config, model_dir, backend, resume=args.resume, stop=stop)
+            try:
+                result = trainer.run()
+            finally:
+                trainer.shutdown()
         finally:
-            trainer.shutdown()
-    finally:
-        destroy_distributed()
+            try:
+                destroy_distributed()
+            finally:
+                if lock is not None:
+                    lock.release()
+    run_dir = Path(config.trainer.run_dir).resolve()
     if rank == 0:
-        line = _accuracy_line(result["first_eval"], result["last_eval"])
-        if line:
-            print(line)
-        print(f"run directory: {Path(config.trainer.run_dir).resolve()}")
-    return 0
+        if result["stopped_by"]:
+            print(f"stopped by {result['stopped_by']} after step {result['steps']}; `--resume` continues from its "
+                  f"checkpoint")
+        else:
+            line = _accuracy_line(result["first_eval"], result["last_eval"])
+            if line:
+                print(line)
+        print(f"run directory: {run_dir}")
+    return STOPPED_EXIT_CODE if result["stopped_by"] else 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -184,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config")
     train.add_argument("overrides", nargs="*", help="dotted.key=value")
     train.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start a new run in a trainer.run_dir that holds one, moving the old run aside to "
+                            "<run_dir>.replaced-<time>")
     train.set_defaults(func=cmd_train)
     evaluate = sub.add_parser("eval", help="evaluate a checkpoint (avg@k on the validation data)")
     evaluate.add_argument("config")
@@ -215,6 +249,26 @@ def main(argv: list[str] | None = None) -> int:
         if _rank_for_messages() == 0:
             print(exc.line(), file=sys.stderr, flush=True)
         return exc.exit_code
+    except KeyboardInterrupt:
+        if _rank_for_messages() == 0:
+            print(f"interrupted (Ctrl-C){_what_resume_continues(args)}", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT_CODE
+    except StopNow as stop:
+        if _rank_for_messages() == 0:
+            print(f"{stop}{_what_resume_continues(args)}", file=sys.stderr, flush=True)
+        return stop.exit_code
+
+
+def _what_resume_continues(args: argparse.Namespace) -> str:
+    if args.command != "train":
+        return ""
+    from dapo_megatron.checkpoint import latest_checkpoint
+
+    try:
+        newest = latest_checkpoint(Path(load_config(args.config, args.overrides).trainer.run_dir) / "checkpoints")
+    except UserError:
+        return ""
+    return f"; `--resume` continues from {newest}" if newest else "; no checkpoint was written yet"
 
 
 def _rank_for_messages() -> int:

@@ -23,6 +23,8 @@ launch      7     a process layout that does not fit the config (world size vs T
                   (:class:`dapo_megatron.platform.LaunchError`)
 =========== ===== ========================================================================================
 
+``train`` stopped by a signal has codes of its own (75, 130, 143: dapo_megatron.trainer.stop_signals).
+
 The same codes on every launch path: a plain process, each torchrun worker and each srun task exits with it
 (an error found on rank 0 inside :func:`dapo_megatron.rank_zero.run_on_rank0` reaches every rank with its kind).
 srun exits with the highest of its tasks' codes; torchrun stops the other workers when one fails, names that worker's

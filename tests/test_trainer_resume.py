@@ -35,12 +35,13 @@ def test_sigkill_then_resume_logs_identical_metrics(tmp_path):
 
 def test_a_fresh_start_or_a_resume_without_checkpoint_logs_each_step_once(tmp_path):
     """A run killed before its first checkpoint leaves metrics rows behind; starting again in that directory — with
-    --resume (nothing to resume from) or without — logs each step once, not after the old rows."""
+    --resume (nothing to resume from) or with --overwrite (the old run moved aside) — logs each step once, not after
+    the old rows."""
     run_dir = tmp_path / "run"
     args = _train(run_dir, "trainer.total_steps=2", "trainer.save_every=0")
     check_run(*args)
     first = read_run_metrics(run_dir)
-    for again in (["--resume"], []):
+    for again in (["--resume"], ["--overwrite"]):
         shutil.rmtree(run_dir / "checkpoints")  # as if killed before its first checkpoint
         check_run(*args, *again)
         assert read_run_metrics(run_dir) == first

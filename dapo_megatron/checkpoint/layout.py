@@ -9,6 +9,8 @@ One trainer checkpoint (``<run_dir>/checkpoints/step_000012``)::
     trainer_state.pt  step, LR-scheduler state, data-sampler position, dynamic-sampling buffer, weight version
     rng/rank_N.pt     every generator of rank N (python, numpy, torch CPU/CUDA, megatron's model-parallel tracker)
     hf/               config.json, generation_config.json and tokenizer files: what an HF export needs
+    config.yaml       the run's resolved config when this checkpoint was written (what ``--resume`` compares with)
+    run_id            the run that wrote it: retention deletes only checkpoints of its own run
     COMPLETE          written last
 
 It is written as ``step_000012.tmp`` and renamed once ``COMPLETE`` is in it. ``checkpoint_tools.hf_to_megatron``
@@ -25,6 +27,8 @@ OPTIMIZER_DIR = "optimizer"
 HF_DIR = "hf"
 RNG_DIR = "rng"
 TRAINER_STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "config.yaml"
+RUN_ID_FILE = "run_id"
 COMPLETE_MARKER = "COMPLETE"
 TMP_SUFFIX = ".tmp"
 DIST_CHECKPOINT_MARKER = "metadata.json"  # written by megatron's dist_checkpointing next to torch DCP's .metadata
@@ -38,6 +42,22 @@ def step_dir(root: str | Path, step: int) -> Path:
 
 def rng_file(checkpoint: Path, rank: int) -> Path:
     return checkpoint / RNG_DIR / f"rank_{rank}.pt"
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step of a ``step_000012`` folder."""
+    match = _STEP_DIR.match(checkpoint.name)
+    if match is None:
+        raise ValueError(f"{checkpoint} is not named like a trainer checkpoint (step_NNNNNN)")
+    return int(match.group(1))
+
+
+def run_id_of(checkpoint: Path) -> str | None:
+    """The run that wrote ``checkpoint`` (None: written before checkpoints named their run)."""
+    try:
+        return (checkpoint / RUN_ID_FILE).read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -14,7 +14,8 @@ weight decay 0.1, grad clip 1.0, rollout temperature 1.0 / top-p 1.0, validation
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal
 
 from dapo_megatron.user_errors import UserError
@@ -260,7 +261,7 @@ class TrainerConfig:
     seed: int = 42
     run_dir: str = "runs/dapo"
     save_every: int = 10  # 0: only at the end
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3  # of this run, the newest; 0: every one
     tensorboard: bool = True
 
 
@@ -289,11 +290,16 @@ class DAPOConfig:
 
     def validate(self) -> "DAPOConfig":
         """Cross-field checks that a type cannot express. Returns self."""
+        _require_finite_numbers(self)
         t, a, r = self.trainer, self.algorithm, self.rollout
+        _require(t.train_batch_size >= 1, "trainer.train_batch_size", f"must be >= 1, got {t.train_batch_size}")
+        _require(t.mini_batch_size >= 1, "trainer.mini_batch_size", f"must be >= 1, got {t.mini_batch_size}")
         _require(t.train_batch_size % t.mini_batch_size == 0, "trainer.mini_batch_size",
                  f"must divide trainer.train_batch_size ({t.train_batch_size}), got {t.mini_batch_size}")
-        _require(r.n_samples >= 2 or not a.dynamic_sampling, "rollout.n_samples",
-                 "must be >= 2 (group advantages need a group)")
+        _require(r.n_samples >= 2, "rollout.n_samples",
+                 f"must be >= 2: a sample's advantage is its reward against the rest of its group, got {r.n_samples}")
+        _require(r.max_response_length >= 1, "rollout.max_response_length",
+                 f"must be >= 1, got {r.max_response_length}")
         _require(0 <= a.eps_low < 1, "algorithm.eps_low", f"must be in [0, 1), got {a.eps_low}")
         _require(a.eps_high >= 0, "algorithm.eps_high", f"must be >= 0, got {a.eps_high}")
         _require(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c",
@@ -356,6 +362,14 @@ class DAPOConfig:
                  "needs parallel.use_distributed_optimizer: true (only the distributed optimizer all-gathers "
                  "parameters)")
         _require(t.total_steps >= 0, "trainer.total_steps", "must be >= 0")
+        _require(t.keep_checkpoints >= 0, "trainer.keep_checkpoints",
+                 f"must be >= 0 (0 keeps every checkpoint), got {t.keep_checkpoints}")
+        _require(t.save_every >= 0, "trainer.save_every", f"must be >= 0 (0: only at the end), got {t.save_every}")
+        _require(self.data.max_prompt_length >= 1, "data.max_prompt_length",
+                 f"must be >= 1, got {self.data.max_prompt_length}")
+        syn = self.data.synthetic
+        _require(syn.num_train >= 1, "data.synthetic.num_train", f"must be >= 1, got {syn.num_train}")
+        _require(syn.num_heldout >= 0, "data.synthetic.num_heldout", f"must be >= 0, got {syn.num_heldout}")
         _require(t.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be >= 1")
         _require(self.model.source == "tiny" or self.model.hf_path, "model.hf_path",
                  "is required when model.source = hf")
@@ -364,6 +378,17 @@ class DAPOConfig:
         _require(not self.warm_start.enabled or self.data.source == "synthetic", "warm_start.enabled",
                  "needs reference solutions, which only data.source = synthetic provides")
         return self
+
+
+def _require_finite_numbers(section: object, prefix: str = "") -> None:
+    """Every float setting is a finite number: YAML reads .inf and .nan as floats, and an infinite learning rate
+    would only show as NaN weights a step later."""
+    for item in fields(section):
+        value, key = getattr(section, item.name), f"{prefix}{item.name}"
+        if is_dataclass(value):
+            _require_finite_numbers(value, f"{key}.")
+        elif isinstance(value, float):
+            _require(math.isfinite(value), key, f"must be a finite number, got {value}")
 
 
 def _require(ok: bool, key: str, message: str) -> None:

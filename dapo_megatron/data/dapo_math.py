@@ -127,6 +127,8 @@ def iter_raw_rows(
     import datasets  # only parquet and hub sources need arrow
 
     if suffix == ".parquet":
+        if _parquet_rows(path) == 0:
+            return iter(())  # datasets cannot load a parquet file without rows; load_dapo_math says it is empty
         try:
             dataset = datasets.Dataset.from_parquet(str(path))
         except Exception as error:  # pyarrow's errors name no file
@@ -134,6 +136,18 @@ def iter_raw_rows(
         return _iter_arrow_dataset(dataset)
     logger.info("%s is not a local path; loading it from the Hugging Face hub (split=%s)", path_or_name, split)
     return _iter_arrow_dataset(datasets.load_dataset(str(path_or_name), split=split))
+
+
+def _parquet_rows(path: Path) -> int | None:
+    """The row count a parquet file's footer records (None when it has no readable footer)."""
+    import pyarrow.parquet as pq
+
+    if path.stat().st_size == 0:
+        return 0
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:  # noqa: BLE001 - not parquet: datasets' reader reports it
+        return None
 
 
 def _handle_bad_row(error: RowValidationError, *, on_bad_row: OnBadRow, report: LoadReport) -> None:
@@ -195,6 +209,11 @@ def load_dapo_math(
     report.unique_prompts = len(rows)
     report.duplicate_rows = report.valid_rows - report.unique_prompts
     report.max_repeats = max(repeat_counts, default=0)
+    if report.total_rows == 0:
+        raise DataError(f"{source}: the file has no rows")
+    if not rows:
+        raise DataError(f"{source}: none of its {report.total_rows} rows is usable (all skipped with "
+                        f"data.on_bad_row=skip: {dict(sorted(report.skipped_by_reason.items()))})")
     logger.info("loaded %s", report.summary())
     if report.skipped_rows:
         logger.warning("%s: skipped %d malformed rows: %s", source, report.skipped_rows, report.skipped_by_reason)

@@ -10,8 +10,12 @@
   ranks it runs (:func:`check_training_memory`); with ``rollout.engine: embedded``, whether the engine's fp32 host
   copy fits this host next to its trainer ranks (:func:`check_embedded_engine_memory`);
 * the data files (``data.source = dapo_math``): read and validated, every row (the trainer reuses what was read);
-* the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory (none
-  is fine: the run starts at step 0), ``eval --ckpt`` the one named.
+  enough distinct training prompts for a step's draws (:func:`check_enough_prompts`; once more after the prompts
+  longer than ``data.max_prompt_length`` are dropped, by :func:`dapo_megatron.trainer.task.train_prompts`);
+* the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory without
+  missing or truncated files (:func:`dapo_megatron.checkpoint.newest_sound_checkpoint`; none is fine: the run starts
+  at step 0), written with the settings this run has where they cannot change (:mod:`.run_config`), at a step no
+  later than ``trainer.total_steps``; ``eval --ckpt`` the one named.
 """
 
 from __future__ import annotations
@@ -19,10 +23,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from dapo_megatron.backend import Backend
-from dapo_megatron.checkpoint import MODEL_DIR, CheckpointError, latest_checkpoint, missing_checkpoint_files
+from dapo_megatron.checkpoint import (
+    CONFIG_FILE,
+    MODEL_DIR,
+    CheckpointError,
+    checkpoint_step,
+    missing_checkpoint_files,
+    newest_sound_checkpoint,
+    no_sound_checkpoint_error,
+)
 from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.hf_format import INDEX_FILE, SINGLE_FILE
 from dapo_megatron.trainer.model_source import check_model_folder
+from dapo_megatron.trainer.run_config import check_resume_config, read_config_file
 
 
 def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, resume: bool = False,
@@ -37,7 +50,7 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, r
             check_embedded_engine_memory(config, spec, world_size=world_size, backend=backend)
     check_data_files(config)
     if resume:
-        check_resume_checkpoint(Path(config.trainer.run_dir) / "checkpoints", world_size)
+        check_resume(config, world_size)
     if checkpoint is not None:
         check_model_checkpoint(Path(checkpoint))
 
@@ -148,21 +161,62 @@ def _available_memory(on_gpu: bool) -> tuple[int, str]:
 def check_data_files(config: DAPOConfig) -> None:
     from dapo_megatron.trainer.task import load_data_file
 
-    if config.data.source != "dapo_math":
+    d = config.data
+    if d.source == "synthetic":
+        check_enough_prompts(config, d.synthetic.num_train, "data.synthetic.num_train")
         return
-    for path in [*config.data.train_files, *config.data.val_files]:
+    for path in [*d.train_files, *d.val_files]:
         load_data_file(config, path)
+    check_enough_prompts(config, sum(len(load_data_file(config, path)) for path in d.train_files),
+                         train_files_summary(config))
 
 
-def check_resume_checkpoint(root: Path, world_size: int) -> None:
-    path = latest_checkpoint(root)
+def train_files_summary(config: DAPOConfig) -> str:
+    """``data.train_files: a.jsonl: 10000 rows, deduplicated to 1 unique prompt`` — what the files gave."""
+    from dapo_megatron.trainer.task import load_data_file
+
+    parts = []
+    for path in config.data.train_files:
+        report = load_data_file(config, path).report
+        part = f"{path}: {report.total_rows} rows"
+        if report.duplicate_rows:
+            n = report.unique_prompts
+            part += f", deduplicated to {n} unique prompt{'' if n == 1 else 's'}"
+        if report.skipped_rows:
+            part += f", {report.skipped_rows} malformed ones skipped"
+        parts.append(part)
+    return "data.train_files: " + "; ".join(parts)
+
+
+def check_enough_prompts(config: DAPOConfig, count: int, source: str) -> None:
+    """Refuse a batch that the training prompts cannot fill: every step draws ``trainer.train_batch_size`` distinct
+    prompts (with dynamic sampling, ``algorithm.gen_batch_size`` per generation round). ``source``: where ``count``
+    comes from, for the message."""
+    t, a = config.trainer, config.algorithm
+    key, need = "trainer.train_batch_size", t.train_batch_size
+    if a.dynamic_sampling and a.gen_batch_size > need:
+        key, need = "algorithm.gen_batch_size", a.gen_batch_size
+    if count < need:
+        raise ConfigError(f"{key}={need} needs {need} distinct training prompts per draw, but there "
+                          f"{'is only 1' if count == 1 else f'are only {count}'} ({source})")
+
+
+def check_resume(config: DAPOConfig, world_size: int) -> None:
+    """``train --resume``: a checkpoint to continue from, if any, that this config may continue."""
+    run_dir = Path(config.trainer.run_dir)
+    path, passed_over = newest_sound_checkpoint(run_dir / "checkpoints", world_size)
     if path is None:
+        if passed_over:
+            raise no_sound_checkpoint_error(passed_over)
         return
-    missing = missing_checkpoint_files(path, world_size)
-    if missing:
-        raise CheckpointError(f"--resume: {path} is marked complete but lacks {', '.join(missing)}"
-                              + (" (written by a different number of ranks?)" if any("rng/" in m for m in missing)
-                                 else ""))
+    previous = read_config_file(path / CONFIG_FILE) or read_config_file(run_dir / CONFIG_FILE)
+    if previous is not None:
+        check_resume_config(previous, config, where=f"the run in {run_dir} (checkpoint {path.name})")
+    step = checkpoint_step(path)
+    if config.trainer.total_steps < step:
+        raise ConfigError(f"trainer.total_steps={config.trainer.total_steps} is below the step of the checkpoint "
+                          f"--resume continues from ({path}, step {step}): set it to {step} or more, or evaluate "
+                          f"that checkpoint with `dapo-megatron eval --ckpt {path}`")
 
 
 def check_model_checkpoint(path: Path) -> None:

@@ -34,6 +34,7 @@ then take turns with the servers' memory (:mod:`.colocation`).
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from tqdm import tqdm
 
 from dapo_megatron import checkpoint as ckpt
 from dapo_megatron.backend import Backend
-from dapo_megatron.config import DAPOConfig, save_config
+from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.platform import seed_everything
 from dapo_megatron.policy.actor import build_actor
@@ -57,8 +58,11 @@ from dapo_megatron.trainer.model_source import load_tokenizer
 from dapo_megatron.trainer.policy_update import PolicyUpdate
 from dapo_megatron.trainer.rollout_batch import hand_over_rollouts
 from dapo_megatron.trainer.rollout_collector import RolloutCollector
+from dapo_megatron.trainer.run_config import record_start
 from dapo_megatron.trainer.step_metrics import StepTimer, policy_metrics, step_metrics, summary_line
+from dapo_megatron.trainer.stop_signals import StopSignals
 from dapo_megatron.trainer.task import eval_prompts, train_prompts
+from dapo_megatron.trainer.training_progress import WARN_AFTER_STEPS, TrainingProgress
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
 logger = logging.getLogger(__name__)
@@ -68,21 +72,27 @@ class DAPOTrainer:
     """Every rank builds one, after ``init_distributed``, from the run config, the HF folder the policy starts from
     (:func:`dapo_megatron.trainer.model_source.prepare_initial_model`) and the platform's backend."""
 
-    def __init__(self, config: DAPOConfig, model_dir: str | Path, backend: Backend, *, resume: bool = False):
+    def __init__(self, config: DAPOConfig, model_dir: str | Path, backend: Backend, *, resume: bool = False,
+                 stop: StopSignals | None = None):
         self.config = config
         self.backend = backend
         logger.info("policy backend: %s", backend.name)
         self.model_dir = Path(model_dir)
         self.resume = resume
+        self.stop = stop or StopSignals()  # `train` passes the process's installed handlers
         self.rank = dist.get_rank()
         seed_everything(config.trainer.seed)
         self.run_dir = Path(config.trainer.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.first_eval: dict[str, float] | None = None  # validation before any RL step (kept across resumes)
         self.last_eval: dict[str, float] | None = None
+        self.last_eval_step: int | None = None
+        self._eval_before_step: dict[str, float] | None = None  # last_eval as the step in progress began
+        self.run_id: str | None = None  # set by run(): new, or the resumed checkpoint's
+        self.resumed_from: Path | None = None
+        self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote or resumed from
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(config, self.run_dir / "config.yaml")
 
         # The policy, on every rank: this rank's Megatron stage, loaded from the HF folder.
         self.tokenizer = load_tokenizer(config, self.model_dir)
@@ -161,40 +171,76 @@ class DAPOTrainer:
     # ------------------------------------------------------------------------------------------------ the loop
 
     def run(self) -> dict:
+        """Train from step 0, or from the checkpoint when resuming, to ``trainer.total_steps``; stop early, with a
+        checkpoint of the step reached, when a SIGTERM or SIGUSR1 arrived (``stopped_by`` in the result)."""
         step = self.restore() if self.resume else 0
+        self.run_id = run_on_rank0(lambda: record_start(self.run_dir, self.config, run_id=self.run_id, step=step,
+                                                        resumed_from=self.resumed_from),
+                                   what="recording the run's config")
         if step == 0:
             self.writer.truncate_after(-1)  # a fresh start: rows of an earlier run in this directory would repeat
-        self.hand_off_weights(version=step)  # the engine serves the policy's weights from the first rollout on
-        if step == 0:
-            self.first_eval = self.validate()
-            self.writer.log(0, self.first_eval)
-        self.last_eval = self.first_eval
-        while step < self.config.trainer.total_steps:
-            self.train_step(step)
-            step += 1
+        progress, stopped_by = TrainingProgress(self.config), None
+        with self.stop.training_loop():
+            self.hand_off_weights(version=step)  # the engine serves the policy's weights from the first rollout on
+            if step == 0:
+                self.first_eval, self.last_eval_step = self.validate(), 0
+                self.writer.log(0, self.first_eval)
+            if self.last_eval_step != step and step == self.config.trainer.total_steps:
+                logger.info("the checkpoint is at trainer.total_steps=%d: nothing to train; validating it", step)
+                self.last_eval, self.last_eval_step = self.validate(), step
+            if self.last_eval_step == 0:
+                self.last_eval = self.first_eval
+            while step < self.config.trainer.total_steps:
+                self._eval_before_step = self.last_eval
+                metrics = self.train_step(step)
+                step += 1
+                if self.last_eval is not self._eval_before_step:  # validated in this step
+                    self.last_eval_step = step
+                progress.note(metrics)
+                if progress.steps == WARN_AFTER_STEPS and progress.nothing_trained():
+                    logger.warning("%s so far", progress.nothing_trained())
+                signum = self.stop.agreed_stop()
+                if signum is not None:
+                    stopped_by = signal.Signals(signum).name
+                    if self.saved_step != step:
+                        self.save(step)
+                    if self.rank == 0:
+                        logger.warning("%s: stopped after step %d; its checkpoint is %s", stopped_by, step,
+                                       ckpt.step_dir(self.ckpt_dir, step))
+                    break
+        if stopped_by is None and progress.nothing_trained():
+            logger.warning("%s", progress.nothing_trained())
         self.writer.close()
-        return {"first_eval": self.first_eval or {}, "last_eval": self.last_eval or {}, "steps": step}
+        return {"first_eval": self.first_eval or {}, "last_eval": self.last_eval or {}, "steps": step,
+                "stopped_by": stopped_by}
 
     def shutdown(self) -> None:
-        if self.collector is not None:
-            self.collector.close()  # async mode: the driver thread stops before its engine does
-        if self.engine is not None:
-            self.engine.shutdown()
+        with self.stop.protected("stopping the rollout engine"):  # no server or thread outlives the process
+            if self.collector is not None:
+                self.collector.close()  # async mode: the driver thread stops before its engine does
+            if self.engine is not None:
+                self.engine.shutdown()
 
     # ------------------------------------------------------------------------------------------------ state
 
     def _trainer_state(self, step: int) -> dict:
         return {"step": step, "scheduler": self.actor.scheduler.state_dict(),
                 "collector": self.collector.state_dict() if self.collector else None,
-                "first_eval": self.first_eval}
+                "first_eval": self.first_eval, "last_eval": self.last_eval, "run_id": self.run_id,
+                # train_step saves after its validation: a last_eval new since the step began is this step's
+                "last_eval_step": step if self.last_eval is not self._eval_before_step else self.last_eval_step}
 
     def save(self, step: int) -> None:
-        ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model], optimizer=self.actor.optimizer,
-                             trainer_state=self._trainer_state(step), side_files_from=self.model_dir,
-                             keep=self.config.trainer.keep_checkpoints)
+        with self.stop.protected(f"finishing checkpoint {step}"):  # never half a checkpoint, nor a hung writer
+            ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model], optimizer=self.actor.optimizer,
+                                 trainer_state=self._trainer_state(step), side_files_from=self.model_dir,
+                                 keep=self.config.trainer.keep_checkpoints, run_id=self.run_id, config=self.config)
+        self.saved_step = step
 
     def restore(self) -> int:
-        path = ckpt.latest_checkpoint(self.ckpt_dir)
+        world_size = dist.get_world_size()
+        path = run_on_rank0(lambda: ckpt.checkpoint_to_resume(self.ckpt_dir, world_size),
+                            what="choosing the checkpoint to resume from")
         if path is None:
             logger.info("no checkpoint under %s: starting from step 0", self.ckpt_dir)
             return 0
@@ -203,6 +249,9 @@ class DAPOTrainer:
         if self.collector is not None:
             self.collector.load_state_dict(state["collector"])
         self.first_eval = state.get("first_eval")
+        self.last_eval, self.last_eval_step = state.get("last_eval"), state.get("last_eval_step")
+        self.run_id = state.get("run_id") or ckpt.run_id_of(path)
+        self.resumed_from, self.saved_step = path, state["step"]
         self.writer.truncate_after(state["step"])
         logger.info("resumed from %s (step %d)", path, state["step"])
         return state["step"]

@@ -2,19 +2,28 @@
 
 Names follow verl's so curves can be compared across systems: ``actor/pg_loss``, ``actor/entropy``,
 ``critic/score/mean``, ``response_length/clip_ratio``, ``train/num_gen_batches``, ``val/<source>/acc/mean@k`` ...
+
+``metrics.jsonl`` is appended to one row per step; a process killed while appending leaves a torn last line, which
+readers skip with a warning and a resume drops (the file is rewritten atomically then).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
         self.enabled = enabled
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_FILE
         self._tb = None
         if not enabled:
             return
@@ -25,11 +34,14 @@ class MetricsWriter:
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop lines of steps after the checkpoint, so the file reads as one uninterrupted run."""
+        """On resume: drop lines of steps after the checkpoint (and torn lines), so the file reads as one
+        uninterrupted run."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [row for row in _parsed_rows(self.path) if row["step"] <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, self.path)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
@@ -50,6 +62,26 @@ class MetricsWriter:
             self._tb = None
 
 
+def _parsed_rows(path: Path) -> list[dict]:
+    """The rows of a metrics file; a line that is not a JSON object with a step (torn by a kill) is skipped with a
+    warning naming it."""
+    rows, torn = [], []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError:
+            torn.append(number)
+            continue
+        rows.append(row)
+    if torn:
+        logger.warning("%s: skipped line%s %s, not a whole metrics row (a write cut short by a kill?)", path,
+                       "s" if len(torn) > 1 else "", ", ".join(map(str, torn)))
+    return rows
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _parsed_rows(Path(run_dir) / METRICS_FILE)

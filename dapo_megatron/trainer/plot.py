@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dapo_megatron.trainer.metrics import read_metrics
+from dapo_megatron.trainer.metrics import METRICS_FILE, read_metrics
+from dapo_megatron.user_errors import DataError
 
 PANELS = (
     ("reward", ("critic/score/mean",)),
@@ -20,9 +21,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    metrics = Path(run_dir) / METRICS_FILE
+    if not metrics.is_file():
+        what = "no such directory" if not Path(run_dir).exists() else f"no {METRICS_FILE} in it"
+        raise DataError(f"plot {run_dir}: {what} (the run directory of a `dapo-megatron train` run has one once it "
+                        f"has logged its first step)")
     rows = read_metrics(run_dir)
     if not rows:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no rows")
+        raise DataError(f"plot {run_dir}: {metrics} has no metrics rows yet")
     out = Path(out) if out else Path(run_dir) / "curves.png"
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (title, prefixes) in zip(axes.flat, PANELS):

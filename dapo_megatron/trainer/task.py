@@ -16,7 +16,7 @@ from dapo_megatron.data.dapo_math import DapoMathData, load_dapo_math
 from dapo_megatron.data.prompts import PromptRecord, build_prompt_records
 from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic import SyntheticSplit, make_split
-from dapo_megatron.user_errors import DataError
+from dapo_megatron.trainer.input_checks import check_enough_prompts, train_files_summary
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,10 @@ def train_prompts(config: DAPOConfig, tokenizer) -> tuple[PromptRecord, ...]:
     if train.num_filtered_too_long:
         logger.warning("dropped %d training prompts longer than data.max_prompt_length=%d",
                        train.num_filtered_too_long, d.max_prompt_length)
-    if not train.records:
-        raise DataError(f"no training prompt is left after length filtering: every one is longer than "
-                        f"data.max_prompt_length={d.max_prompt_length} tokens")
+    source = "data.synthetic.num_train" if d.source == "synthetic" else train_files_summary(config)
+    check_enough_prompts(config, len(train.records),
+                         f"{source}; {train.num_filtered_too_long} of them longer than data.max_prompt_length="
+                         f"{d.max_prompt_length} tokens" if train.num_filtered_too_long else source)
     return train.records
 
 

@@ -1,0 +1,105 @@
+"""Whether a complete-marked checkpoint can really be resumed from, without loading its tensors.
+
+A checkpoint can be marked ``COMPLETE`` and still be damaged afterwards: a copy that missed files, a shard truncated
+by a full disk or a broken transfer, a lost ``.metadata``. :func:`checkpoint_problems` finds these from file names
+and sizes alone: torch's ``.metadata`` of each distributed checkpoint records, for every stored item, the file,
+offset and length it was written to, so a shard shorter than its last item is truncated. ``--resume`` then takes the
+newest checkpoint without problems (:func:`newest_sound_checkpoint`) and says which newer ones it passed over.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+
+import torch
+
+from dapo_megatron.checkpoint import layout
+from dapo_megatron.checkpoint.save_load import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+DAMAGED_SUFFIX = ".damaged"
+
+TORCH_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a distributed checkpoint
+MEGATRON_COMMON = "common.pt"  # megatron-core's non-sharded part of a distributed checkpoint
+
+
+def distributed_checkpoint_problems(directory: Path, name: str) -> list[str]:
+    """What is missing or truncated in the megatron-core distributed checkpoint ``directory`` (``name``: how the
+    messages call it, e.g. ``model/``)."""
+    missing = [f"{name}{file}" for file in (layout.DIST_CHECKPOINT_MARKER, MEGATRON_COMMON, TORCH_METADATA)
+               if not (directory / file).is_file()]
+    if missing:
+        return [f"lacks {', '.join(missing)}"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(directory)).read_metadata().storage_data or {}
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as error:
+        return [f"{name}{TORCH_METADATA} is unreadable ({type(error).__name__}: {error})"]
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for file, size in sorted(needed.items()):
+        path = directory / file
+        if not path.is_file():
+            problems.append(f"lacks {name}{file}")
+        elif path.stat().st_size < size:
+            problems.append(f"{name}{file} is truncated ({path.stat().st_size} bytes; {TORCH_METADATA} records "
+                            f"{size})")
+    return problems
+
+
+def checkpoint_problems(checkpoint: Path, world_size: int) -> list[str]:
+    """Why ``world_size`` ranks could not resume from the trainer checkpoint ``checkpoint`` (empty: nothing found)."""
+    missing = layout.missing_checkpoint_files(checkpoint, world_size)
+    if missing:
+        hint = " (written by a different number of ranks?)" if any("rng/" in m for m in missing) else ""
+        return [f"lacks {', '.join(missing)}{hint}"]
+    problems = []
+    for part in (layout.MODEL_DIR, layout.OPTIMIZER_DIR):
+        problems += distributed_checkpoint_problems(checkpoint / part, f"{part}/")
+    try:
+        torch.load(checkpoint / layout.TRAINER_STATE_FILE, weights_only=False)
+    except Exception as error:  # noqa: BLE001 - any way a pickle can fail is a damaged file here
+        problems.append(f"{layout.TRAINER_STATE_FILE} is unreadable ({type(error).__name__}: {error})")
+    return problems
+
+
+def newest_sound_checkpoint(root: Path, world_size: int) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
+    """The newest complete checkpoint under ``root`` without :func:`checkpoint_problems` (None: there is none), and
+    the newer ones passed over, each with its problems (newest first)."""
+    passed_over = []
+    for path in reversed(layout.list_checkpoints(root)):
+        problems = checkpoint_problems(path, world_size)
+        if not problems:
+            return path, passed_over
+        passed_over.append((path, problems))
+    return None, passed_over
+
+
+def no_sound_checkpoint_error(passed_over: list[tuple[Path, list[str]]]) -> CheckpointError:
+    newest, problems = passed_over[0]
+    older = f"; the {len(passed_over) - 1} older ones are damaged too" if len(passed_over) > 1 else ""
+    return CheckpointError(f"--resume: {newest} is marked complete but {'; '.join(problems)}{older}, so there is "
+                           f"no checkpoint to resume from")
+
+
+def checkpoint_to_resume(root: Path, world_size: int) -> Path | None:
+    """:func:`newest_sound_checkpoint`, with every newer, damaged one renamed ``step_NNNNNN.damaged`` (kept, out of
+    resume's and retention's way) and a warning; a CheckpointError when every complete checkpoint is damaged."""
+    path, passed_over = newest_sound_checkpoint(root, world_size)
+    if path is None and passed_over:
+        raise no_sound_checkpoint_error(passed_over)
+    for damaged, problems in passed_over:
+        aside, n = damaged.with_name(damaged.name + DAMAGED_SUFFIX), 1
+        while aside.exists():
+            n += 1
+            aside = damaged.with_name(f"{damaged.name}{DAMAGED_SUFFIX}-{n}")
+        damaged.rename(aside)
+        logger.warning("--resume: %s is damaged (%s): resuming from %s instead; the damaged one is kept as %s",
+                       damaged, "; ".join(problems), path, aside.name)
+    return path
