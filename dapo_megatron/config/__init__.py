@@ -9,19 +9,25 @@ from dapo_megatron.config.schema import (
     DataConfig,
     EmbeddedConfig,
     EvalConfig,
+    FormatRewardConfig,
+    MlflowConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    RewardConfig,
     RolloutConfig,
     SGLangConfig,
     SyntheticDataConfig,
     TinyModelConfig,
     TrainerConfig,
+    TrainSourceConfig,
+    WandbConfig,
     WarmStartConfig,
 )
 
 __all__ = [
-    "AlgorithmConfig", "ConfigError", "DAPOConfig", "DataConfig", "EmbeddedConfig", "EvalConfig", "ModelConfig",
-    "OptimConfig", "ParallelConfig", "RolloutConfig", "SGLangConfig", "SyntheticDataConfig", "TinyModelConfig",
-    "TrainerConfig", "WarmStartConfig", "config_to_dict", "load_config", "parse_override", "save_config",
+    "AlgorithmConfig", "ConfigError", "DAPOConfig", "DataConfig", "EmbeddedConfig", "EvalConfig", "FormatRewardConfig",
+    "MlflowConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RolloutConfig", "SGLangConfig",
+    "SyntheticDataConfig", "TinyModelConfig", "TrainSourceConfig", "TrainerConfig", "WandbConfig", "WarmStartConfig",
+    "config_to_dict", "load_config", "parse_override", "save_config",
 ]

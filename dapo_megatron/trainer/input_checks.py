@@ -8,7 +8,8 @@
   whether it splits over ``parallel.tensor`` × ``parallel.pipeline``, and, for training, whether its estimated
   memory (:mod:`dapo_megatron.policy.memory`) fits what a GPU has — or, on CPU, what this host has for the trainer
   ranks it runs (:func:`check_training_memory`);
-* the data files (``data.source = dapo_math``): read and validated, every row (the trainer reuses what was read);
+* the data files and ``data.train`` sources (``data.source = dapo_math``): read and validated, every row (the trainer
+  reuses what was read; a large folder read as drawn: its columns and first rows);
 * the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory (none
   is fine: the run starts at step 0), ``eval --ckpt`` the one named.
 """
@@ -102,12 +103,9 @@ def _available_memory(on_gpu: bool) -> tuple[int, str]:
 
 
 def check_data_files(config: DAPOConfig) -> None:
-    from dapo_megatron.trainer.task import load_data_file
+    from dapo_megatron.trainer.task import check_training_data
 
-    if config.data.source != "dapo_math":
-        return
-    for path in [*config.data.train_files, *config.data.val_files]:
-        load_data_file(config, path)
+    check_training_data(config)
 
 
 def check_resume_checkpoint(root: Path, world_size: int) -> None:

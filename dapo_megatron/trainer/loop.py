@@ -40,7 +40,6 @@ from tqdm import tqdm
 from dapo_megatron import checkpoint as ckpt
 from dapo_megatron.backend import Backend
 from dapo_megatron.config import DAPOConfig, save_config
-from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.platform import seed_everything
 from dapo_megatron.policy.actor import build_actor
 from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
@@ -54,7 +53,7 @@ from dapo_megatron.trainer.policy_update import PolicyUpdate
 from dapo_megatron.trainer.rollout_batch import hand_over_rollouts
 from dapo_megatron.trainer.rollout_collector import RolloutCollector
 from dapo_megatron.trainer.step_metrics import StepTimer, policy_metrics, step_metrics, summary_line
-from dapo_megatron.trainer.task import eval_prompts, train_prompts
+from dapo_megatron.trainer.task import eval_prompts, train_sampler
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
 logger = logging.getLogger(__name__)
@@ -99,8 +98,7 @@ class DAPOTrainer:
 
     def _start_rollout_side(self) -> None:
         c = self.config
-        sampler = PromptSampler(train_prompts(c, self.tokenizer), batch_size=c.trainer.train_batch_size,
-                                seed=c.trainer.seed)
+        sampler = train_sampler(c, self.tokenizer)
         self.eval_prompts = eval_prompts(c, self.tokenizer)
         self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend)
         collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
