@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from dapo_megatron.config import load_config
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
+from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.embedded import EmbeddedEngine
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
@@ -48,7 +49,8 @@ def make(model_dir, records, *overrides, gate=None):
                                 "algorithm.rollout_correction=token_tis", *overrides])
     engine = EmbeddedEngine.from_hf_directory(model_dir, version=0, gate=gate)
     sampler = PromptSampler(records, batch_size=BATCH, seed=0)
-    return AsyncRolloutCollector(engine, sampler, AutoTokenizer.from_pretrained(str(model_dir)), config), engine
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return AsyncRolloutCollector(engine, sampler, tokenizer, config, RewardScorer(config)), engine
 
 
 def update(engine, model_dir, version):

@@ -10,6 +10,7 @@
   ranks it runs (:func:`check_training_memory`);
 * the data files and ``data.train`` sources (``data.source = dapo_math``): read and validated, every row (the trainer
   reuses what was read; a large folder read as drawn: its columns and first rows);
+* ``reward.function``: imported, its form read from its signature (:mod:`dapo_megatron.reward.function`);
 * the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory (none
   is fine: the run starts at step 0), ``eval --ckpt`` the one named.
 """
@@ -34,6 +35,7 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, r
         if checkpoint is None:
             check_training_memory(config, spec, world_size=world_size, fused_attention=backend.uses_transformer_engine)
     check_data_files(config)
+    check_reward_function(config)
     if resume:
         check_resume_checkpoint(Path(config.trainer.run_dir) / "checkpoints", world_size)
     if checkpoint is not None:
@@ -106,6 +108,18 @@ def check_data_files(config: DAPOConfig) -> None:
     from dapo_megatron.trainer.task import check_training_data
 
     check_training_data(config)
+
+
+def check_reward_function(config: DAPOConfig) -> None:
+    """``reward.function`` imports here, in this process, and has one of the forms (its workers start later)."""
+    from dapo_megatron.reward.function import RewardFunctionError, load_reward_function, reward_form
+
+    target = config.reward.function
+    if target:
+        try:
+            reward_form(load_reward_function(target), target)
+        except RewardFunctionError as error:
+            raise ConfigError(f"reward.function: {error}") from None
 
 
 def check_resume_checkpoint(root: Path, world_size: int) -> None:

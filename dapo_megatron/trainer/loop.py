@@ -5,7 +5,8 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
 
 1. sample a batch of prompts (:mod:`dapo_megatron.data.sampler`), on rank 0;
 2. generate G responses per prompt (:mod:`dapo_megatron.rollout`);
-3. reward them: exact-match ±1 plus the soft overlong punishment (:mod:`dapo_megatron.algorithm.reward`, ``overlong``);
+3. reward them: exact-match ±1 (:mod:`dapo_megatron.algorithm.reward`) or your reward (:mod:`dapo_megatron.reward`),
+   plus the soft overlong punishment (``algorithm/overlong.py``) and, when on, the soft format bonus;
 4. filter and buffer: keep groups with mixed outcomes until the batch is full or the generation-round cap is hit
    (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank
    as packed tensors (:mod:`.rollout_batch`);
@@ -44,6 +45,7 @@ from dapo_megatron.platform import seed_everything
 from dapo_megatron.policy.actor import build_actor
 from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 from dapo_megatron.rank_zero import run_on_rank0
+from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.factory import build_rollout_engine
 from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
 from dapo_megatron.trainer.evaluate import evaluate
@@ -93,6 +95,7 @@ class DAPOTrainer:
         # The rollout side, on rank 0 only.
         self.engine = None
         self.collector = None
+        self.reward: RewardScorer | None = None
         self.eval_prompts: tuple = ()
         run_on_rank0(self._start_rollout_side, what="starting the rollout side", broadcast_result=False)
 
@@ -100,9 +103,10 @@ class DAPOTrainer:
         c = self.config
         sampler = train_sampler(c, self.tokenizer)
         self.eval_prompts = eval_prompts(c, self.tokenizer)
+        self.reward = RewardScorer(c)  # your reward's worker processes, before the engine
         self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend)
         collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
-        self.collector = collector(self.engine, sampler, self.tokenizer, c)
+        self.collector = collector(self.engine, sampler, self.tokenizer, c, self.reward)
 
     # ------------------------------------------------------------------------------------------------ one step
 
@@ -139,8 +143,8 @@ class DAPOTrainer:
                             tp_gather=self.backend.tp_gather)
 
     def validate(self) -> dict[str, float]:
-        return run_on_rank0(lambda: evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config),
-                            what="validation")
+        return run_on_rank0(lambda: evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config,
+                                             self.reward).metrics, what="validation")
 
     def _progress(self, batches: list, step: int):
         return tqdm(batches, desc=f"step {step} updates", leave=False, unit="mini-batch",
@@ -166,6 +170,8 @@ class DAPOTrainer:
     def shutdown(self) -> None:
         if self.collector is not None:
             self.collector.close()  # async mode: the driver thread stops before its engine does
+        if self.reward is not None:
+            self.reward.close()
         if self.engine is not None:
             self.engine.shutdown()
 
