@@ -38,6 +38,10 @@ setup(
         # The production rollout engine. On CPU machines use scripts/install_sglang_cpu.sh instead.
         "sglang": ["sglang==0.5.23"],
         "math-verify": ["math-verify==0.9.0"],
+        # trainer.loggers: wandb / mlflow. MLflow is its client, mlflow-skinny (the full package pins pyarrow<26),
+        # with what its default local store (a SQLite file in the run directory) needs.
+        "wandb": ["wandb==0.31.0"],
+        "mlflow": ["mlflow-skinny==3.17.2", "sqlalchemy==2.1.9", "alembic==1.20.1"],
         "dev": ["pytest==9.2.0", "math-verify==0.9.0"],
     },
     entry_points={"console_scripts": ["dapo-megatron=dapo_megatron.cli:main"]},

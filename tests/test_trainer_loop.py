@@ -186,8 +186,16 @@ def test_plot_writes_a_png(tmp_path):
     import subprocess
     import sys
 
+    from dapo_megatron.trainer.plot import panel_series
+
     rows = [{"step": s, "critic/score/mean": -1 + s / 10, "rollout/acc/mean": s / 20, "actor/entropy": 0.5 - s / 50,
-             "response_length/mean": 20 + s, "val/all/acc/mean@1": s / 25} for s in range(8)]
+             "response_length/mean": 20 + s, "val/all/acc/mean@1": s / 25, "rollout/gen_prob/mean": 0.8 + s / 100,
+             "response/reflection_rate": s / 40} for s in range(8)]
+    panels = {title: [key for key, _ in curves] for title, curves in panel_series(rows).items()}
+    assert panels == {"response length": ["response_length/mean"], "reward": ["critic/score/mean"],
+                      "entropy": ["actor/entropy"], "generation probability": ["rollout/gen_prob/mean"],
+                      "reflection rate": ["response/reflection_rate"],
+                      "accuracy": ["rollout/acc/mean", "val/all/acc/mean@1"]}  # the paper's four + reflection
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "plot", str(tmp_path)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout

@@ -11,6 +11,7 @@
 * the data files and ``data.train`` sources (``data.source = dapo_math``): read and validated, every row (the trainer
   reuses what was read; a large folder read as drawn: its columns and first rows);
 * ``reward.function``: imported, its form read from its signature (:mod:`dapo_megatron.reward.function`);
+* ``trainer.loggers``: their libraries installed (:func:`dapo_megatron.trainer.loggers.check_logger_libraries`);
 * the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory (none
   is fine: the run starts at step 0), ``eval --ckpt`` the one named.
 """
@@ -23,6 +24,7 @@ from dapo_megatron.backend import Backend
 from dapo_megatron.checkpoint import MODEL_DIR, CheckpointError, latest_checkpoint, missing_checkpoint_files
 from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.hf_format import INDEX_FILE, SINGLE_FILE
+from dapo_megatron.trainer.loggers import check_logger_libraries
 from dapo_megatron.trainer.model_source import check_model_folder
 
 
@@ -36,6 +38,8 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, r
             check_training_memory(config, spec, world_size=world_size, fused_attention=backend.uses_transformer_engine)
     check_data_files(config)
     check_reward_function(config)
+    if checkpoint is None:
+        check_logger_libraries(config)
     if resume:
         check_resume_checkpoint(Path(config.trainer.run_dir) / "checkpoints", world_size)
     if checkpoint is not None:

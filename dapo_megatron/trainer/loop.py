@@ -49,6 +49,7 @@ from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.factory import build_rollout_engine
 from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
 from dapo_megatron.trainer.evaluate import evaluate
+from dapo_megatron.trainer.loggers import build_loggers
 from dapo_megatron.trainer.metrics import MetricsWriter
 from dapo_megatron.trainer.model_source import load_tokenizer
 from dapo_megatron.trainer.policy_update import PolicyUpdate
@@ -90,7 +91,8 @@ class DAPOTrainer:
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
         self.actor.optimizer.reload_model_params()
         self.policy_update = PolicyUpdate(self.actor, config)
-        self.writer = MetricsWriter(self.run_dir, tensorboard=config.trainer.tensorboard, enabled=self.rank == 0)
+        self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0,
+                                    loggers=build_loggers(config, self.run_dir, resume=resume) if self.rank == 0 else [])
 
         # The rollout side, on rank 0 only.
         self.engine = None
@@ -128,7 +130,7 @@ class DAPOTrainer:
                                weight_version=self.engine.weight_version if self.engine else done)
         last = done == c.trainer.total_steps
         if last or (c.eval.every and done % c.eval.every == 0):
-            self.last_eval = self.validate()
+            self.last_eval = self.validate(done)
             metrics.update(self.last_eval)
         self.writer.log(done, metrics)
         if self.rank == 0:
@@ -142,9 +144,15 @@ class DAPOTrainer:
                             bucket_bytes=int(self.config.rollout.handoff_bucket_mb * 2**20),
                             tp_gather=self.backend.tp_gather)
 
-    def validate(self) -> dict[str, float]:
-        return run_on_rank0(lambda: evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config,
-                                             self.reward).metrics, what="validation")
+    def validate(self, step: int = 0) -> dict[str, float]:
+        """Validation metrics on every rank; rank 0 also logs a sample of the generations at ``step``."""
+        def on_rank0() -> dict[str, float]:
+            result = evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config, self.reward)
+            if result.generations:
+                self.writer.log_generations(step, result.generations)
+            return result.metrics
+
+        return run_on_rank0(on_rank0, what="validation")
 
     def _progress(self, batches: list, step: int):
         return tqdm(batches, desc=f"step {step} updates", leave=False, unit="mini-batch",

@@ -1,4 +1,5 @@
-"""Per-step scalars to TensorBoard and to ``metrics.jsonl`` (the same numbers in both), on rank 0 only.
+"""Per-step scalars to ``metrics.jsonl`` and to the run's loggers (TensorBoard, W&B, MLflow: :mod:`.loggers`; the
+same numbers in all), on rank 0 only.
 
 Names follow verl's so curves can be compared across systems: ``actor/pg_loss``, ``actor/entropy``,
 ``critic/score/mean``, ``response_length/clip_ratio``, ``train/num_gen_batches``, ``val/<source>/acc/mean@k`` ...
@@ -10,19 +11,22 @@ import json
 import math
 from pathlib import Path
 
+from dapo_megatron.trainer.loggers import RunLogger, TensorBoardLogger
+
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
+    """``metrics.jsonl``, and ``loggers`` (:mod:`.loggers`: the generations file, TensorBoard, W&B, MLflow; default:
+    TensorBoard when ``tensorboard``) for everything else."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True,
+                 loggers: list[RunLogger] | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._tb = None
+        self._loggers: list[RunLogger] = []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self._loggers = loggers if loggers is not None else [TensorBoardLogger(Path(run_dir))] if tensorboard else []
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of steps after the checkpoint, so the file reads as one uninterrupted run."""
@@ -30,6 +34,8 @@ class MetricsWriter:
             return
         kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
+        for logger in self._loggers:
+            logger.truncate_after(step)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
@@ -38,16 +44,18 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **{k: (v if v is None or math.isfinite(v) else str(v))
                                                  for k, v in clean.items()}}) + "\n")
-        if self._tb is not None:
-            for key, value in clean.items():
-                if value is not None:
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        for logger in self._loggers:
+            logger.log_scalars(step, {k: v for k, v in clean.items() if v is not None})
+
+    def log_generations(self, step: int, rows: list[dict]) -> None:
+        """A validation's sample of generations (prompt, response, ground truth, score) at ``step``."""
+        for logger in self._loggers if self.enabled else []:
+            logger.log_generations(step, rows)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for logger in self._loggers:
+            logger.close()
+        self._loggers = []
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
