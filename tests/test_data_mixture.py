@@ -154,9 +154,9 @@ def test_bad_folders_are_data_errors(tmp_path):
 # ------------------------------------------------------------------------------------------------ from the config
 
 def test_a_two_source_config_draws_by_weight_with_names(tmp_path, tokenizer):
-    config = load_config(None, MINIMAL + [
-        f"data.train=[{{path: {DAPO_MATH_FIXTURE}, weight: 3}}, {{path: {tmp_path / 'saved'}, weight: 1, "
-        "name: aime-big}]", "data.stream_above_rows=3"])
+    sources = (f"data.train=[{{path: {DAPO_MATH_FIXTURE}, weight: 3}}, {{path: {tmp_path / 'saved'}, weight: 1, "
+               "name: aime-big}]")
+    config = load_config(None, [*MINIMAL, sources, "data.stream_above_rows=3"])
     datasets.Dataset.from_list(_rows(AIME_FIXTURE)).save_to_disk(str(tmp_path / "saved"))
     check_training_data(config)
     sampler = train_sampler(config, tokenizer)

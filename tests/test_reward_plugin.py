@@ -11,6 +11,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -212,7 +213,7 @@ class _RewardService(BaseHTTPRequestHandler):
 
     failures = 0
     delay_s = 0.0
-    requests_seen: list = []
+    requests_seen: ClassVar[list] = []  # each test's handler class gets its own list
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -32,7 +32,7 @@ CHECKED_AT_START = 64  # rows of a streamed folder validated before the run star
 SHARD_SUFFIXES = (".parquet", ".jsonl")
 
 
-def folder_dataset(path: str | Path) -> "datasets.Dataset":
+def folder_dataset(path: str | Path) -> datasets.Dataset:
     """The folder as one arrow ``Dataset`` (see the module docstring); a :class:`DataError` naming it otherwise."""
     import datasets  # arrow: only folder sources need it
 
@@ -59,7 +59,7 @@ def folder_dataset(path: str | Path) -> "datasets.Dataset":
     return dataset
 
 
-def _shards(path: Path) -> "datasets.Dataset":
+def _shards(path: Path) -> datasets.Dataset:
     import datasets
 
     by_suffix = {suffix: sorted(p for p in path.iterdir() if p.suffix == suffix) for suffix in SHARD_SUFFIXES}
@@ -71,7 +71,7 @@ def _shards(path: Path) -> "datasets.Dataset":
     return datasets.Dataset.from_parquet(files) if kinds[0] == ".parquet" else datasets.Dataset.from_json(files)
 
 
-def check_first_rows(dataset: "datasets.Dataset", path: str | Path, *, integer_answers: bool,
+def check_first_rows(dataset: datasets.Dataset, path: str | Path, *, integer_answers: bool,
                      on_bad_row: str) -> None:
     """Validate a streamed folder's first rows (a :class:`RowValidationError` naming the row, unless skipped)."""
     for row in range(min(CHECKED_AT_START, len(dataset))):
@@ -87,7 +87,7 @@ class StreamedPrompts:
     :func:`folder_dataset`) as a :class:`PromptRecord`, or None when the row is skipped (malformed under
     ``on_bad_row: skip``, or too long)."""
 
-    def __init__(self, path: str | Path, dataset: "datasets.Dataset", tokenizer: "PreTrainedTokenizerBase", *,
+    def __init__(self, path: str | Path, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, *,
                  max_prompt_length: int, integer_answers: bool, on_bad_row: str, source_name: str | None = None):
         self.path = str(path)
         self.dataset = dataset

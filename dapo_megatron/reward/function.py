@@ -79,13 +79,14 @@ def load_reward_function(target: str) -> Callable:
         sys.modules[module_name] = module
         try:
             spec.loader.exec_module(module)
-        except BaseException as error:  # a SyntaxError, an ImportError of its own imports, anything it raises
+        except Exception as error:  # a SyntaxError, an ImportError of its own imports, anything it raises
             sys.modules.pop(module_name, None)
-            raise RewardFunctionError(f"{target!r}: importing {path} failed: {type(error).__name__}: {error}") from error
+            raise RewardFunctionError(f"{target!r}: importing {path} failed: {type(error).__name__}: {error}"
+                                      ) from error
     else:
         try:
             module = importlib.import_module(location)
-        except BaseException as error:
+        except Exception as error:
             raise RewardFunctionError(f"{target!r}: importing {location} failed: {type(error).__name__}: {error}"
                                       ) from error
     function = getattr(module, name, None)
@@ -103,8 +104,7 @@ def reward_form(function: Callable, target: str) -> RewardForm:
         signature = inspect.signature(function)
     except (TypeError, ValueError) as error:
         raise RewardFunctionError(f"{target!r}: its signature cannot be read: {error}") from error
-    is_async = inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
-        getattr(function, "__call__", None))
+    is_async = inspect.iscoroutinefunction(function)
     for names, batched in ((GROUP_PARAMETERS, True), (SAMPLE_PARAMETERS, False)):
         try:
             signature.bind(**{n: None for n in names})
@@ -112,8 +112,8 @@ def reward_form(function: Callable, target: str) -> RewardForm:
             continue
         return RewardForm(batched=batched, is_async=is_async)
     raise RewardFunctionError(
-        f"{target!r}: the signature {signature} takes neither verl's per-sample arguments ({', '.join(SAMPLE_PARAMETERS)})"
-        f" nor its batched ones ({', '.join(GROUP_PARAMETERS)}), all by keyword")
+        f"{target!r}: the signature {signature} takes neither verl's per-sample arguments "
+        f"({', '.join(SAMPLE_PARAMETERS)}) nor its batched ones ({', '.join(GROUP_PARAMETERS)}), all by keyword")
 
 
 def reward_value(raw) -> RewardValue:

@@ -61,7 +61,7 @@ def _serve_sync(conn: Connection, function: Callable, form: RewardForm) -> None:
         call_id, kwargs = message
         try:
             answer = function(**kwargs)
-        except Exception as error:
+        except Exception as error:  # your function's, whatever it is: an outcome, not the worker's end
             conn.send((call_id, failed(error, call_size(kwargs, form))))
             continue
         conn.send((call_id, outcomes(answer, kwargs, form)))
@@ -76,10 +76,10 @@ async def _serve_async(conn: Connection, function: Callable, form: RewardForm, t
         size = call_size(kwargs, form)
         try:
             result = await asyncio.wait_for(function(**kwargs), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:  # asyncio.wait_for's, since Python 3.11
             conn.send((call_id, [("timeout", f"no answer within reward.timeout_s={timeout_s:g} s")] * size))
             return
-        except Exception as error:
+        except Exception as error:  # as in _serve_sync
             conn.send((call_id, failed(error, size)))
             return
         conn.send((call_id, outcomes(result, kwargs, form)))

@@ -91,8 +91,8 @@ class DAPOTrainer:
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
         self.actor.optimizer.reload_model_params()
         self.policy_update = PolicyUpdate(self.actor, config)
-        self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0,
-                                    loggers=build_loggers(config, self.run_dir, resume=resume) if self.rank == 0 else [])
+        loggers = build_loggers(config, self.run_dir, resume=resume) if self.rank == 0 else []
+        self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, loggers=loggers)
 
         # The rollout side, on rank 0 only.
         self.engine = None

@@ -100,7 +100,7 @@ def train_sampler(config: DAPOConfig, tokenizer) -> PromptSampler | MixtureSampl
     return MixtureSampler(sources, seed=t.seed)
 
 
-def open_train_source(config: DAPOConfig, source: TrainSourceConfig) -> "DapoMathData | datasets.Dataset":
+def open_train_source(config: DAPOConfig, source: TrainSourceConfig) -> DapoMathData | datasets.Dataset:
     """``source`` read at start (validated, deduplicated rows), or — a folder of more than
     ``data.stream_above_rows`` rows — opened to be read as drawn (its arrow dataset, first rows checked)."""
     if Path(source.path).is_dir():
