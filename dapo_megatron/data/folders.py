@@ -1,7 +1,8 @@
 """Training data in a folder: an HF ``datasets`` folder (written by ``save_to_disk``; ``load_from_disk`` reads it) or
 a folder of parquet / jsonl shards (every ``*.parquet`` or every ``*.jsonl`` in it, in name order), in the
 DAPO-Math-17K (verl) schema. Both open as one memory-mapped arrow table (:func:`folder_dataset`): rows stay on disk
-until read.
+until read. (jsonl shards are converted once, on their first opening, into HF ``datasets``' arrow cache,
+``~/.cache/huggingface/datasets`` or ``HF_DATASETS_CACHE``; parquet shards likewise.)
 
 A folder of at most ``data.stream_above_rows`` rows is read like a file, every row validated and deduplicated at
 start (:func:`dapo_megatron.data.dapo_math.load_dapo_math`). A larger one is read as its prompts are drawn

@@ -85,8 +85,7 @@ def train_sampler(config: DAPOConfig, tokenizer) -> PromptSampler | MixtureSampl
         return PromptSampler(train_prompts(config, tokenizer), batch_size=t.train_batch_size, seed=t.seed)
     d = config.data
     sources = []
-    for index, (source, name) in enumerate(zip(d.train, train_source_names(config))):
-        opened = open_train_source(config, source)
+    for index, (source, name, opened) in enumerate(open_train_sources(config)):
         if isinstance(opened, DapoMathData):
             prompts = build_prompt_records(opened.rows, tokenizer, max_prompt_length=d.max_prompt_length,
                                            source_name=name).records
@@ -100,33 +99,31 @@ def train_sampler(config: DAPOConfig, tokenizer) -> PromptSampler | MixtureSampl
     return MixtureSampler(sources, seed=t.seed)
 
 
-def open_train_source(config: DAPOConfig, source: TrainSourceConfig) -> DapoMathData | datasets.Dataset:
-    """``source`` read at start (validated, deduplicated rows), or — a folder of more than
-    ``data.stream_above_rows`` rows — opened to be read as drawn (its arrow dataset, first rows checked)."""
-    if Path(source.path).is_dir():
-        dataset = folder_dataset(source.path)
-        if len(dataset) > config.data.stream_above_rows:
-            d = config.data
-            check_first_rows(dataset, source.path, integer_answers=d.integer_answers, on_bad_row=d.on_bad_row)
-            return dataset
-    return load_data_file(config, source.path)
-
-
-def train_source_names(config: DAPOConfig) -> list[str]:
-    """The names of the ``data.train`` sources (``name``, by default the first row's data_source), which must
-    differ: per-source metrics and the checkpoint's sampler position are keyed by them."""
+def open_train_sources(config: DAPOConfig) -> list[tuple[TrainSourceConfig, str, DapoMathData | datasets.Dataset]]:
+    """Each ``data.train`` source with its name and its rows: read at start (validated, deduplicated), or — a folder
+    of more than ``data.stream_above_rows`` rows — opened to be read as drawn (its arrow dataset, first rows
+    checked). Names (``name``, by default the first row's data_source) must differ: per-source metrics and the
+    checkpoint's sampler position are keyed by them."""
+    d = config.data
+    opened_sources = []
     names: list[str] = []
-    for index, source in enumerate(config.data.train):
-        opened = open_train_source(config, source)
-        if isinstance(opened, DapoMathData) and not opened.rows:
-            raise DataError(f"data.train[{index}]: {source.path} has no valid rows")
-        first = opened.rows[0].data_source if isinstance(opened, DapoMathData) else str(opened[0]["data_source"])
+    for index, source in enumerate(d.train):
+        dataset = folder_dataset(source.path) if Path(source.path).is_dir() else None
+        if dataset is not None and len(dataset) > d.stream_above_rows:
+            check_first_rows(dataset, source.path, integer_answers=d.integer_answers, on_bad_row=d.on_bad_row)
+            opened, first = dataset, str(dataset[0]["data_source"])
+        else:
+            opened = load_data_file(config, source.path)
+            if not opened.rows:
+                raise DataError(f"data.train[{index}]: {source.path} has no valid rows")
+            first = opened.rows[0].data_source
         name = source.name or first
         if name in names:
             raise ConfigError(f"data.train[{index}].name: {name!r} is also data.train[{names.index(name)}]'s name (by "
                               f"default a source is named after its rows' data_source): give each source a name")
         names.append(name)
-    return names
+        opened_sources.append((source, name, opened))
+    return opened_sources
 
 
 def check_training_data(config: DAPOConfig) -> None:
@@ -136,7 +133,7 @@ def check_training_data(config: DAPOConfig) -> None:
         return
     for path in [*d.train_files, *d.val_files]:
         load_data_file(config, path)
-    train_source_names(config)
+    open_train_sources(config)
 
 
 def eval_prompts(config: DAPOConfig, tokenizer) -> tuple[PromptRecord, ...]:
