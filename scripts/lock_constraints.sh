@@ -23,7 +23,7 @@ source scripts/uv_args.sh
 
 common=(--python-version 3.11 --config-file constraints/uv-metadata.toml --no-header --no-annotate --quiet)
 gpu=(--python-platform x86_64-manylinux_2_34)  # SGLang's wheels need glibc 2.34
-echo "$GPU_TORCH" | "$UV" pip compile "${common[@]}" "${gpu[@]}" pyproject.toml - --extra gpu --extra dev \
+echo "$GPU_TORCH" | "$UV" pip compile "${common[@]}" "${gpu[@]}" pyproject.toml - --extra gpu --extra dev --extra wandb --extra mlflow \
   -o constraints/gpu-trainer.txt
 printf '%s\n' "$GPU_TORCH" "$SGLANG" | "$UV" pip compile "${common[@]}" "${gpu[@]}" - -o constraints/gpu-sglang.txt
 
@@ -35,7 +35,7 @@ grep -vE '^torch' constraints/gpu-trainer.txt >"$from_trainer"
 awk -F'==' 'NR == FNR { trainer[$1]; next } /==/ && !($1 in trainer) && $1 !~ /^torch/' \
   constraints/gpu-trainer.txt constraints/gpu-sglang.txt >"$from_server"
 echo "$CPU_TORCH" | "$UV" pip compile "${common[@]}" --python-platform x86_64-manylinux_2_28 \
-  "${UV_FIND_LINKS_ARGS[@]}" pyproject.toml constraints/sglang-cpu.in - --extra dev \
+  "${UV_FIND_LINKS_ARGS[@]}" pyproject.toml constraints/sglang-cpu.in - --extra dev --extra wandb --extra mlflow \
   -c "$from_trainer" -c "$from_server" -o constraints/cpu.txt
 
 for lock in constraints/gpu-trainer.txt constraints/gpu-sglang.txt constraints/cpu.txt; do

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv: the package (editable) with the exact CPU pins of
 # constraints/cpu.txt. Sourced by scripts/run_tiny.sh and scripts/test.sh. VENV=/path overrides the location,
-# EXTRAS=a,b the extras (default: dev).
+# EXTRAS=a,b the extras (default: dev,wandb,mlflow: the test-suite runs every logger).
 #
 # The installer is uv, at the version cpu.txt pins, installed by the venv's own pip (no pip upgrade): it resolves
 # and links from its cache in parallel where pip unpacks one wheel after another. An environment already installed
@@ -10,7 +10,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
-EXTRAS="${EXTRAS:-dev}"
+EXTRAS="${EXTRAS:-dev,wandb,mlflow}"
 PYTHON_BIN="${PYTHON_BIN:-python3.11}"
 command -v "$PYTHON_BIN" >/dev/null || PYTHON_BIN=python3
 if [ ! -x "$VENV/bin/python" ]; then

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from dapo_megatron.config import load_config
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
+from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.embedded import EmbeddedEngine
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
@@ -48,7 +49,8 @@ def make(model_dir, records, *overrides, gate=None):
                                 "algorithm.rollout_correction=token_tis", *overrides])
     engine = EmbeddedEngine.from_hf_directory(model_dir, version=0, gate=gate)
     sampler = PromptSampler(records, batch_size=BATCH, seed=0)
-    return AsyncRolloutCollector(engine, sampler, AutoTokenizer.from_pretrained(str(model_dir)), config), engine
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return AsyncRolloutCollector(engine, sampler, tokenizer, config, RewardScorer(config)), engine
 
 
 def update(engine, model_dir, version):
@@ -184,4 +186,24 @@ def test_an_engine_failure_in_the_driver_reaches_collect(model_dir, records):
         assert time.monotonic() - started < WAIT_S
     finally:
         collector.close()
+        engine.shutdown()
+
+
+def test_the_driver_scores_with_the_runs_reward_function(model_dir, records, tmp_path):
+    """The async driver scores in the same place as sync mode (rollout_group.score_groups): your reward function,
+    in its worker processes, with its extras in the metrics."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return {'score': 0.25, 'acc': extra_info['index'] % 2 == 0, 'index': extra_info['index']}\n")
+    collector, engine = make(model_dir, records, f"reward.function={reward}:compute_score", "reward.num_workers=1",
+                             "algorithm.overlong_penalty=false")
+    try:
+        groups, metrics = collector.collect(0)
+        index_of = {tuple(r.prompt_ids): r.index for r in records}
+        assert len(groups) == BATCH and all(g.scores == [0.25, 0.25] for g in groups)
+        assert all(g.accs == [index_of[tuple(g.prompt_ids)] % 2 == 0] * 2 for g in groups)
+        assert metrics["reward/errors"] == 0 and "reward/extra/index" in metrics
+    finally:
+        collector.close()
+        collector.reward.close()
         engine.shutdown()

@@ -14,7 +14,8 @@ from dapo_megatron.config import load_config
 from dapo_megatron.rollout.engine import Sample
 from dapo_megatron.trainer.metrics import read_metrics
 from dapo_megatron.trainer.policy_update import PolicyUpdate
-from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, score_group
+from dapo_megatron.reward.scorer import RewardScorer
+from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, score_groups
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny_cpu.yaml"
@@ -51,8 +52,9 @@ def test_soft_overlong_punishment_switch_changes_scores():
 
     record = PromptRecord(prompt_ids=(1, 2), ground_truth="1", data_source="t", index=0, text="")
     samples = [Sample(0, [3] * n, [-0.1] * n, "stop") for n in (10, 44, 48)]
-    on = score_group(record, samples, Tok(), load_config(TINY))
-    off = score_group(record, samples, Tok(), load_config(TINY, ["algorithm.overlong_penalty=false"]))
+    on_config, off_config = load_config(TINY), load_config(TINY, ["algorithm.overlong_penalty=false"])
+    (on,) = score_groups([(record, samples)], Tok(), on_config, RewardScorer(on_config), step=0)
+    (off,) = score_groups([(record, samples)], Tok(), off_config, RewardScorer(off_config), step=0)
     # max_response_length 48, buffer 8: no penalty up to 40 tokens, linear to -1 at 48
     assert on.scores == pytest.approx([1.0, 0.5, 0.0])
     assert off.scores == [1.0, 1.0, 1.0]
@@ -168,7 +170,8 @@ def test_ablation_switches_reach_the_buffer():
     for config, filters, per_round in ((grpo, False, grpo.trainer.train_batch_size),
                                        (dapo, True, dapo.algorithm.gen_batch_size)):
         sampler = Sampler()
-        collector = RolloutCollector(engine=None, sampler=sampler, tokenizer=None, config=config)
+        collector = RolloutCollector(engine=None, sampler=sampler, tokenizer=None, config=config,
+                                     reward=RewardScorer(config))
         assert collector.buffer.filter_groups is filters
         collector.engine = type("E", (), {"generate": lambda self, prompts, params: []})()
         collector.tokenizer = type("T", (), {"eos_token_id": 1})()
@@ -183,8 +186,16 @@ def test_plot_writes_a_png(tmp_path):
     import subprocess
     import sys
 
+    from dapo_megatron.trainer.plot import panel_series
+
     rows = [{"step": s, "critic/score/mean": -1 + s / 10, "rollout/acc/mean": s / 20, "actor/entropy": 0.5 - s / 50,
-             "response_length/mean": 20 + s, "val/all/acc/mean@1": s / 25} for s in range(8)]
+             "response_length/mean": 20 + s, "val/all/acc/mean@1": s / 25, "rollout/gen_prob/mean": 0.8 + s / 100,
+             "response/reflection_rate": s / 40} for s in range(8)]
+    panels = {title: [key for key, _ in curves] for title, curves in panel_series(rows).items()}
+    assert panels == {"response length": ["response_length/mean"], "reward": ["critic/score/mean"],
+                      "entropy": ["actor/entropy"], "generation probability": ["rollout/gen_prob/mean"],
+                      "reflection rate": ["response/reflection_rate"],
+                      "accuracy": ["rollout/acc/mean", "val/all/acc/mean@1"]}  # the paper's four + reflection
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "plot", str(tmp_path)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout

@@ -15,6 +15,7 @@ weight decay 0.1, grad clip 1.0, rollout temperature 1.0 / top-p 1.0, validation
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal
 
@@ -115,9 +116,24 @@ class SyntheticDataConfig:
 
 
 @dataclass
+class TrainSourceConfig:
+    """One training source of a mixture (``data.train``): a parquet / jsonl file in the DAPO-Math-17K (verl) schema,
+    a folder written by HF ``datasets``' ``save_to_disk``, or a folder of parquet / jsonl shards."""
+
+    path: str = ""
+    weight: float = 1.0  # share of the prompts drawn = weight / sum of the weights
+    name: str | None = None  # what per-source metrics call it; default: its rows' data_source
+
+
+@dataclass
 class DataConfig:
     source: Literal["dapo_math", "synthetic"] = "dapo_math"
-    train_files: list[str] = field(default_factory=list)  # parquet / jsonl in the DAPO-Math-17K schema
+    train_files: list[str] = field(default_factory=list)  # parquet / jsonl in the DAPO-Math-17K schema: one pool
+    # Several sources mixed by weight (dapo_megatron/data/mixture.py); instead of train_files.
+    train: list[TrainSourceConfig] = field(default_factory=list)
+    # A folder source with more rows than this is read when drawn (memory-mapped arrow, rows validated as drawn, no
+    # deduplication) instead of being loaded, validated and deduplicated at start.
+    stream_above_rows: int = 200_000
     val_files: list[str] = field(default_factory=list)  # e.g. AIME-2024 in the same schema
     max_prompt_length: int = 2048
     on_bad_row: Literal["error", "skip"] = "error"
@@ -230,6 +246,34 @@ class AlgorithmConfig:
 
 
 @dataclass
+class FormatRewardConfig:
+    """Soft format enforcement: a bonus ``weight(step)`` for a response that matches ``pattern``, where weight falls
+    linearly from ``weight`` at step 0 to 0 at ``decay_steps``. Added to the score the advantages use, never to the
+    correctness dynamic sampling filters on. Off (weight 0) by default, as in the paper's recipe."""
+
+    weight: float = 0.0
+    decay_steps: int = 100
+    pattern: str = r"(?im)^[ \t]*Answer[ \t]*:[ \t]*\S"  # a line starting with "Answer:" and an answer
+
+
+@dataclass
+class RewardConfig:
+    """What scores a response (dapo_megatron/reward/). Default: the built-in DAPO math rule (+1 / -1)."""
+
+    # Your reward: "path/to/file.py:name" or "package.module:name" (name defaults to compute_score), with verl's
+    # signature compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score", "acc", ...};
+    # a group at a time with verl's batched names (data_sources, solution_strs, ground_truths, extra_infos); or async.
+    function: str | None = None
+    url: str | None = None  # a reward service: POST of a group in verl's batched names, a JSON list back
+    num_workers: int = 4  # worker processes for `function` (concurrent HTTP requests for `url`)
+    async_concurrency: int = 16  # an async function: calls in flight per worker process
+    timeout_s: float = 60.0  # per call: a sample, or a group for the batched form / a url request
+    error_score: float = -1.0  # the score of a sample whose reward raised or timed out (counted, never correct)
+    url_retries: int = 3  # a failed url request is retried this many times, with backoff
+    format: FormatRewardConfig = field(default_factory=FormatRewardConfig)
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-6
     warmup_steps: int = 10
@@ -253,6 +297,26 @@ class WarmStartConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str = "dapo-megatron"
+    entity: str | None = None
+    name: str | None = None  # default: the run directory's name
+    mode: Literal["online", "offline"] = "online"  # offline: files under run_dir/wandb, `wandb sync` them later
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None  # default: sqlite:///<run_dir>/mlflow.db
+    experiment: str = "dapo-megatron"
+    run_name: str | None = None  # default: the run directory's name
+
+
+# Words with which a model revisits its own reasoning (the paper's "emergence of reflective reasoning").
+REFLECTION_PHRASES = ("wait", "let me check", "let me verify", "recheck", "re-check", "double-check", "double check",
+                      "reconsider", "re-evaluate", "mistake")
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 100
     train_batch_size: int = 512  # groups (prompts) per step
@@ -262,7 +326,14 @@ class TrainerConfig:
     run_dir: str = "runs/dapo"
     save_every: int = 10  # 0: only at the end
     keep_checkpoints: int = 3  # of this run, the newest; 0: every one
-    tensorboard: bool = True
+    tensorboard: bool = True  # false removes tensorboard from `loggers`
+    # Where the scalars go besides metrics.jsonl (dapo_megatron/trainer/loggers.py); wandb and mlflow are extras:
+    # pip install 'dapo-megatron[wandb]' / '[mlflow]'.
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    # response/reflection_rate: the fraction of responses with one of these (case-insensitive, whole words)
+    reflection_phrases: list[str] = field(default_factory=lambda: list(REFLECTION_PHRASES))
 
 
 @dataclass
@@ -274,6 +345,7 @@ class EvalConfig:
     max_response_length: int | None = None  # default: rollout.max_response_length
     greedy: bool = False  # k = 1 greedy decoding instead (the CPU demo's held-out accuracy)
     max_problems: int | None = None
+    log_generations: int = 8  # generations (prompt, response, answer, score) kept per validation; 0: none
 
 
 @dataclass
@@ -283,6 +355,7 @@ class DAPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -373,11 +446,35 @@ class DAPOConfig:
         _require(t.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be >= 1")
         _require(self.model.source == "tiny" or self.model.hf_path, "model.hf_path",
                  "is required when model.source = hf")
-        _require(self.data.source == "synthetic" or self.data.train_files, "data.train_files",
-                 "is required when data.source = dapo_math")
+        d = self.data
+        _require(d.source == "synthetic" or bool(d.train_files) or bool(d.train), "data.train_files",
+                 "(or data.train) is required when data.source = dapo_math")
+        _require(not (d.train_files and d.train), "data.train",
+                 "and data.train_files are two ways to give the training data: use one")
+        _require(not d.train or d.source == "dapo_math", "data.train", "needs data.source = dapo_math")
+        for i, source in enumerate(d.train):
+            _require(bool(source.path), f"data.train[{i}].path", "is required")
+            _require(source.weight > 0, f"data.train[{i}].weight", f"must be > 0, got {source.weight}")
+        _require(d.stream_above_rows >= 0, "data.stream_above_rows", "must be >= 0")
+        self._validate_reward()
+        _require(self.eval.log_generations >= 0, "eval.log_generations", "must be >= 0")
         _require(not self.warm_start.enabled or self.data.source == "synthetic", "warm_start.enabled",
                  "needs reference solutions, which only data.source = synthetic provides")
         return self
+
+    def _validate_reward(self) -> None:
+        w = self.reward
+        _require(not (w.function and w.url), "reward.url", "and reward.function are two rewards: give one")
+        _require(w.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {w.num_workers}")
+        _require(w.async_concurrency >= 1, "reward.async_concurrency", f"must be >= 1, got {w.async_concurrency}")
+        _require(w.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {w.timeout_s}")
+        _require(w.url_retries >= 0, "reward.url_retries", f"must be >= 0, got {w.url_retries}")
+        _require(w.format.weight >= 0, "reward.format.weight", f"must be >= 0, got {w.format.weight}")
+        _require(w.format.decay_steps >= 1, "reward.format.decay_steps", f"must be >= 1, got {w.format.decay_steps}")
+        try:
+            re.compile(w.format.pattern)
+        except re.error as error:
+            raise ConfigError(f"reward.format.pattern: not a regular expression: {error}") from None
 
 
 def _require_finite_numbers(section: object, prefix: str = "") -> None:

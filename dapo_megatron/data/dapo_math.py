@@ -2,6 +2,7 @@
 
 Sources:
 - a local ``.parquet`` file: read with HF ``datasets`` (``Dataset.from_parquet``), iterated in arrow batches;
+- a local folder: an HF ``datasets`` folder or a folder of parquet / jsonl shards (:mod:`.folders`), likewise;
 - a local ``.jsonl`` file: parsed line by line with ``json`` so a malformed row is reported with its line number
   (arrow's JSON reader fails on a type mix with a column-level error that names no row);
 - a hub name such as ``BytedTsinghua-SIA/DAPO-Math-17k`` when the path does not exist locally:
@@ -115,8 +116,13 @@ def _iter_arrow_dataset(dataset: "datasets.Dataset") -> Iterator[RawRow]:
 def iter_raw_rows(
     path_or_name: str | Path, *, split: str = "train", on_bad_row: OnBadRow = "error", report: LoadReport
 ) -> Iterator[RawRow]:
-    """Raw rows of a local ``.jsonl``/``.parquet`` file, or of a hub dataset when no such local path exists."""
+    """Raw rows of a local ``.jsonl``/``.parquet`` file or data folder (:mod:`.folders`), or of a hub dataset when no
+    such local path exists."""
     path = Path(path_or_name)
+    if path.is_dir():
+        from dapo_megatron.data.folders import folder_dataset  # arrow: only folder sources need it
+
+        return _iter_arrow_dataset(folder_dataset(path))
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".parquet") and not path.exists():
         raise DataError(f"{path}: no such data file")

@@ -9,7 +9,7 @@ counted (verl's ``filter_overlong_prompts``); the count is logged.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -31,6 +31,8 @@ class PromptRecord:
     data_source: str
     index: str | int
     text: str
+    extra_info: dict | None = field(default=None, compare=False)  # the row's, for reward functions (verl's)
+    source_name: str | None = None  # the data.train source it was drawn from (per-source metrics)
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,28 @@ def render_prompt_texts(rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerB
 
 
 def build_prompt_records(
-    rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerBase, *, max_prompt_length: int
+    rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerBase, *, max_prompt_length: int,
+    source_name: str | None = None,
 ) -> PromptBuildResult:
-    """Tokenize every row's chat-templated prompt; keep those of at most ``max_prompt_length`` tokens."""
+    """Tokenize every row's chat-templated prompt; keep those of at most ``max_prompt_length`` tokens, and log how
+    many were dropped. ``source_name``: the ``data.train`` source the rows are from, when they are from one."""
+    result = tokenize_prompts(rows, tokenizer, max_prompt_length=max_prompt_length, source_name=source_name)
+    if result.num_filtered_too_long:
+        logger.warning(
+            "filtered %d of %d prompts longer than max_prompt_length=%d tokens",
+            result.num_filtered_too_long,
+            len(rows),
+            max_prompt_length,
+        )
+    logger.info("built %d prompts (longest %d tokens)", len(result.records), result.longest_kept)
+    return result
+
+
+def tokenize_prompts(
+    rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerBase, *, max_prompt_length: int,
+    source_name: str | None = None,
+) -> PromptBuildResult:
+    """:func:`build_prompt_records` without its log lines (a streamed source tokenizes one prompt per draw)."""
     if max_prompt_length <= 0:
         raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
     if tokenizer.chat_template is None:
@@ -81,16 +102,10 @@ def build_prompt_records(
                     data_source=row.data_source,
                     index=row.index,
                     text=texts[start + offset],
+                    extra_info=row.extra_info,
+                    source_name=source_name,
                 )
             )
-    if num_filtered:
-        logger.warning(
-            "filtered %d of %d prompts longer than max_prompt_length=%d tokens",
-            num_filtered,
-            len(rows),
-            max_prompt_length,
-        )
-    logger.info("built %d prompts (longest %d tokens)", len(records), longest_kept)
     return PromptBuildResult(
         records=tuple(records),
         num_filtered_too_long=num_filtered,

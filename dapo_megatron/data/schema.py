@@ -12,13 +12,14 @@ A row, as published in ``BytedTsinghua-SIA/DAPO-Math-17k``::
 naming the file, the row and the offending field. Required: ``data_source`` (non-empty str), ``prompt`` (non-empty
 list of ``{role, content}`` with string role/content and at least one user message) and
 ``reward_model.ground_truth`` (non-empty str, or an int which is converted to its decimal string). Optional, with
-defaults when absent: ``ability`` (""), ``reward_model.style`` (""), ``extra_info.index`` (the row number).
+defaults when absent: ``ability`` (""), ``reward_model.style`` (""), ``extra_info.index`` (the row number). The whole
+``extra_info`` mapping is kept (with ``index`` filled in): reward functions with verl's signature receive it.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NoReturn
 
 from dapo_megatron.user_errors import DataError
@@ -57,6 +58,7 @@ class DapoRow:
     ground_truth: str
     reward_style: str
     index: str | int
+    extra_info: dict | None = field(default=None, compare=False)  # as in the file (reward functions read it)
 
     @property
     def prompt_key(self) -> tuple[tuple[str, str], ...]:
@@ -74,7 +76,7 @@ class DapoRow:
             "prompt": self.messages(),
             "ability": self.ability,
             "reward_model": {"ground_truth": self.ground_truth, "style": self.reward_style},
-            "extra_info": {"index": self.index},
+            "extra_info": {**(self.extra_info or {}), "index": self.index},
         }
 
 
@@ -154,4 +156,5 @@ def validate_row(raw: Any, *, source: str, row: int, integer_answers: bool) -> D
         ground_truth=ground_truth,
         reward_style=style,
         index=index,
+        extra_info={**(extra_info or {}), "index": index},
     )

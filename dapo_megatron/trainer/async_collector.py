@@ -44,11 +44,12 @@ from dapo_megatron.algorithm import DynamicSamplingBuffer, FilterStats
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
+from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, RolloutEngine
 from dapo_megatron.trainer.async_driver import DriverThread
 from dapo_megatron.trainer.async_pace import GenerationPace
 from dapo_megatron.trainer.async_prompts import AsyncPrompts
-from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, sampling_params, score_group
+from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, sampling_params, score_groups
 from dapo_megatron.trainer.step_metrics import rollout_metrics
 
 logger = logging.getLogger(__name__)
@@ -73,14 +74,16 @@ class _SinceLastBatch:
 
 class AsyncRolloutCollector:
     """Steps 1–4 from a driver thread (see the module docstring). The thread starts with the first :meth:`collect`,
-    or earlier with :meth:`start`."""
+    or earlier with :meth:`start`. ``reward`` as for :class:`~.rollout_collector.RolloutCollector`."""
 
-    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, tokenizer, config: DAPOConfig):
+    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, tokenizer, config: DAPOConfig,
+                 reward: RewardScorer):
         a, r, t = config.algorithm, config.rollout, config.trainer
         self.engine = engine
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.config = config
+        self.reward = reward
         self.max_staleness = r.max_staleness
         self.pace = GenerationPace.from_config(config)
         # Surplus is the point of async mode: what does not fit this batch is the next one's (within staleness).
@@ -180,9 +183,9 @@ class AsyncRolloutCollector:
             self.engine.submit(requests)
         finished = self.engine.poll(timeout_s=POLL_S)
         if finished:
-            groups = [(f, self._score(f)) for f in finished]  # outside the lock: decoding and rewards
+            groups = self._score(finished, step=version)  # outside the lock: decoding and rewards
             with self._cond:
-                for request, group in groups:
+                for request, group in zip(finished, groups):
                     self._take_result(request, group)
                 self._cond.notify_all()
 
@@ -208,10 +211,14 @@ class AsyncRolloutCollector:
         if doomed:
             self.engine.abort(doomed)
 
-    def _score(self, finished: FinishedRequest) -> RolloutGroup | None:
-        if finished.aborted or self.prompts.is_aborting(finished.request_id):
-            return None
-        return score_group(self.prompts.record(finished.request_id), finished.samples, self.tokenizer, self.config)
+    def _score(self, finished: list[FinishedRequest], step: int) -> list[RolloutGroup | None]:
+        """The groups of the finished requests, in one call of the reward; None for an aborted one. ``step``: the
+        weight version the engine served when they were taken (the optimizer steps done)."""
+        scored = [f for f in finished if not (f.aborted or self.prompts.is_aborting(f.request_id))]
+        groups = score_groups([(self.prompts.record(f.request_id), f.samples) for f in scored], self.tokenizer,
+                              self.config, self.reward, step)
+        by_request = {f.request_id: group for f, group in zip(scored, groups)}
+        return [by_request.get(f.request_id) for f in finished]
 
     def _take_result(self, finished: FinishedRequest, group: RolloutGroup | None) -> None:
         record = self.prompts.returned(finished.request_id)

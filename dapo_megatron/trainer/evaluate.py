@@ -1,25 +1,29 @@
 """Validation: avg@k (the paper's metric, k samples per problem, mean accuracy) or greedy accuracy (k = 1,
-temperature 0: the CPU demo's held-out number).
+temperature 0: the CPU demo's held-out number). Correctness is the run's reward's ``acc`` (the built-in rule's by
+default); the format bonus and the overlong penalty shape training only.
 
-* :func:`evaluate` — the trainer's validation, on the rank that drives the rollout engine;
+* :func:`evaluate` — the trainer's validation, on the rank that drives the rollout engine, with a sample of its
+  generations for ``val_generations.jsonl`` and the loggers (the first ``eval.log_generations`` problems' first
+  response: the same problems every time, so they can be read side by side across steps);
 * :func:`evaluate_checkpoint` — ``dapo-megatron eval``: a saved checkpoint, with nothing built for training.
 """
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from dapo_megatron.algorithm import math_reward
 from dapo_megatron.backend import Backend
 from dapo_megatron.checkpoint import MODEL_DIR, load_model
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.data.evaluation import avg_at_k, score_samples
+from dapo_megatron.data.evaluation import ScoredSample, avg_at_k
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.policy.hf_loader import load_model_spec
 from dapo_megatron.policy.model import build_model, transformer_config
 from dapo_megatron.rank_zero import run_on_rank0
+from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
 from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
 from dapo_megatron.rollout.factory import build_rollout_engine
 from dapo_megatron.trainer.model_source import initial_model_dir, load_tokenizer
@@ -29,11 +33,18 @@ from dapo_megatron.trainer.weight_sync import sync_engine_weights
 EVAL_SEED = 1_234_567  # fixed: every evaluation of a run samples with the same seed, so curves are comparable
 
 
-def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, config: DAPOConfig) -> dict[str, float]:
-    """``val/<source>/acc/mean@k`` (and best@k) for every data source in ``records`` and over all of them; nothing
-    when there are no records."""
+@dataclass
+class Validation:
+    metrics: dict[str, float]  # val/<source>/acc/mean@k, best@k
+    generations: list[dict]  # data_source, index, prompt, response, ground_truth, score, acc
+
+
+def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, config: DAPOConfig,
+             reward: RewardScorer) -> Validation:
+    """``val/<source>/acc/mean@k`` (and best@k) for every data source in ``records`` and over all of them, scored
+    by ``reward``, and the sample of generations; nothing when there are no records."""
     if not records:
-        return {}
+        return Validation({}, [])
     e = config.eval
     k = 1 if e.greedy else e.n_samples
     params = SamplingParams(
@@ -46,10 +57,16 @@ def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, 
     )
     outputs = engine.generate([r.prompt_ids for r in records], params)
     responses = [[tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples] for samples in outputs]
-    use_mv = config.algorithm.use_math_verify
-    scored = score_samples(records, responses,
-                           lambda response, truth: math_reward(response, truth, use_math_verify=use_mv).acc)
-    return avg_at_k(scored, k).metrics(prefix="val")
+    outcomes = reward.score([[RewardRequest(r.data_source, text, r.ground_truth, dict(r.extra_info or {}),
+                                            row=f"validation row index={r.index!r} of data source {r.data_source!r}")
+                              for text in texts] for r, texts in zip(records, responses)])
+    values = [[reward.value(outcome) for outcome in group] for group in outcomes]
+    scored = [ScoredSample(r.data_source, r.index, float(value.acc)) for r, group in zip(records, values)
+              for value in group]
+    generations = [{"data_source": r.data_source, "index": r.index, "prompt": r.text, "response": responses[i][0],
+                    "ground_truth": r.ground_truth, "score": values[i][0].score, "acc": values[i][0].acc}
+                   for i, r in enumerate(records[:config.eval.log_generations]) if responses[i]]
+    return Validation(avg_at_k(scored, k).metrics(prefix="val"), generations)
 
 
 def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path, backend: Backend) -> dict[str, float]:
@@ -59,9 +76,16 @@ def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path, backend: Bac
     tokenizer = load_tokenizer(config, initial_model_dir(config))
     with tempfile.TemporaryDirectory(prefix="dapo_eval_") as scratch:
         engine = checkpoint_engine(config, checkpoint, scratch, backend)
+
+        def on_rank0() -> dict[str, float]:
+            reward = RewardScorer(config)
+            try:
+                return evaluate(engine, eval_prompts(config, tokenizer), tokenizer, config, reward).metrics
+            finally:
+                reward.close()
+
         try:
-            return run_on_rank0(lambda: evaluate(engine, eval_prompts(config, tokenizer), tokenizer, config),
-                                what="evaluation")
+            return run_on_rank0(on_rank0, what="evaluation")
         finally:
             if engine is not None:
                 engine.shutdown()

@@ -9,9 +9,12 @@
   memory (:mod:`dapo_megatron.policy.memory`) fits what a GPU has — or, on CPU, what this host has for the trainer
   ranks it runs (:func:`check_training_memory`); with ``rollout.engine: embedded``, whether the engine's fp32 host
   copy fits this host next to its trainer ranks (:func:`check_embedded_engine_memory`);
-* the data files (``data.source = dapo_math``): read and validated, every row (the trainer reuses what was read);
-  enough distinct training prompts for a step's draws (:func:`check_enough_prompts`; once more after the prompts
-  longer than ``data.max_prompt_length`` are dropped, by :func:`dapo_megatron.trainer.task.train_prompts`);
+* the data files and ``data.train`` sources (``data.source = dapo_math``): read and validated, every row (the trainer
+  reuses what was read; a large folder read as drawn: its columns and first rows); enough distinct training prompts
+  for a step's draws (:func:`check_enough_prompts`; once more after the prompts longer than
+  ``data.max_prompt_length`` are dropped, by :func:`dapo_megatron.trainer.task.train_prompts`);
+* ``reward.function``: imported, its form read from its signature (:mod:`dapo_megatron.reward.function`);
+* ``trainer.loggers``: their libraries installed (:func:`dapo_megatron.trainer.loggers.check_logger_libraries`);
 * the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory without
   missing or truncated files (:func:`dapo_megatron.checkpoint.newest_sound_checkpoint`; none is fine: the run starts
   at step 0), written with the settings this run has where they cannot change (:mod:`.run_config`), at a step no
@@ -34,8 +37,10 @@ from dapo_megatron.checkpoint import (
 )
 from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.hf_format import INDEX_FILE, SINGLE_FILE
+from dapo_megatron.trainer.loggers import check_logger_libraries
 from dapo_megatron.trainer.model_source import check_model_folder
 from dapo_megatron.trainer.run_config import check_resume_config, read_config_file
+from dapo_megatron.trainer.task import check_enough_prompts, check_training_data, load_data_file, train_files_summary
 
 
 def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, resume: bool = False,
@@ -49,6 +54,9 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, r
         if config.rollout.engine == "embedded":
             check_embedded_engine_memory(config, spec, world_size=world_size, backend=backend)
     check_data_files(config)
+    check_reward_function(config)
+    if checkpoint is None:
+        check_logger_libraries(config)
     if resume:
         check_resume(config, world_size)
     if checkpoint is not None:
@@ -159,46 +167,26 @@ def _available_memory(on_gpu: bool) -> tuple[int, str]:
 
 
 def check_data_files(config: DAPOConfig) -> None:
-    from dapo_megatron.trainer.task import load_data_file
-
     d = config.data
     if d.source == "synthetic":
         check_enough_prompts(config, d.synthetic.num_train, "data.synthetic.num_train")
         return
-    for path in [*d.train_files, *d.val_files]:
-        load_data_file(config, path)
-    check_enough_prompts(config, sum(len(load_data_file(config, path)) for path in d.train_files),
-                         train_files_summary(config))
+    check_training_data(config)  # every file and data.train source read and checked
+    if d.train_files:
+        check_enough_prompts(config, sum(len(load_data_file(config, path)) for path in d.train_files),
+                             train_files_summary(config))
 
 
-def train_files_summary(config: DAPOConfig) -> str:
-    """``data.train_files: a.jsonl: 10000 rows, deduplicated to 1 unique prompt`` — what the files gave."""
-    from dapo_megatron.trainer.task import load_data_file
+def check_reward_function(config: DAPOConfig) -> None:
+    """``reward.function`` imports here, in this process, and has one of the forms (its workers start later)."""
+    from dapo_megatron.reward.function import RewardFunctionError, load_reward_function, reward_form
 
-    parts = []
-    for path in config.data.train_files:
-        report = load_data_file(config, path).report
-        part = f"{path}: {report.total_rows} rows"
-        if report.duplicate_rows:
-            n = report.unique_prompts
-            part += f", deduplicated to {n} unique prompt{'' if n == 1 else 's'}"
-        if report.skipped_rows:
-            part += f", {report.skipped_rows} malformed ones skipped"
-        parts.append(part)
-    return "data.train_files: " + "; ".join(parts)
-
-
-def check_enough_prompts(config: DAPOConfig, count: int, source: str) -> None:
-    """Refuse a batch that the training prompts cannot fill: every step draws ``trainer.train_batch_size`` distinct
-    prompts (with dynamic sampling, ``algorithm.gen_batch_size`` per generation round). ``source``: where ``count``
-    comes from, for the message."""
-    t, a = config.trainer, config.algorithm
-    key, need = "trainer.train_batch_size", t.train_batch_size
-    if a.dynamic_sampling and a.gen_batch_size > need:
-        key, need = "algorithm.gen_batch_size", a.gen_batch_size
-    if count < need:
-        raise ConfigError(f"{key}={need} needs {need} distinct training prompts per draw, but there "
-                          f"{'is only 1' if count == 1 else f'are only {count}'} ({source})")
+    target = config.reward.function
+    if target:
+        try:
+            reward_form(load_reward_function(target), target)
+        except RewardFunctionError as error:
+            raise ConfigError(f"reward.function: {error}") from None
 
 
 def check_resume(config: DAPOConfig, world_size: int) -> None:

@@ -5,7 +5,8 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
 
 1. sample a batch of prompts (:mod:`dapo_megatron.data.sampler`), on rank 0;
 2. generate G responses per prompt (:mod:`dapo_megatron.rollout`);
-3. reward them: exact-match ±1 plus the soft overlong punishment (:mod:`dapo_megatron.algorithm.reward`, ``overlong``);
+3. reward them: exact-match ±1 (:mod:`dapo_megatron.algorithm.reward`) or your reward (:mod:`dapo_megatron.reward`),
+   plus the soft overlong punishment (``algorithm/overlong.py``) and, when on, the soft format bonus;
 4. filter and buffer: keep groups with mixed outcomes until the batch is full or the generation-round cap is hit
    (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank
    as packed tensors (:mod:`.rollout_batch`);
@@ -44,15 +45,16 @@ from tqdm import tqdm
 from dapo_megatron import checkpoint as ckpt
 from dapo_megatron.backend import Backend
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.platform import seed_everything
 from dapo_megatron.policy.actor import build_actor
 from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 from dapo_megatron.rank_zero import run_on_rank0
+from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.factory import build_rollout_engine
 from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
 from dapo_megatron.trainer.colocation import Colocation
 from dapo_megatron.trainer.evaluate import evaluate
+from dapo_megatron.trainer.loggers import build_loggers
 from dapo_megatron.trainer.metrics import MetricsWriter
 from dapo_megatron.trainer.model_source import load_tokenizer
 from dapo_megatron.trainer.policy_update import PolicyUpdate
@@ -61,7 +63,7 @@ from dapo_megatron.trainer.rollout_collector import RolloutCollector
 from dapo_megatron.trainer.run_config import record_start
 from dapo_megatron.trainer.step_metrics import StepTimer, policy_metrics, step_metrics, summary_line
 from dapo_megatron.trainer.stop_signals import StopSignals
-from dapo_megatron.trainer.task import eval_prompts, train_prompts
+from dapo_megatron.trainer.task import eval_prompts, train_sampler
 from dapo_megatron.trainer.training_progress import WARN_AFTER_STEPS, TrainingProgress
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
@@ -104,11 +106,13 @@ class DAPOTrainer:
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
         self.actor.optimizer.reload_model_params()
         self.policy_update = PolicyUpdate(self.actor, config)
-        self.writer = MetricsWriter(self.run_dir, tensorboard=config.trainer.tensorboard, enabled=self.rank == 0)
+        loggers = build_loggers(config, self.run_dir, resume=resume) if self.rank == 0 else []
+        self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0, loggers=loggers)
 
         # The rollout side, on rank 0 only; colocated servers start in a generation turn (they size their memory then).
         self.engine = None
         self.collector = None
+        self.reward: RewardScorer | None = None
         self.eval_prompts: tuple = ()
         self.colocation = Colocation(config, self.actor.optimizer, lambda: self.engine, device_type=backend.device_type)
         with self.colocation.generating():
@@ -116,12 +120,12 @@ class DAPOTrainer:
 
     def _start_rollout_side(self) -> None:
         c = self.config
-        sampler = PromptSampler(train_prompts(c, self.tokenizer), batch_size=c.trainer.train_batch_size,
-                                seed=c.trainer.seed)
+        sampler = train_sampler(c, self.tokenizer)
         self.eval_prompts = eval_prompts(c, self.tokenizer)
+        self.reward = RewardScorer(c)  # your reward's worker processes, before the engine
         self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend)
         collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
-        self.collector = collector(self.engine, sampler, self.tokenizer, c)
+        self.collector = collector(self.engine, sampler, self.tokenizer, c, self.reward)
 
     # ------------------------------------------------------------------------------------------------ one step
 
@@ -144,7 +148,7 @@ class DAPOTrainer:
                                weight_version=self.engine.weight_version if self.engine else done)
         last = done == c.trainer.total_steps
         if last or (c.eval.every and done % c.eval.every == 0):
-            self.last_eval = self.validate()
+            self.last_eval = self.validate(done)
             metrics.update(self.last_eval)
         self.writer.log(done, metrics)
         if self.rank == 0:
@@ -159,10 +163,16 @@ class DAPOTrainer:
                             bucket_bytes=int(self.config.rollout.handoff_bucket_mb * 2**20),
                             tp_gather=self.backend.tp_gather)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, step: int = 0) -> dict[str, float]:
+        """Validation metrics on every rank; rank 0 also logs a sample of the generations at ``step``."""
+        def on_rank0() -> dict[str, float]:
+            result = evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config, self.reward)
+            if result.generations:
+                self.writer.log_generations(step, result.generations)
+            return result.metrics
+
         with self.colocation.generating():
-            return run_on_rank0(lambda: evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config),
-                                what="validation")
+            return run_on_rank0(on_rank0, what="validation")
 
     def _progress(self, batches: list, step: int):
         return tqdm(batches, desc=f"step {step} updates", leave=False, unit="mini-batch",
@@ -218,6 +228,8 @@ class DAPOTrainer:
         with self.stop.protected("stopping the rollout engine"):  # no server or thread outlives the process
             if self.collector is not None:
                 self.collector.close()  # async mode: the driver thread stops before its engine does
+            if self.reward is not None:
+                self.reward.close()
             if self.engine is not None:
                 self.engine.shutdown()
 

@@ -1,4 +1,5 @@
-"""Per-step scalars to TensorBoard and to ``metrics.jsonl`` (the same numbers in both), on rank 0 only.
+"""Per-step scalars to ``metrics.jsonl`` and to the run's loggers (TensorBoard, W&B, MLflow: :mod:`.loggers`; the
+same numbers in all), on rank 0 only.
 
 Names follow verl's so curves can be compared across systems: ``actor/pg_loss``, ``actor/entropy``,
 ``critic/score/mean``, ``response_length/clip_ratio``, ``train/num_gen_batches``, ``val/<source>/acc/mean@k`` ...
@@ -15,33 +16,38 @@ import math
 import os
 from pathlib import Path
 
+from dapo_megatron.trainer.loggers import RunLogger, TensorBoardLogger
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True):
+    """``metrics.jsonl``, and ``loggers`` (:mod:`.loggers`: the generations file, TensorBoard, W&B, MLflow; default:
+    TensorBoard when ``tensorboard``) for everything else."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, enabled: bool = True,
+                 loggers: list[RunLogger] | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
-        self._tb = None
+        self._loggers: list[RunLogger] = []
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self._loggers = loggers if loggers is not None else [TensorBoardLogger(Path(run_dir))] if tensorboard else []
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop lines of steps after the checkpoint (and torn lines), so the file reads as one
-        uninterrupted run."""
+        uninterrupted run; the loggers drop theirs where they can."""
         if not self.enabled or not self.path.exists():
             return
         kept = [row for row in _parsed_rows(self.path) if row["step"] <= step]
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
         os.replace(tmp, self.path)
+        for run_logger in self._loggers:
+            run_logger.truncate_after(step)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
@@ -50,16 +56,18 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **{k: (v if v is None or math.isfinite(v) else str(v))
                                                  for k, v in clean.items()}}) + "\n")
-        if self._tb is not None:
-            for key, value in clean.items():
-                if value is not None:
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        for run_logger in self._loggers:
+            run_logger.log_scalars(step, {k: v for k, v in clean.items() if v is not None})
+
+    def log_generations(self, step: int, rows: list[dict]) -> None:
+        """A validation's sample of generations (prompt, response, ground truth, score) at ``step``."""
+        for run_logger in self._loggers if self.enabled else []:
+            run_logger.log_generations(step, rows)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for run_logger in self._loggers:
+            run_logger.close()
+        self._loggers = []
 
 
 def _parsed_rows(path: Path) -> list[dict]:

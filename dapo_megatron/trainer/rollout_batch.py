@@ -29,6 +29,9 @@ RolloutBatch = tuple[list[RolloutGroup], dict[str, float]]  # the scored groups 
 _PER_GROUP = ("prompt_ids", "weight_version", "ground_truth", "data_source")
 _PER_RESPONSE = ("responses", "engine_logprobs", "finish_reasons", "accs", "scores", "overlong_penalties")
 _OPTIONAL_PER_TOKEN = ("token_versions",)  # None, or one list per response, as long as the response
+# Read by the step's rollout metrics on rank 0 before the batch travels: they stay behind (the defaults arrive).
+_METRICS_ONLY = ("source_name", "reward_errors", "reward_timeouts", "reward_extras", "format_weight", "format_matches",
+                 "reflections")
 
 
 def hand_over_rollouts(collect: Callable[[], RolloutBatch], *, what: str) -> RolloutBatch:
@@ -38,7 +41,7 @@ def hand_over_rollouts(collect: Callable[[], RolloutBatch], *, what: str) -> Rol
 
 def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) -> Packed:
     fields = {f.name for f in dataclasses.fields(RolloutGroup)}
-    known = set(_PER_GROUP + _PER_RESPONSE + _OPTIONAL_PER_TOKEN)
+    known = set(_PER_GROUP + _PER_RESPONSE + _OPTIONAL_PER_TOKEN + _METRICS_ONLY)
     if fields != known:
         raise TypeError(f"pack_rollout_batch does not know RolloutGroup field(s) {sorted(fields ^ known)}")
     for index, group in enumerate(groups):

@@ -19,19 +19,23 @@ from tqdm import tqdm
 from dapo_megatron.algorithm import DynamicSamplingBuffer, FilterStats
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.sampler import PromptSampler
+from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.engine import RolloutEngine
-from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, sampling_params, score_group
+from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, sampling_params, score_groups
 from dapo_megatron.trainer.step_metrics import rollout_metrics
 
 
 class RolloutCollector:
-    """Steps 1–4 in sync mode: ``collect(step)`` generates, scores and filters until the batch is full."""
+    """Steps 1–4 in sync mode: ``collect(step)`` generates, scores and filters until the batch is full.
+    ``reward`` scores the responses (its owner, the trainer, closes it)."""
 
-    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, tokenizer, config: DAPOConfig):
+    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, tokenizer, config: DAPOConfig,
+                 reward: RewardScorer):
         self.engine = engine
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.config = config
+        self.reward = reward
         a = config.algorithm
         self.buffer = DynamicSamplingBuffer(config.trainer.train_batch_size,
                                             surplus_policy=a.resolved_surplus_policy, filter_groups=a.dynamic_sampling)
@@ -51,7 +55,7 @@ class RolloutCollector:
             outputs = self.engine.generate([r.prompt_ids for r in records],
                                            sampling_params(self.config, self.tokenizer,
                                                            generation_seed(t.seed, step, rounds)))
-            groups = [score_group(rec, samples, self.tokenizer, self.config) for rec, samples in zip(records, outputs)]
+            groups = score_groups(list(zip(records, outputs)), self.tokenizer, self.config, self.reward, step)
             generated.extend(groups)
             stats = stats + self.buffer.add(groups)
             rounds += 1

@@ -1,7 +1,9 @@
 """The scored group — the G responses to one prompt, with their rewards — that steps 2–4 produce and steps 5–7 train
 on, and how a group is made: the sampling parameters of its generate call (:func:`sampling_params`, seeded per step
-and round by :func:`generation_seed`) and its reward (:func:`score_group`: the DAPO math rule plus the soft overlong
-punishment). Both collectors (:mod:`.rollout_collector`, :mod:`.async_collector`) build groups here."""
+and round by :func:`generation_seed`) and its reward (:func:`score_groups`: the reward of
+:class:`~dapo_megatron.reward.scorer.RewardScorer` — the DAPO math rule by default — plus the soft format bonus and
+the soft overlong punishment). Both collectors (:mod:`.rollout_collector`, :mod:`.async_collector`) build groups
+here, and only here."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo_megatron.algorithm import math_reward, overlong_penalty
+from dapo_megatron.algorithm import overlong_penalty
 from dapo_megatron.algorithm.staleness import TokenVersions, response_staleness, version_span
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
+from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
 from dapo_megatron.rollout.engine import Sample, SamplingParams
+from dapo_megatron.trainer.reflection import ReflectionPhrases
 
 
 @dataclass
@@ -44,6 +48,14 @@ class RolloutGroup:
     overlong_penalties: list[float]
     weight_version: int
     token_versions: list[TokenVersions] | None = None
+    # What the step's metrics read besides the scores (defaults: what a group scored without them looks like).
+    source_name: str | None = None  # the data.train source it was drawn from
+    reward_errors: int = 0  # responses whose reward raised (scored reward.error_score)
+    reward_timeouts: int = 0  # responses whose reward timed out (scored reward.error_score)
+    reward_extras: dict[str, list[float]] | None = None  # numeric extras of the reward's answers, per key
+    format_weight: float | None = None  # the soft format bonus of this group's step (None: off)
+    format_matches: list[bool] | None = None
+    reflections: list[bool] | None = None  # which responses hold a reflection phrase
 
     @property
     def truncated(self) -> list[bool]:
@@ -81,32 +93,62 @@ def sampling_params(config: DAPOConfig, tokenizer, seed: int | None) -> Sampling
                           max_new_tokens=r.max_response_length, stop_token_ids=(tokenizer.eos_token_id,), seed=seed)
 
 
-def score_group(record: PromptRecord, samples: list[Sample], tokenizer, config: DAPOConfig) -> RolloutGroup:
+def score_groups(drawn: list[tuple[PromptRecord, list[Sample]]], tokenizer, config: DAPOConfig,
+                 reward: RewardScorer, step: int) -> list[RolloutGroup]:
+    """Score the responses of each (prompt, samples) pair in one call of ``reward`` (its worker processes score all
+    groups at once): score = reward (or ``reward.error_score`` when it failed) + format bonus at ``step`` (optimizer
+    steps done) + overlong penalty; correctness = the reward's ``acc`` alone."""
+    texts = [[tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples] for _, samples in drawn]
+    outcomes = reward.score([[_request(record, text, j, len(group_texts)) for j, text in enumerate(group_texts)]
+                             for (record, _), group_texts in zip(drawn, texts)])
+    format_weight = reward.format.weight(step) if reward.format.enabled else None
+    reflection = ReflectionPhrases(config.trainer.reflection_phrases)
+    groups = []
+    for (record, samples), group_texts, group_outcomes in zip(drawn, texts, outcomes):
+        values = [reward.value(outcome) for outcome in group_outcomes]
+        statuses = [status for status, _ in group_outcomes]
+        matches = [reward.format.matches(text) for text in group_texts] if format_weight is not None else None
+        bonuses = [format_weight * m for m in matches] if matches is not None else [0.0] * len(samples)
+        penalties = _overlong_penalties(samples, config)
+        extras: dict[str, list[float]] = {}
+        for value in values:
+            for key, number in value.extras.items():
+                extras.setdefault(key, []).append(number)
+        groups.append(RolloutGroup(
+            prompt_ids=list(record.prompt_ids),
+            ground_truth=record.ground_truth,
+            data_source=record.data_source,
+            responses=[list(s.token_ids) for s in samples],
+            engine_logprobs=[list(s.logprobs) for s in samples],
+            finish_reasons=[s.finish_reason for s in samples],
+            accs=[v.acc for v in values],
+            scores=[v.score + b + p for v, b, p in zip(values, bonuses, penalties)],
+            overlong_penalties=penalties,
+            **_versions(samples),
+            source_name=record.source_name,
+            reward_errors=statuses.count("error"),
+            reward_timeouts=statuses.count("timeout"),
+            reward_extras=extras or None,
+            format_weight=format_weight,
+            format_matches=matches,
+            reflections=[reflection.found_in(text) for text in group_texts],
+        ))
+    return groups
+
+
+def _request(record: PromptRecord, text: str, index: int, group_size: int) -> RewardRequest:
+    return RewardRequest(data_source=record.data_source, solution_str=text, ground_truth=record.ground_truth,
+                         extra_info=dict(record.extra_info or {"index": record.index}),
+                         row=f"row index={record.index!r} of data source {record.data_source!r}, response "
+                             f"{index + 1} of {group_size}")
+
+
+def _overlong_penalties(samples: list[Sample], config: DAPOConfig) -> list[float]:
     a, r = config.algorithm, config.rollout
-    accs, base_scores = [], []
-    for sample in samples:
-        text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        result = math_reward(text, record.ground_truth, use_math_verify=a.use_math_verify)
-        accs.append(result.acc)
-        base_scores.append(result.score)
+    if not a.overlong_penalty:
+        return [0.0] * len(samples)
     lengths = torch.tensor([len(s.token_ids) for s in samples])
-    if a.overlong_penalty:
-        penalties = overlong_penalty(lengths, r.max_response_length, a.overlong_buffer_len,
-                                     a.overlong_penalty_factor).tolist()
-    else:
-        penalties = [0.0] * len(samples)
-    return RolloutGroup(
-        prompt_ids=list(record.prompt_ids),
-        ground_truth=record.ground_truth,
-        data_source=record.data_source,
-        responses=[list(s.token_ids) for s in samples],
-        engine_logprobs=[list(s.logprobs) for s in samples],
-        finish_reasons=[s.finish_reason for s in samples],
-        accs=accs,
-        scores=[b + p for b, p in zip(base_scores, penalties)],
-        overlong_penalties=penalties,
-        **_versions(samples),
-    )
+    return overlong_penalty(lengths, r.max_response_length, a.overlong_buffer_len, a.overlong_penalty_factor).tolist()
 
 
 def _versions(samples: list[Sample]) -> dict:

@@ -56,6 +56,7 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
     }
     if all_accs:
         metrics["rollout/acc/mean"] = sum(all_accs) / len(all_accs)  # over everything generated this step
+    metrics.update(reward_metrics(generated))
     if not batch:
         return metrics
     scores = [s for g in batch for s in g.scores]
@@ -77,6 +78,37 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
         "prompt_length/mean": sum(prompt_lengths) / len(prompt_lengths),
         "rollout/gen_prob/mean": float(token_logprobs.exp().mean()) if token_logprobs.numel() else 0.0,
     })
+    return metrics
+
+
+def reward_metrics(generated: list[RolloutGroup]) -> dict[str, float]:
+    """Over everything generated this step: failed rewards (``reward/errors``, ``reward/timeouts``), the reward's
+    numeric extras (``reward/extra/<key>``, mean), the soft format bonus (``reward/format/weight``,
+    ``reward/format/match_rate``), the fraction of responses that reflect (``response/reflection_rate``) and, when
+    the data is a mixture, each source's groups and accuracy (``rollout/source/<name>/{groups,acc}``)."""
+    metrics = {"reward/errors": float(sum(g.reward_errors for g in generated)),
+               "reward/timeouts": float(sum(g.reward_timeouts for g in generated))}
+    extras: dict[str, list[float]] = {}
+    for group in generated:
+        for key, values in (group.reward_extras or {}).items():
+            extras.setdefault(key, []).extend(values)
+    metrics.update({f"reward/extra/{key}": sum(values) / len(values) for key, values in sorted(extras.items())})
+    formatted = [g for g in generated if g.format_weight is not None]
+    if formatted:
+        matches = [m for g in formatted for m in g.format_matches]
+        metrics["reward/format/weight"] = formatted[-1].format_weight
+        metrics["reward/format/match_rate"] = sum(matches) / len(matches)
+    reflections = [r for g in generated for r in (g.reflections or [])]
+    if reflections:
+        metrics["response/reflection_rate"] = sum(reflections) / len(reflections)
+    by_source: dict[str, list[RolloutGroup]] = {}
+    for group in generated:
+        if group.source_name is not None:
+            by_source.setdefault(group.source_name, []).append(group)
+    for name, groups in sorted(by_source.items()):
+        accs = [acc for g in groups for acc in g.accs]
+        metrics[f"rollout/source/{name}/groups"] = float(len(groups))
+        metrics[f"rollout/source/{name}/acc"] = sum(accs) / len(accs)
     return metrics
 
 

@@ -1,0 +1,120 @@
+"""What scores a response: the built-in DAPO math rule (the default, in this process: plain string code), your
+function in worker processes (:mod:`.pool`), or a reward service (:mod:`.remote`) — one of them, chosen by
+``reward.function`` / ``reward.url`` — plus the soft format bonus (:mod:`.format`).
+
+A response whose reward raises or times out is scored ``reward.error_score`` and never correct; the collectors count
+them (``reward/errors``, ``reward/timeouts``). The first failure of each kind is logged once, naming the function and
+the row; later ones are only counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from dapo_megatron.algorithm.reward import math_reward
+from dapo_megatron.config import ConfigError, DAPOConfig
+from dapo_megatron.reward.format import FormatReward
+from dapo_megatron.reward.function import Outcome, RewardFunctionError, RewardValue
+from dapo_megatron.reward.pool import RewardPool
+from dapo_megatron.reward.remote import RemoteReward
+
+logger = logging.getLogger(__name__)
+
+FAILURES = {"error": ("failed", "reward/errors"), "timeout": ("timed out", "reward/timeouts")}
+
+
+@dataclass(frozen=True)
+class RewardRequest:
+    """One response to score, with what verl's reward signature passes and where it came from (for messages)."""
+
+    data_source: str
+    solution_str: str
+    ground_truth: str
+    extra_info: dict = field(default_factory=dict)
+    row: str = ""  # e.g. "row index=17 of data source 'math_dapo', response 3 of 8"
+
+
+class RewardScorer:
+    """Scores groups of responses (see the module docstring); ``close`` stops its worker processes and HTTP
+    threads."""
+
+    def __init__(self, config: DAPOConfig):
+        """A reward function that cannot be imported or has neither form is a :class:`ConfigError`."""
+        r = config.reward
+        self.use_math_verify = config.algorithm.use_math_verify
+        self.format = FormatReward(r.format)
+        self.error_score = r.error_score
+        self._pool: RewardPool | None = None
+        self._remote: RemoteReward | None = None
+        self._shown: set[str] = set()
+        if r.function:
+            try:
+                self._pool = RewardPool(r.function, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                                        async_concurrency=r.async_concurrency)
+            except RewardFunctionError as error:
+                raise ConfigError(f"reward.function: {error}") from None
+            form = self._pool.form
+            self.name = (f"reward function {r.function} ({'async, ' if form.is_async else ''}"
+                         f"{'a group' if form.batched else 'a sample'} at a time)")
+        elif r.url:
+            self._remote = RemoteReward(r.url, timeout_s=r.timeout_s, retries=r.url_retries,
+                                        concurrency=r.num_workers)
+            self.name = f"reward service {r.url}"
+        else:
+            self.name = "the built-in DAPO math rule"
+
+    def score(self, groups: list[list[RewardRequest]]) -> list[list[Outcome]]:
+        """One outcome per response of each group: ``("ok", RewardValue)``, ``("error" | "timeout", message)``."""
+        if self._pool is not None:
+            outcomes = self._run_pool(groups)
+        elif self._remote is not None:
+            outcomes = self._remote.run([_batched_call(group) for group in groups])
+        else:
+            outcomes = [[self._builtin(request) for request in group] for group in groups]
+        self._show_first_failures(groups, outcomes)
+        return outcomes
+
+    def value(self, outcome: Outcome) -> RewardValue:
+        """The reward of an outcome: its value, or ``error_score`` (never correct) for a failure."""
+        status, payload = outcome
+        return payload if status == "ok" else RewardValue(self.error_score, False)
+
+    def _builtin(self, request: RewardRequest) -> Outcome:
+        result = math_reward(request.solution_str, request.ground_truth, use_math_verify=self.use_math_verify)
+        return ("ok", RewardValue(result.score, result.acc))
+
+    def _run_pool(self, groups: list[list[RewardRequest]]) -> list[list[Outcome]]:
+        if self._pool.form.batched:
+            return self._pool.run([_batched_call(group) for group in groups])
+        flat = self._pool.run([_sample_call(request) for group in groups for request in group])
+        outcomes, start = [], 0
+        for group in groups:
+            outcomes.append([call[0] for call in flat[start:start + len(group)]])
+            start += len(group)
+        return outcomes
+
+    def _show_first_failures(self, groups: list[list[RewardRequest]], outcomes: list[list[Outcome]]) -> None:
+        for group, group_outcomes in zip(groups, outcomes):
+            for request, (status, payload) in zip(group, group_outcomes):
+                if status != "ok" and status not in self._shown:
+                    self._shown.add(status)
+                    what, counter = FAILURES[status]
+                    logger.error("%s %s on %s: %s (shown once; every one is counted in %s)", self.name, what,
+                                 request.row, payload, counter)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        if self._remote is not None:
+            self._remote.close()
+
+
+def _sample_call(request: RewardRequest) -> dict:
+    return {"data_source": request.data_source, "solution_str": request.solution_str,
+            "ground_truth": request.ground_truth, "extra_info": request.extra_info}
+
+
+def _batched_call(group: list[RewardRequest]) -> dict:
+    return {"data_sources": [r.data_source for r in group], "solution_strs": [r.solution_str for r in group],
+            "ground_truths": [r.ground_truth for r in group], "extra_infos": [r.extra_info for r in group]}

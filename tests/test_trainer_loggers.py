@@ -1,0 +1,103 @@
+"""Where the curves go (trainer/loggers.py): metrics.jsonl plus TensorBoard, W&B (offline) and MLflow (a local
+store) holding the same scalars, the validation generations file, and a missing logger library named at start."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from cli_runs import REPO, TINY, cli_env
+from logger_readers import mlflow_history, wandb_offline_history
+
+from dapo_megatron.config import load_config
+from dapo_megatron.trainer.loggers import IDS_FILE, build_loggers, check_logger_libraries, mlflow_metric_name
+from dapo_megatron.trainer.metrics import MetricsWriter, read_metrics
+
+ROWS = [(0, {"val/all/acc/mean@1": 0.25, "val/all/acc/best@1": 0.25}),
+        (1, {"critic/score/mean": -0.5, "actor/entropy": 1.25, "actor/pg_loss": float("nan"), "reward/errors": 0.0}),
+        (2, {"critic/score/mean": 0.125, "actor/entropy": 1.0, "actor/pg_loss": 0.5, "val/all/acc/mean@1": 0.5})]
+GENERATIONS = [{"data_source": "t", "index": 3, "prompt": "4+3=", "response": "Answer: 7", "ground_truth": "7",
+                "score": 1.0, "acc": True}]
+
+
+def _write_run(run_dir: Path, *loggers: str, resume: bool = False) -> MetricsWriter:
+    config = load_config(TINY, [f"trainer.run_dir={run_dir}", f"trainer.loggers=[{', '.join(loggers)}]",
+                                "trainer.wandb.mode=offline"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    writer = MetricsWriter(run_dir, loggers=build_loggers(config, run_dir, resume=resume))
+    for step, scalars in ROWS:
+        if step != 1:
+            writer.log_generations(step, GENERATIONS)
+        writer.log(step, scalars)
+    writer.close()
+    return writer
+
+
+def _finite_jsonl(run_dir: Path) -> dict[int, dict]:
+    return {row.pop("step"): {k: v for k, v in row.items() if isinstance(v, float) and math.isfinite(v)}
+            for row in read_metrics(run_dir)}
+
+
+def test_tensorboard_and_the_generations_file(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _write_run(tmp_path, "tensorboard")
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0}).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("actor/entropy")] == [(1, 1.25), (2, 1.0)]
+    assert [e.step for e in events.Tensors("val/generations/text_summary")] == [0, 2]
+    lines = [json.loads(line) for line in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 2] and lines[0]["response"] == "Answer: 7"
+    writer = MetricsWriter(tmp_path, loggers=build_loggers(load_config(TINY), tmp_path, resume=True))
+    writer.truncate_after(1)  # a resume from step 1 forgets what the interrupted run logged after it
+    assert [json.loads(line)["step"] for line in (tmp_path / "val_generations.jsonl").read_text().splitlines()] == [0]
+    writer.close()
+
+
+def test_mlflow_names_are_what_mlflow_accepts():
+    assert mlflow_metric_name("val/all/acc/mean@32") == "val/all/acc/mean_at_32"
+    assert mlflow_metric_name("rollout/source/a+b/groups") == "rollout/source/a_b/groups"
+    assert mlflow_metric_name("timing_s/step") == "timing_s/step"
+
+
+@pytest.mark.parametrize("logger", ["wandb", "mlflow"])
+def test_a_missing_logger_library_fails_at_start_naming_the_extra(tmp_path, logger):
+    """The CLI as a user runs it, in a process where ``logger``'s library cannot be found (the test environment
+    installs both extras: the import system is told the library is not there)."""
+    hiding = tmp_path / f"cli_without_{logger}.py"
+    hiding.write_text(textwrap.dedent(f"""
+        import importlib.util, sys
+        found = importlib.util.find_spec
+        importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] == {logger!r} else found(name, *a, **k)
+        from dapo_megatron.cli import main
+        sys.exit(main())
+    """))
+    args = ["train", str(TINY), f"trainer.run_dir={tmp_path / 'run'}", f"trainer.loggers=[tensorboard, {logger}]"]
+    result = subprocess.run([sys.executable, str(hiding), *args], capture_output=True, text=True, cwd=REPO,
+                            timeout=300, env=cli_env())
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"config error: trainer.loggers: {logger} needs {logger}" in result.stderr
+    assert f"pip install 'dapo-megatron[{logger}]'" in result.stderr
+    assert not (tmp_path / "run" / "initial_model").exists()  # before anything expensive
+    # control: where the library is found (this environment), the same settings pass the check
+    check_logger_libraries(load_config(TINY, [f"trainer.loggers=[tensorboard, {logger}]"]))
+
+
+def test_wandb_offline_and_mlflow_hold_the_scalars_of_metrics_jsonl(tmp_path):
+    _write_run(tmp_path, "tensorboard", "wandb", "mlflow")
+    expected = _finite_jsonl(tmp_path)
+    assert expected[1] == {"critic/score/mean": -0.5, "actor/entropy": 1.25, "reward/errors": 0.0}  # NaN left out
+    wandb_rows = wandb_offline_history(tmp_path)
+    assert {step: {k: v for k, v in row.items() if not k.startswith(("_", "val/generations/"))}
+            for step, row in wandb_rows.items()} == expected
+    assert wandb_rows[0]["val/generations/_type"] == "table-file" and wandb_rows[0]["val/generations/nrows"] == 1
+    ids = json.loads((tmp_path / IDS_FILE).read_text())
+    mlflow_rows = mlflow_history(f"sqlite:///{tmp_path / 'mlflow.db'}", ids["mlflow_run_id"])
+    assert mlflow_rows == {step: {mlflow_metric_name(k): v for k, v in row.items()} for step, row in expected.items()}
+    # --resume continues the same runs
+    _write_run(tmp_path, "wandb", "mlflow", resume=True)
+    assert json.loads((tmp_path / IDS_FILE).read_text()) == ids
