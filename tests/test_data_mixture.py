@@ -177,7 +177,8 @@ def test_sources_must_have_different_names_and_the_old_keys_still_work(tmp_path,
     check_training_data(named)
     legacy = train_sampler(load_config(None, MINIMAL + [f"data.train_files=[{DAPO_MATH_FIXTURE}]",
                                                         "trainer.train_batch_size=4",
-                                                        "trainer.mini_batch_size=2"]), tokenizer)
+                                                        "trainer.mini_batch_size=2",
+                                                        "algorithm.gen_batch_size=4"]), tokenizer)
     assert isinstance(legacy, PromptSampler) and len(legacy.items) == 30
     with pytest.raises(ConfigError, match="two ways"):
         load_config(None, MINIMAL + [f"data.train_files=[{copy}]", f"data.train=[{{path: {copy}}}]"])

@@ -274,7 +274,9 @@ def _reapply_adam_steps(optimizer) -> None:
     first sets every ``state[p]["step"]`` from the checkpoint's param groups, then
     ``load_parameter_state_from_dp_reshardable`` copies the step tensors of the pre-load sharded state dict back
     over them (``step`` is not stored per parameter), so a resumed run would continue with the wrong bias
-    correction. TE/apex FusedAdam keeps the step only in the param groups, where this finds no per-parameter step.
+    correction. It also gives every parameter the *same* step tensor, which torch's foreach Adam would then advance
+    once per parameter each update: each parameter gets a tensor of its own here. TE/apex FusedAdam keeps the step
+    only in the param groups, where this finds no per-parameter step.
     """
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(chained, "optimizer", None)
@@ -282,7 +284,27 @@ def _reapply_adam_steps(optimizer) -> None:
             for param in group["params"] if "step" in group else []:
                 step = inner.state.get(param, {}).get("step")
                 if isinstance(step, torch.Tensor):
-                    step.fill_(group["step"])
+                    inner.state[param]["step"] = torch.full_like(step, float(group["step"]))
+
+
+def _give_empty_adam_state(optimizer) -> None:
+    """Zero moments and step 0 for every parameter of a torch Adam that has never stepped (a fresh process resuming).
+
+    megatron-core 0.16.1's ``DistributedOptimizer.state_dict`` — which building the load's sharded state dict calls —
+    reads the step from torch Adam's per-parameter state when neither TE nor apex provides the optimizer (the CPU
+    path, and CUDA without them) and asserts there is exactly one, so a fresh optimizer fails there before anything
+    is read. The load then overwrites these tensors in place and ``_reapply_adam_steps`` sets the steps.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if inner.state.get(param):
+                    continue
+                moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+                inner.state[param] = {"step": torch.tensor(0.0), **{name: torch.zeros_like(param) for name in moments}}
 
 
 def _has_stepped(optimizer) -> bool:
@@ -305,6 +327,7 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
         raise CheckpointError(f"{path} is not a complete checkpoint (no {layout.COMPLETE_MARKER} marker)")
     load_model(model_chunks, path / layout.MODEL_DIR)
     if _optimizer_state_saved(path / layout.OPTIMIZER_DIR):
+        _give_empty_adam_state(optimizer)
         with _unloadable(path / layout.OPTIMIZER_DIR, "does not fit the optimizer, or is damaged"):
             opt_state = dist_checkpointing.load(
                 optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True,
