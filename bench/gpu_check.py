@@ -361,7 +361,7 @@ def mfu_row(shapes: CheckShapes, label: str, shape: dict, peak_tflops: float, ke
     tokens = sum(s.length for s in samples)
     flops = model_flops(spec, [s.length for s in samples])
     achieved = flops / seconds / 1e12
-    del actor
+    actor = None  # its memory goes back before the next row is built
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return Row(f"training MFU {label} [{path}]", f"{achieved / peak_tflops * 100:.3g} % MFU",

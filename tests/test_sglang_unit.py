@@ -260,7 +260,7 @@ def test_stop_kills_the_whole_process_tree_even_when_it_ignores_sigterm(tmp_path
     deadline = time.monotonic() + 60
     while "children" not in server.log_tail() and time.monotonic() < deadline:
         time.sleep(0.2)
-    line = next(l for l in server.log_tail().splitlines() if l.startswith("children"))
+    line = next(row for row in server.log_tail().splitlines() if row.startswith("children"))
     pids = [server.pid] + [int(p) for p in line.split()[1:]]
     started = time.monotonic()
     server.stop(grace_s=0.5)
