@@ -111,7 +111,10 @@ def test_generate_returns_n_samples_with_logprobs_and_finish_reasons(engine, pro
             assert sample.prompt_index == index and sample.weight_version == engine.weight_version
             assert 1 <= len(sample.token_ids) <= 6 and len(sample.logprobs) == len(sample.token_ids)
             assert all(-50 < lp <= 0 for lp in sample.logprobs)
-            assert sample.finish_reason == ("length" if len(sample.token_ids) == 6 else "stop")
+            if len(sample.token_ids) < 6:
+                assert sample.finish_reason == "stop"
+            else:  # the 6th token may itself be the end of the text
+                assert sample.finish_reason in ("length", "stop")
         assert len({tuple(s.token_ids) for s in group}) > 1, "4 samples at temperature 1 should differ"
 
 
