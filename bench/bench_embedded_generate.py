@@ -111,7 +111,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
     prompts = random_prompts(args.prompts, args.vocab_size, seed=1)
     # Two stop tokens out of ~40 give responses of ~20 tokens on average, about the demo's length.
-    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=(1, 2), seed=3)
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=(1, 2),
+                            seed=3)
 
     contenders: dict[str, Callable[[], int]] = {"hf model.generate": hf_generate_fn(model, prompts, params)}
     for fraction in args.drop_finished_fractions:

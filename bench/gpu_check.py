@@ -11,7 +11,8 @@ MFU. Where Transformer Engine is importable the MFU rows time both paths (:func:
 
 1. ``bf16 matmul`` — a square bf16 GEMM, for the peak this device reaches (context for the MFU rows);
 2. ``logprob parity bf16 vs fp32`` — the actor's forward-only log-probs of random samples through a
-   Qwen2.5-0.5B-shaped random model with fewer layers, BF16 against an FP32 copy of the same weights: mean/max absolute difference;
+   Qwen2.5-0.5B-shaped random model with fewer layers, BF16 against an FP32 copy of the same weights: mean/max
+   absolute difference;
 3. ``DAPO updates (bf16)`` — updates through ``Actor.train_minibatch`` with the DAPO loss: every gradient norm
    finite, no update skipped, the weights changed;
 4. ``weight handoff`` — the exporter (``gather_hf_buckets_to_rank0``, bf16 buckets) into the embedded engine's
@@ -214,7 +215,8 @@ def parity_and_updates(shapes: CheckShapes, workdir: Path, device: torch.device)
     skipped = sum(u["skipped"] for u in updates)
     ok = all(math.isfinite(n) for n in norms) and skipped == 0 and changed > 0
     rows.append(Row(f"DAPO updates (bf16, distributed optimizer) [{path}]", "ok" if ok else "FAILED",
-                    f"grad norms {', '.join(f'{n:.4g}' for n in norms)}; skipped {skipped:g}; max abs weight change {changed:.3g}",
+                    f"grad norms {', '.join(f'{n:.4g}' for n in norms)}; skipped {skipped:g}; "
+                    f"max abs weight change {changed:.3g}",
                     {"grad_norm_last": norms[-1], "skipped": skipped, "max_weight_change": changed}))
     return rows, actor, spec
 
@@ -227,7 +229,8 @@ def handoff_rows(shapes: CheckShapes, actor, spec, samples_seed: int, device: to
     from dapo_megatron.hf_format import nbytes
     from dapo_megatron.rollout.embedded import load_named_tensors
 
-    engine_model = AutoModelForCausalLM.from_config(_spec(shapes.parity_model), dtype=torch.bfloat16, attn_implementation="sdpa")
+    engine_model = AutoModelForCausalLM.from_config(_spec(shapes.parity_model), dtype=torch.bfloat16,
+                                                    attn_implementation="sdpa")
     engine_model = engine_model.to(device).eval().requires_grad_(False)
     delivered = [0]
 

@@ -138,8 +138,9 @@ def main() -> None:
         seed_everything(args.seed)
         spec = load_model_spec(model_dir)
         c = config
-        actor = build_actor(spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim, algorithm=c.algorithm,
-                            micro_batch_tokens=c.trainer.micro_batch_tokens, temperature=c.rollout.temperature)
+        actor = build_actor(spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim,
+                            algorithm=c.algorithm, micro_batch_tokens=c.trainer.micro_batch_tokens,
+                            temperature=c.rollout.temperature)
         load_hf_weights(actor.model, spec, model_dir)
         actor.optimizer.reload_model_params()
         engine = EmbeddedEngine.from_hf_directory(model_dir)
@@ -221,7 +222,8 @@ def main() -> None:
     full = per_micro_batch[f"padded {len(samples)} samples/mb"]
     single = per_micro_batch["padded 1 samples/mb"]
     print(f"\n3. fixed cost of one micro-batch (padded 1/mb vs all in one): "
-          f"forward {(single[1] - full[1]) / (one - 1):.2f} ms, forward+backward {(single[2] - full[2]) / (one - 1):.2f} ms")
+          f"forward {(single[1] - full[1]) / (one - 1):.2f} ms, "
+          f"forward+backward {(single[2] - full[2]) / (one - 1):.2f} ms")
     totals: dict[str, float] = {}
     optimizer_methods = [(actor.optimizer, name) for name in ("prepare_grads", "get_grad_norm", "step")]
     with cpu_time_of(optimizer_methods + [(actor, "_plan")], totals):

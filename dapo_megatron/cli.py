@@ -190,7 +190,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from dapo_megatron.policy.memory import plan_report
+    from dapo_megatron.policy.plan_report import plan_report
     from dapo_megatron.trainer.model_source import model_spec_for_plan
 
     config = load_config(args.config, args.overrides)

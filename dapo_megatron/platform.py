@@ -250,7 +250,8 @@ def resolve_data_parallel(world_size: int, tensor_parallel: int, pipeline_parall
     """DP = world / (TP×PP); a given DP must agree, and EP must divide it. Raises :class:`LaunchError` naming the
     numbers otherwise."""
     if tensor_parallel < 1 or pipeline_parallel < 1:
-        raise LaunchError(f"tensor_parallel ({tensor_parallel}) and pipeline_parallel ({pipeline_parallel}) must be >= 1")
+        raise LaunchError(f"tensor_parallel ({tensor_parallel}) and pipeline_parallel ({pipeline_parallel}) "
+                          "must be >= 1")
     model_parallel = tensor_parallel * pipeline_parallel
     if world_size % model_parallel:
         raise LaunchError(

@@ -8,7 +8,8 @@ in place (the un-interleave that follows makes the one copy the HF tensors need 
 
 :class:`SharedMemoryGather` (a :class:`~dapo_megatron.handoff.tp_gather.TensorParallelGather`) sets this up once
 per TP group and shard layout, and falls back to the process-group gather where it does not apply (one TP rank, CUDA
-tensors, ranks on several hosts, not enough space in ``/dev/shm``). The file is unlinked as soon as every rank has mapped it, so nothing is
+tensors, ranks on several hosts, not enough space in ``/dev/shm``). The file is unlinked as soon as every rank has
+mapped it, so nothing is
 left behind even if a process dies; the mapping (about this rank's share of the model) is reused by every later
 export.
 """

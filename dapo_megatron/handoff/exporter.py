@@ -5,7 +5,8 @@ Who does what (every rank calls the same function; it returns/yields nothing on 
 * Only data-parallel rank 0 takes part — DP replicas hold identical weights.
 * Within each pipeline stage, the TP ranks gather each parameter's shard to TP rank 0 (the stage's *source*) — with
   the backend's :class:`~dapo_megatron.handoff.tp_gather.TensorParallelGather` (``tp_gather``; default: one
-  process-group ``gather`` per parameter) — which turns the shards into full HF tensors through :mod:`dapo_megatron.policy.weight_mapping` (QKV and fc1
+  process-group ``gather`` per parameter) — which turns the shards into full HF tensors through
+  :mod:`dapo_megatron.policy.weight_mapping` (QKV and fc1
   un-interleaved, vocabulary padding removed). Replicated tensors (norms) are not gathered.
 * A mixture-of-experts layer's experts live on the expert-parallel ranks (carved out of the DP ranks): the ranks of
   one expert replica (expert-DP rank 0) take part too. For each local expert slot, one gather over the expert

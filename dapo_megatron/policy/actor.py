@@ -254,8 +254,9 @@ class Actor:
         """
         return self._train(samples, batching, reuse=None, routing=routing)[0]
 
-    def train_minibatch_reusing_logprobs(self, samples: Sequence[PolicySample], reuse: Sequence[bool],
-                                         batching: PackedBatching | None = None) -> tuple[dict[str, float], PolicyLogProbs]:
+    def train_minibatch_reusing_logprobs(
+            self, samples: Sequence[PolicySample], reuse: Sequence[bool],
+            batching: PackedBatching | None = None) -> tuple[dict[str, float], PolicyLogProbs]:
         """:meth:`train_minibatch` where sample ``i`` with ``reuse[i]`` takes π_old's log-probs from this update's
         own forward pass, detached (its ``old_logprobs`` are ignored): exact when the policy still holds the
         weights π_old stands for, and then its importance ratio is exactly 1. Returns the update's metrics and the

@@ -4,7 +4,8 @@ The actor hands every DP rank the WHOLE mini-batch. megatron's DDP needs every D
 micro-batches, so :func:`plan_data_parallel` splits the samples over DP ranks by tokens (longest first, each to the
 least-loaded rank), builds this rank's micro-batches with the backend's
 :class:`~dapo_megatron.policy.packing.RowPacker`, and pads ranks with fewer micro-batches with the packer's filler (one
-padding segment, no response tokens). Every rank computes every rank's count from the sample lengths alone: no communication.
+padding segment, no response tokens). Every rank computes every rank's count from the sample lengths alone: no
+communication.
 """
 
 from __future__ import annotations

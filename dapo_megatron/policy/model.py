@@ -2,7 +2,8 @@
 precision, on the platform's backend.
 
 * :func:`transformer_config` turns a spec plus the parallel layout and precision into megatron's
-  ``TransformerConfig``. The layout is checked up front (:func:`~dapo_megatron.policy.model_spec.check_parallel_layout`).
+  ``TransformerConfig``. The layout is checked up front
+  (:func:`~dapo_megatron.policy.model_spec.check_parallel_layout`).
   The decisions it takes are small functions of their own, each tested: :func:`sequence_parallel_enabled`,
   :func:`recompute_settings`, :func:`gradient_accumulation_fusion_available` and, for the batches,
   :func:`row_multiple`; the arguments it passes are :func:`transformer_config_arguments`.
@@ -166,7 +167,8 @@ def transformer_config_arguments(
                             fp8_amax_compute_algo="max" if fp8_recipe == "delayed" else "most_recent")
     on_cuda = cuda_available
     if sequence_parallel is None:
-        sequence_parallel = sequence_parallel_enabled(True, tensor_parallel=tensor_parallel, use_transformer_engine=use_te)
+        sequence_parallel = sequence_parallel_enabled(True, tensor_parallel=tensor_parallel,
+                                                      use_transformer_engine=use_te)
     elif sequence_parallel and tensor_parallel < 2:
         raise ParallelLayoutError(f"sequence_parallel needs tensor_parallel > 1, got {tensor_parallel}")
     return dict(

@@ -92,7 +92,8 @@ class ModelSpec:
 
 
 def _rope_settings(hf_config: Any) -> tuple[float, dict]:
-    """(rope base, rope-scaling dict or {}) from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+    """(rope base, rope-scaling dict or {}) from ``rope_parameters`` (transformers 5) or
+    ``rope_theta``/``rope_scaling``."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"]), params
@@ -119,7 +120,8 @@ def _llama3_factor(scaling: dict) -> float | None:
 
 
 def model_spec_from_hf(hf_config: Any) -> ModelSpec:
-    """Read a ``transformers`` config (Qwen2Config / LlamaConfig) into a :class:`ModelSpec`, rejecting what we can't build."""
+    """Read a ``transformers`` config (Qwen2Config / LlamaConfig) into a :class:`ModelSpec`, rejecting what we
+    can't build."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in FAMILIES:
         archs = getattr(hf_config, "architectures", None)
@@ -144,7 +146,8 @@ def model_spec_from_hf(hf_config: Any) -> ModelSpec:
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     if heads % kv_heads:
-        raise UnsupportedModelError(f"{where}: num_attention_heads={heads} not divisible by num_key_value_heads={kv_heads}")
+        raise UnsupportedModelError(f"{where}: num_attention_heads={heads} not divisible by "
+                                    f"num_key_value_heads={kv_heads}")
     hidden = int(hf_config.hidden_size)
     head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
     rope_theta, scaling = _rope_settings(hf_config)

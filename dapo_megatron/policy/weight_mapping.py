@@ -12,7 +12,8 @@ tensor-parallel (TP) shard of rank ``r`` of ``T`` is cut from them (:class:`Spli
   ``T × VOCAB_DIVISIBLE_BY``), then row-split; the padding is cut off again on the way back.
 * ``QKV`` — ``linear_qkv`` is laid out *per query group*: for each KV head ``g`` the rows are
   ``[q heads g·Q..(g+1)·Q-1, k_g, v_g]`` (``Q`` = query heads per group, each head ``head_dim`` rows); rank ``r``
-  holds groups ``r·G..(r+1)·G-1`` with ``G = num_kv_heads / T``. A plain ``cat(q, k, v)`` is wrong (max logit error 3.8).
+  holds groups ``r·G..(r+1)·G-1`` with ``G = num_kv_heads / T``. A plain ``cat(q, k, v)`` is wrong (max logit error
+  3.8).
 * ``GATE_UP`` — ``linear_fc1`` on rank ``r`` is ``cat(gate shard r, up shard r)``, NOT shard ``r`` of
   ``cat(gate, up)`` (identical at T=1, wrong at T≥2).
 
@@ -250,7 +251,8 @@ def slices_for_rank(mapping: BoundMapping, geometry: ShardGeometry, tp_rank: int
                       for shape in mapping.hf_shapes]
         return tuple(HFSlice(n, 0, tp_rank * r, (tp_rank + 1) * r) for n, r in zip(names, group_rows, strict=True))
     dim = 1 if mapping.split is Split.ROW else 0  # GATE_UP splits gate and up rows separately
-    return tuple(HFSlice(n, dim, tp_rank * (geometry.size(shape[dim]) // t), (tp_rank + 1) * (geometry.size(shape[dim]) // t))
+    return tuple(HFSlice(n, dim, tp_rank * (geometry.size(shape[dim]) // t),
+                         (tp_rank + 1) * (geometry.size(shape[dim]) // t))
                  for n, shape in zip(names, mapping.hf_shapes, strict=True))
 
 
@@ -299,11 +301,13 @@ def shard_from_hf(mapping: BoundMapping, geometry: ShardGeometry, tp_rank: int,
     return assemble_shard(mapping, geometry, pieces)
 
 
-def hf_from_shards(mapping: BoundMapping, geometry: ShardGeometry, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def hf_from_shards(mapping: BoundMapping, geometry: ShardGeometry,
+                   shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """All TP ranks' shards (rank order) → the full HF tensors (in ``mapping.hf_names`` order), padding removed.
     With one rank they are views of its shard (possibly not contiguous); with several, new tensors."""
     if len(shards) != geometry.tensor_parallel:
-        raise ValueError(f"{mapping.megatron_name}: got {len(shards)} shards for tensor_parallel={geometry.tensor_parallel}")
+        raise ValueError(f"{mapping.megatron_name}: got {len(shards)} shards for "
+                         f"tensor_parallel={geometry.tensor_parallel}")
     if mapping.split is Split.REPLICATED:
         return [shards[0]]
     per_rank = [split_shard(mapping, geometry, s) for s in shards]

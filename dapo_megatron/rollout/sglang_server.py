@@ -150,7 +150,8 @@ class SGLangServerProcess:
                  dtype: str = "auto", platform_environment: ServerEnvironment = unchanged_environment,
                  memory_saver: bool = False) -> None:
         if device == "cuda" and (gpus is None or len(gpus) != config.tp_per_server):
-            raise ValueError(f"SGLang server {index}: a CUDA server needs its {config.tp_per_server} GPU(s), got {gpus}")
+            raise ValueError(f"SGLang server {index}: a CUDA server needs its {config.tp_per_server} GPU(s), "
+                             f"got {gpus}")
         self.config = config
         self.model_path = str(model_path)
         self.index = index

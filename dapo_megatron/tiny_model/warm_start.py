@@ -55,7 +55,8 @@ def greedy_accuracy(engine: RolloutEngine, records: Sequence[PromptRecord], *, t
     return correct / max(len(records), 1)
 
 
-def _training_examples(records: Sequence[PromptRecord], solutions: Sequence[str], tokenizer) -> list[tuple[list[int], int]]:
+def _training_examples(records: Sequence[PromptRecord], solutions: Sequence[str],
+                       tokenizer) -> list[tuple[list[int], int]]:
     """(prompt + solution + eos token ids, number of prompt tokens) per problem."""
     examples = []
     for record, solution in zip(records, solutions):

@@ -64,7 +64,8 @@ def _file_rows(config: DAPOConfig, paths: list[str]) -> list:
 
 
 def train_prompts(config: DAPOConfig, tokenizer) -> tuple[PromptRecord, ...]:
-    """The training prompts (chat-templated, tokenized; those over ``data.max_prompt_length`` dropped, with a warning)."""
+    """The training prompts (chat-templated, tokenized; those over ``data.max_prompt_length`` dropped, with a
+    warning)."""
     d = config.data
     rows = _synthetic_rows(config, "train") if d.source == "synthetic" else _file_rows(config, d.train_files)
     train = build_prompt_records(rows, tokenizer, max_prompt_length=d.max_prompt_length)

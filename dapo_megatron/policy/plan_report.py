@@ -1,0 +1,44 @@
+"""The report of ``dapo-megatron plan``: :mod:`.memory`'s per-stage table of the trainer, then
+:mod:`.gpu_sharing`'s check of what shares its GPUs (colocated servers), and whether everything fits."""
+
+from __future__ import annotations
+
+from dapo_megatron.config import DAPOConfig
+from dapo_megatron.policy.gpu_sharing import sharing_report
+from dapo_megatron.policy.memory import memory_table, plan_stages
+from dapo_megatron.policy.model_spec import ModelSpec
+
+
+def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parallel: int | None = None,
+                gpu_memory_gb: float = 80.0, local_spec: bool = False) -> tuple[str, bool]:
+    """``dapo-megatron plan``: (the printed report, whether every stage fits ``gpu_memory_gb``) for ``config``'s
+    layout of ``spec``, whose shape came from ``origin``.
+
+    The layout is the config's: TP and PP, DP from ``parallel.data`` (or ``data_parallel``), the distributed optimizer,
+    ``trainer.micro_batch_tokens``, ``model.precision`` and ``model.recompute``. It plans for the GPU production path,
+    the Transformer Engine layer spec (fused attention, sequence parallelism as :func:`sequence_parallel_enabled`
+    decides it); ``local_spec=True`` plans megatron's local spec instead (unfused attention, no sequence parallelism).
+    """
+    p = config.parallel
+    dp = data_parallel or p.data or 1
+    stages, sequence_parallel = plan_stages(config, spec, data_parallel=dp, local_spec=local_spec)
+    sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
+    fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
+    lines = [
+        f"model: {spec.arch}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}"
+        + (f", {spec.moe.num_experts} experts (top {spec.moe.topk})" if spec.moe is not None else "") + f" ({origin})",
+        f"layout: TP {p.tensor} x PP {p.pipeline} x DP {dp}" + (f" (EP {p.expert})" if spec.moe is not None else "")
+        + ("" if data_parallel or p.data else " (parallel.data unset: DP 1 assumed, the largest optimizer share)")
+        + f", {'distributed' if p.use_distributed_optimizer else 'replicated'} optimizer, {config.model.precision}",
+        f"per micro-batch: {config.trainer.micro_batch_tokens} tokens; recompute: {config.model.recompute}; "
+        f"sequence parallel: {'on' if sequence_parallel else 'off'}; attention: "
+        f"{'megatron local spec (unfused)' if local_spec else 'Transformer Engine (fused)'}",
+        "",
+        memory_table(stages, gpu_memory_gb=gpu_memory_gb),
+        "",
+        *sharing,
+        *([""] if sharing else []),
+        f"{'fits' if fits else 'does NOT fit'} in {gpu_memory_gb:g} GB per GPU "
+        f"(the memory model: dapo_megatron/policy/memory.py)",
+    ]
+    return "\n".join(lines), fits
