@@ -2,8 +2,8 @@
 weights over the tensor transport): the trainer's turns reach the server in the order of a step — KV cache back before
 every generation (the step's rollouts and validation) and released after it, the weights released before the policy
 update and resumed just before the handoff pushes the new ones — and the run trains as the separate placement does
-(tests/test_trainer_sglang.py). The server log is what the server received; it would have died on a resume of memory
-it held (tests/test_sglang_colocated.py)."""
+(tests/integration/test_trainer_sglang.py). The server log is what the server received; it would have died on a
+resume of memory it held (tests/integration/test_sglang_colocated.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Exact resume: a 4-step run, and a run SIGKILLed after its step-2 checkpoint then resumed to step 4, log
 identical metrics (everything but clock readings). Runs the CLI as a user would. (With dynamic sampling off the
-buffer is always empty; tests/test_trainer_dapo_e2e.py resumes with groups in the buffer.)"""
+buffer is always empty; tests/integration/test_trainer_dapo_e2e.py resumes with groups in the buffer.)"""
 
 from __future__ import annotations
 

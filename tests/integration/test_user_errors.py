@@ -1,8 +1,8 @@
 """Bad input, tried as a user would (``dapo-megatron train examples/tiny_cpu.yaml warm_start.enabled=false`` plus one
 bad override each): one line ``<kind> error: <message>`` naming the culprit, no traceback, the kind's exit code
 (dapo_megatron/user_errors.py), and nothing expensive built first. The launch paths (torchrun, srun) are in
-tests/test_user_errors_launchers.py. Each case is one CLI process (~10 s of imports on a loaded 2-core machine):
-three stay in the fast set, the rest are marked slow."""
+tests/integration/test_user_errors_launchers.py. Each case is one CLI process (~10 s of imports on a loaded 2-core
+machine): three stay in the fast set, the rest are marked slow."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ printed once, by rank 0, with no traceback from any rank.
 * srun: the command every task of ``srun -n 2`` runs, with the variables srun gives each task (SLURM_PROCID,
   SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST; the rendezvous from MASTER_ADDR/MASTER_PORT, as
   slurm/*.sbatch export them). srun's own exit code is the highest of its tasks'. A real srun is exercised by the
-  SLURM tier (tests/test_slurm_jobs.py), on a machine where the cluster runs.
+  SLURM tier (tests/integration/test_slurm_jobs.py), on a machine where the cluster runs.
 """
 
 from __future__ import annotations

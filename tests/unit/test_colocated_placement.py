@@ -1,7 +1,7 @@
 """rollout.placement: colocated, decided on CPU: the config it needs, where the servers go and how they start
 (``--enable-memory-saver``, read from the command line the real launcher logged), the servers' memory turns as a
 state machine that never resumes what a server holds (SGLang 0.5.23 dies of that), and the order of the trainer's
-turns. The same turns against the real CPU SGLang server: tests/test_sglang_colocated.py."""
+turns. The same turns against the real CPU SGLang server: tests/integration/test_sglang_colocated.py."""
 
 from __future__ import annotations
 
@@ -143,7 +143,8 @@ def test_generating_with_released_weights_is_refused_before_the_server_sees_it()
 
 def test_no_order_of_turns_ever_resumes_what_a_server_holds_or_releases_it_twice():
     """Every sequence of turns (random, and all of length 4): each resume names only released tags and each release
-    only held ones — a wrong resume kills an SGLang 0.5.23 server (tests/test_sglang_colocated.py shows it)."""
+    only held ones — a wrong resume kills an SGLang 0.5.23 server (tests/integration/test_sglang_colocated.py shows
+    it)."""
     turns = [(ServerMemory.after_generation, True), (ServerMemory.for_training, True),
              (ServerMemory.for_weight_update, False), (ServerMemory.for_generation, False)]
     sequences = list(itertools.product(turns, repeat=4))
@@ -171,7 +172,7 @@ def test_no_order_of_turns_ever_resumes_what_a_server_holds_or_releases_it_twice
 class _Recorder:
     """Stands in for the optimizer and the engine in the one thing CPU cannot show: the ORDER of the trainer's and
     the servers' moves (on CPU the optimizer does not move and the servers free nothing). The moves themselves run
-    for real on a GPU (bench/gpu_check.py) and against the CPU server (tests/test_sglang_colocated.py)."""
+    for real on a GPU (bench/gpu_check.py) and against the CPU server (tests/integration/test_sglang_colocated.py)."""
 
     def __init__(self, log: list[str], name: str):
         self.log, self.name = log, name

@@ -1,7 +1,7 @@
 """The local spec's hand-written layers (policy/local_layers.py: RMSNorm, SwiGLU; policy/cpu_attention.py: RoPE):
 their backward passes against numerical derivatives (``gradcheck``, float64), their float32 values and gradients
 against the modules they replace, and the configs they refuse. The whole local-spec model against megatron's stock
-local model is tests/test_policy_cpu_attention.py::test_the_local_spec_is_megatrons_stock_local_model."""
+local model is tests/integration/test_cpu_attention.py::test_the_local_spec_is_megatrons_stock_local_model."""
 
 from __future__ import annotations
 

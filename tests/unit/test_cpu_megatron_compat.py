@@ -2,7 +2,7 @@
 calls take its fast path, and that :func:`megatron_compat.suspended` takes it off the stack and puts it back; and that
 megatron's recompute checkpoint runs under it in backward (point 4).
 
-Whether megatron-core as a whole runs under the layer is tests/test_megatron_cpu.py's job.
+Whether megatron-core as a whole runs under the layer is tests/integration/test_megatron_cpu.py's job.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bad inputs of issue 27 that end in one named line instead of a traceback or a misleading message, checked at the
-function that raises (the CLI's one-line printing of a UserError is tests/test_user_errors.py's subject): empty
-data files, a batch the data cannot fill, impossible numbers in the config, a torn metrics.jsonl, ``plot`` of a
+function that raises (the CLI's one-line printing of a UserError is tests/integration/test_user_errors.py's subject):
+empty data files, a batch the data cannot fill, impossible numbers in the config, a torn metrics.jsonl, ``plot`` of a
 directory without metrics."""
 
 from __future__ import annotations

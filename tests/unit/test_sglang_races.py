@@ -10,7 +10,7 @@ trainer's thread pushes weights.
 
 Both need the restart to start inside a push, a window a real server cannot be made to hit on demand, so the
 transport's group and the engine's pool and transport are stood in for; their real counterparts run in
-tests/test_sglang_server.py and tests/test_sglang_streaming.py."""
+tests/integration/test_sglang_server.py and tests/integration/test_sglang_streaming.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ going to a server on this host (each TP rank its own serialization, the GPU name
 otherwise, and a bucket sent by reference kept alive until ``/end_weight_update`` returned.
 
 No GPU here: the device flag and the IPC serializer are stood in for where the CUDA path would run; the real CPU
-server path is ``tests/test_sglang_server.py``'s tensor-transport test."""
+server path is ``tests/integration/test_sglang_server.py``'s tensor-transport test."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The stop-signal rules of dapo_megatron/trainer/stop_signals.py, with real signals sent to this process (the
-whole-run behaviour, with real `train` processes, is tests/test_run_reliability.py)."""
+whole-run behaviour, with real `train` processes, is tests/integration/test_run_reliability.py)."""
 
 from __future__ import annotations
 
