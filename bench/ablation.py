@@ -18,10 +18,10 @@ ONE warm-started tiny model, then a markdown table and a PNG of held-out accurac
 3. ``OUT/ablation.md`` (the tables), ``OUT/ablation.png`` (the curves) and ``OUT/summary.json`` are written.
 
 Resuming: a run with ``ablation_done.json`` in its directory is skipped; one that started but did not finish is
-continued with ``--resume``, which replays exactly from its last checkpoint (``tests/test_trainer_resume.py``), so an
-interruption costs at most ``trainer.save_every`` steps of one run instead of the whole run. The settings that decide
-what a run is (steps, evaluation, ``--set`` overrides) are kept in ``OUT/ablation.json``; another call on the same
-``OUT`` must agree with them (it may add seeds or rungs).
+continued with ``--resume``, which replays exactly from its last checkpoint
+(``tests/integration/test_trainer_resume.py``), so an interruption costs at most ``trainer.save_every`` steps of one
+run instead of the whole run. The settings that decide what a run is (steps, evaluation, ``--set`` overrides) are
+kept in ``OUT/ablation.json``; another call on the same ``OUT`` must agree with them (it may add seeds or rungs).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 # local spec where TE is importable, the local spec where not), the weight handoff in GB/s next to a device copy, the
 # engine-vs-policy log-prob gap, the trainer's side of a colocated turn (optimizer state to host and back, the memory
 # freed next to `plan`'s numbers). Made for a lent H200 (<= 8 minutes); `--tiny` runs the same code on CPU in seconds
-# (the test-suite does: tests/test_gpu_check.py).
+# (the test-suite does: tests/integration/test_gpu_check.py).
 #
 #   scripts/gpu_check.sh [--tiny] [--json FILE]
 #

@@ -1,14 +1,18 @@
 import os
-import sys
 
 import pytest
 
-# Tests import their helpers (spawn_ranks.py, tiny_models.py, actor_harness.py) as top-level modules, and the row
-# layouts the project's packers are measured against from bench/ (baseline_packing.py).
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+# tests/ and bench/ are on sys.path through pyproject.toml's `pythonpath`: the helpers import as top-level modules.
+from sglang_fixtures import sglang_model_dir, sglang_server  # noqa: F401 - one SGLang server per session
+from tiny_models import build_tiny_qwen2
 
-from sglang_fixtures import sglang_model_dir, sglang_server  # noqa: E402,F401 - one SGLang server per session
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Qwen2 HF folder with its tokenizer (:func:`tiny_models.build_tiny_qwen2`), one per test module.
+    Modules that need another model (the session's SGLang one, longer positions) define their own ``model_dir``."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
 
 # Set by the full test command (scripts/test.sh without --fast): the integration tier must run, so a test marked
 # `slurm` or `sglang` that skips (no cluster, SGLang not importable) is reported as a failure, with the skip's reason.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_tiny_qwen2
+from tiny_models import build_tiny_qwen2, hf_greedy
 
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
@@ -102,12 +102,10 @@ def attached(engine: SGLangEngine, transport: str, request_timeout_s: float = RE
     return SGLangEngine(config, model_path=engine.model_path, show_progress=False)
 
 
-def hf_greedy(model, prompts, max_new_tokens):
-    outputs = []
-    for prompt in prompts:
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-        outputs.append(generated[0, len(prompt):].tolist())
-    return outputs
+def hf_greedy_until_eos(model, prompts, max_new_tokens):
+    """What :func:`engine_greedy` must equal: HF's greedy continuation of each prompt, stopped at EOS like the
+    server's."""
+    return [hf_greedy(model, prompt, max_new_tokens, stop_at_eos=True) for prompt in prompts]
 
 
 def engine_greedy(engine, prompts, max_new_tokens):

@@ -44,38 +44,39 @@ class TinyQwen2Spec:
     seed: int = 0
 
 
-def tiny_hf_config(
-    arch: str = "qwen2",
-    *,
-    vocab_size: int = 128,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    tie_word_embeddings: bool = False,
-    max_position_embeddings: int = 512,
-):
-    """A small ``transformers`` config (``Qwen2Config`` for "qwen2", ``LlamaConfig`` for "llama"), fp32."""
+def tiny_hf_config(arch: str, *, vocab_size: int = 101, num_heads: int = 6, num_kv_heads: int = 2,
+                   tie_word_embeddings: bool = False, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6):
+    """A tiny ``Qwen2Config`` ("qwen2") / ``LlamaConfig`` ("llama"): hidden 48, 4 layers, head_dim 8, ffn 96 (fp32)."""
     from transformers import LlamaConfig, Qwen2Config
 
-    config_classes = {"qwen2": (Qwen2Config, "Qwen2ForCausalLM"), "llama": (LlamaConfig, "LlamaForCausalLM")}
-    if arch not in config_classes:
-        raise ValueError(f"tiny_hf_config: unknown arch {arch!r}; expected one of {sorted(config_classes)}")
-    config_class, architecture = config_classes[arch]
-    config = config_class(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        torch_dtype="float32",
-    )
-    config.architectures = [architecture]
-    return config
+    common = dict(vocab_size=vocab_size, hidden_size=48, num_hidden_layers=4, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, intermediate_size=96, tie_word_embeddings=tie_word_embeddings,
+                  rms_norm_eps=rms_norm_eps, max_position_embeddings=256,
+                  rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    if arch == "qwen2":
+        return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
+    return LlamaConfig(**common, architectures=["LlamaForCausalLM"])
+
+
+def save_random_hf_model(model_dir: str | Path, config, seed: int):
+    """A random fp32 HF model of ``config`` saved as safetensors (returned, eval mode): norms (Qwen3's q/k norms too)
+    and biases perturbed so a wrong mapping of them shows, a MoE router's weights spread so experts are chosen by clear
+    margins. (No family has both biases and a router, so each family's draws are what they were before the merge.)"""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config.initializer_range = 0.05
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn_like(param) * 0.05)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model
 
 
 def _training_corpus(seed: int) -> list[str]:
@@ -189,3 +190,14 @@ def sample_prompts(model_dir: str | Path, count: int, seed: int = 1) -> list[lis
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return prompts
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool = False) -> list[int]:
+    """HF's greedy continuation of one prompt, every position attended: exactly ``max_new_tokens`` tokens, or up to
+    the model's EOS with ``stop_at_eos`` (what an SGLang server returns)."""
+    stop = {} if stop_at_eos else {"eos_token_id": None}
+    with torch.no_grad():
+        output = model.generate(input_ids=torch.tensor([prompt]),
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64), do_sample=False,
+                                max_new_tokens=max_new_tokens, pad_token_id=0, **stop)
+    return output[0, len(prompt):].tolist()

@@ -5,8 +5,8 @@
 * MoE: an odd number of experts (5) with top-3 routing; megatron splits experts evenly over expert-parallel ranks,
   so EP=2 needs an even count (``EVEN_EXPERTS`` = 6), and each expert's width (40) is not the dense one (96).
 
-:func:`save_random_model` perturbs every norm and spreads the router's logits, so a q/k norm mapped wrong, or a router
-applied wrong, shows in the logits.
+:func:`tiny_models.save_random_hf_model` perturbs every norm and spreads the router's logits, so a q/k norm mapped
+wrong, or a router applied wrong, shows in the logits.
 """
 
 from __future__ import annotations
@@ -41,24 +41,6 @@ def _attention(vocab_size: int, num_layers: int, tie_word_embeddings: bool) -> d
     return dict(vocab_size=vocab_size, hidden_size=48, num_hidden_layers=num_layers, num_attention_heads=6,
                 num_key_value_heads=2, head_dim=12, tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-6,
                 max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-
-
-def save_random_model(model_dir: str | Path, config, seed: int):
-    """A random fp32 HF model saved as safetensors (returned, eval mode): norms (q/k norms too) perturbed, router
-    weights spread so experts are chosen by clear margins."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config.initializer_range = 0.05
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-            elif name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    return model
 
 
 def build_tiny_qwen3_folder(directory: str | Path, *, moe: bool, seed: int = 0) -> Path:

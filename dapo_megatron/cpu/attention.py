@@ -21,7 +21,7 @@ queries and keys (RoPE) by their position in the row, not in their sample.
   of them through the gather.
 
 The result equals the dense masked computation of each sample alone up to float rounding
-(tests/test_policy_cpu_attention.py). Without ``packed_seq_params`` (right-padded rows or a dense mask, the
+(tests/integration/test_cpu_attention.py). Without ``packed_seq_params`` (right-padded rows or a dense mask, the
 baselines of ``bench/baseline_packing.py``) the module rotates by row position and runs megatron's
 ``DotProductAttention`` unchanged: megatron's own path, up to
 the rounding of the rotation's fused multiply-adds (:class:`_Rotate`).

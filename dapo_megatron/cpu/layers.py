@@ -14,7 +14,7 @@ halves. Each module here computes the same function with a forward and backward 
 * :class:`SwiGLUMLP` — megatron's ``MLP`` whose activation is :func:`swiglu`: ``silu(gate) · up`` in two passes,
   its backward writing both gradient halves straight into one buffer (three passes, no concatenation).
 
-Results equal megatron's modules up to float rounding (tests/test_policy_local_layers.py: backward against
+Results equal megatron's modules up to float rounding (tests/unit/test_cpu_layers.py: backward against
 numerical derivatives, values and gradients against torch's and megatron's own, with controls). Section 4 of
 ``python bench/profile_dapo_step.py`` times an update with these layers and with the same layers op by op.
 """

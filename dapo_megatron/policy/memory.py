@@ -51,10 +51,10 @@ output layer's inputs (``2h``, SP-divided).
 ``t·V/T`` values kept for backward, plus their gradient of the same size, plus the log-prob's chunk temporaries
 (``c = min(DEFAULT_CHUNK_ELEMENTS, t·V/T)`` values each: 4 in float32, and 2 in the activation dtype — the rows
 read and the gradient cast back). :mod:`.logprobs` reads the response positions from the logits in place and
-recomputes the softmax in chunks, so nothing else of vocabulary width lives (``tests/test_policy_actor.py`` checks
-what autograd saves). Not counted: the per-response-token loss tensors, float32 ``[n, R]`` (n samples in the
-row, R its longest response; ~12 of them), tens of MB — e.g. one 20480-token response packed with 64 samples of 64
-tokens is 65 × 20480 × 4 B × 12 ≈ 64 MB.
+recomputes the softmax in chunks, so nothing else of vocabulary width lives
+(``tests/integration/test_policy_actor.py`` checks what autograd saves). Not counted: the per-response-token loss
+tensors, float32 ``[n, R]`` (n samples in the row, R its longest response; ~12 of them), tens of MB — e.g. one
+20480-token response packed with 64 samples of 64 tokens is 65 × 20480 × 4 B × 12 ≈ 64 MB.
 
 **Margin**: 3 GB for the CUDA context, NCCL's communicator buffers and library workspaces, plus 10 % of the
 activations and logits for the caching allocator's fragmentation.

@@ -10,7 +10,7 @@ reads each key/value head for its query heads (``enable_gqa``) without repeating
 
 Samples of the same length run as one batch; the boundaries come from the row's ``segment_lengths`` (host-side, so
 no layer waits for the device to read ``cu_seqlens``). The result equals megatron's dense masked attention of each
-sample alone up to float rounding (tests/test_backend.py runs it on CPU against the HF model).
+sample alone up to float rounding (tests/integration/test_backend.py runs it on CPU against the HF model).
 """
 
 from __future__ import annotations

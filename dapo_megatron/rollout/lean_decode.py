@@ -13,7 +13,7 @@ Three steps are written differently, each to cut the number of small torch calls
 projection and gate/up another (their weights concatenated once and rebuilt when a weight update writes them), RoPE
 rotates queries and keys in one call, and attention with one query per row is two small matmuls and a softmax over
 the row's keys, each query head grouped with its key/value head (about half the cost of torch's CPU SDPA kernel
-under a mask). The logits equal the model's up to float rounding (tests/test_rollout_embedded.py compares them).
+under a mask). The logits equal the model's up to float rounding (tests/unit/test_rollout_embedded.py compares them).
 
 The prompt (prefill) still goes through ``model(...)``: it is one call per chunk, and it fills the same KV cache.
 """

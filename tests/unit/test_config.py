@@ -1,0 +1,116 @@
+"""The config schema: paper defaults, YAML + dotted overrides, errors that name the key, the examples load."""
+
+from pathlib import Path
+
+import pytest
+
+from dapo_megatron.config import ConfigError, DAPOConfig, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[2]
+MINIMAL = ["model.hf_path=/models/x", "data.train_files=[a.parquet]"]
+
+
+def test_defaults_are_the_papers_recipe():
+    c = DAPOConfig()
+    a, r, t, o = c.algorithm, c.rollout, c.trainer, c.optim
+    assert (a.eps_low, a.eps_high, a.clip_ratio_c) == (0.2, 0.28, 10.0)
+    assert a.loss_agg == "token-mean" and a.dynamic_sampling and a.overlong_penalty
+    assert (a.overlong_buffer_len, a.overlong_penalty_factor, a.gen_batch_size, a.max_gen_rounds) == (4096, 1.0, 1536, 10)
+    assert (r.n_samples, r.temperature, r.top_p, r.max_response_length) == (16, 1.0, 1.0, 20480)
+    assert (t.train_batch_size, t.mini_batch_size) == (512, 32)
+    assert (o.lr, o.warmup_steps, o.weight_decay, o.grad_clip) == (1e-6, 10, 0.1, 1.0)
+    assert (c.eval.n_samples, c.eval.top_p) == (32, 0.7)
+
+
+def test_overrides_are_typed_and_win_over_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout: {n_samples: 8}\nalgorithm: {eps_high: 0.3}\n")
+    c = load_config(path, MINIMAL + ["rollout.n_samples=4", "algorithm.clip_ratio_c=null",
+                                     "rollout.sglang.urls=[\"http://h:1\", \"http://h:2\"]"])
+    assert c.rollout.n_samples == 4 and c.algorithm.eps_high == 0.3 and c.algorithm.clip_ratio_c is None
+    assert c.rollout.sglang.urls == ["http://h:1", "http://h:2"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.nsamples=3", "unknown key rollout.nsamples"),
+    ("bogus.key=1", "unknown key bogus"),
+    ("rollout.n_samples=abc", "rollout.n_samples: expected an integer"),
+    ("rollout.n_samples=true", "rollout.n_samples: expected an integer"),
+    ("algorithm.loss_agg=seq-mean", "algorithm.loss_agg: must be one of"),
+    ("trainer.mini_batch_size=5", "trainer.mini_batch_size: must divide"),
+    ("algorithm.eps_low=1.5", "algorithm.eps_low"),
+    ("algorithm.overlong_buffer_len=999999", "algorithm.overlong_buffer_len"),
+    ("rollout.temperature=0", "rollout.temperature"),
+    ("rollout.sglang=3", "rollout.sglang: expected a mapping"),
+    ("rollout.n_samples='4'", "rollout.n_samples: expected an integer"),
+    ("rollout.temperature=true", "rollout.temperature: expected a number"),
+    ("rollout.sglang.transport=rdma", "rollout.sglang.transport: must be one of"),
+    ("rollout.sglang.num_servers=0", "rollout.sglang.num_servers: must be >= 1"),
+    ("rollout.sglang.tp_per_server=0", "rollout.sglang.tp_per_server: must be >= 1"),
+    ("rollout.sglang.launch_timeout_s=0", "rollout.sglang.launch_timeout_s: must be > 0"),
+    ("rollout.sglang.request_timeout_s=0", "rollout.sglang.request_timeout_s: must be > 0"),
+    ("rollout.sglang.max_restarts=-1", "rollout.sglang.max_restarts: must be >= 0"),
+    ("rollout.sglang.max_concurrent_requests=0", "rollout.sglang.max_concurrent_requests: must be >= 1"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps: must be >= 0"),
+    ("optim.grad_clip=-1", "optim.grad_clip: must be >= 0"),
+    ("trainer.micro_batch_tokens=0", "trainer.micro_batch_tokens: must be >= 1"),
+    ("parallel.expert=0", "parallel.expert: must be >= 1"),
+    ("algorithm.moe_routing_replay=always", "algorithm.moe_routing_replay: must be one of"),
+    ("model.moe.aux_loss_coeff=-0.1", "model.moe.aux_loss_coeff: must be >= 0"),
+    ("model.tiny.arch=qwen4", "model.tiny.arch: must be one of"),
+    ("noequals", "dotted.key=value"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(None, MINIMAL + [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.expert=2", "parallel.expert: expert parallelism needs a mixture-of-experts model"),
+    ("algorithm.moe_routing_replay=replay_old", "algorithm.moe_routing_replay: replay_old needs a mixture"),
+])
+def test_moe_settings_on_a_dense_tiny_model_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, MINIMAL + ["model.source=tiny", override])
+    load_config(None, MINIMAL + ["model.source=tiny", "model.tiny.arch=qwen3_moe", override])  # control
+
+
+def test_attached_servers_need_no_server_count():
+    config = load_config(None, MINIMAL + ["rollout.sglang.num_servers=0", "rollout.sglang.urls=[http://h:1]"])
+    assert config.rollout.sglang.num_servers == 0
+
+
+def test_missing_required_inputs_are_named():
+    with pytest.raises(ConfigError, match="model.hf_path"):
+        load_config(None, ["data.train_files=[a]"])
+    with pytest.raises(ConfigError, match="data.train_files"):
+        load_config(None, ["model.hf_path=/m"])
+
+
+def test_bad_yaml_file_is_named(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("rollout: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_saved_config_reloads_identically(tmp_path):
+    c = load_config(REPO / "examples" / "tiny_cpu.yaml", ["trainer.total_steps=3"])
+    save_config(c, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == c
+
+
+def test_every_example_loads():
+    examples = sorted((REPO / "examples").rglob("*.yaml"))
+    assert len(examples) >= 9
+    for path in examples:
+        load_config(path)
+
+
+def test_base_chain_loop_is_an_error(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(tmp_path / "a.yaml")

@@ -1,0 +1,83 @@
+"""The memory plan of Qwen3 and Qwen3-MoE (policy/memory.py): parameter counts equal to the published totals, experts
+sharded over expert parallelism (weights over EP, optimizer state over the expert-data-parallel group), a hand-computed
+small MoE, and `dapo-megatron plan` for Qwen3-8B, Qwen3-30B-A3B on one node of 8 × 80 GB and Qwen3-235B-A22B on 16
+nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dapo_megatron.policy.memory import estimate_memory, layer_parameters, moe_layer_parameters
+from dapo_megatron.policy.model_spec import ModelSpec, MoESpec, model_spec_from_hf, padded_vocab_size
+from dapo_megatron.policy.shapes import published_hf_config
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL_MOE = ModelSpec(arch="qwen3_moe", vocab_size=101, hidden_size=64, num_layers=4, num_attention_heads=8,
+                      num_kv_heads=2, head_dim=16, ffn_hidden_size=128, rms_norm_eps=1e-6, rope_theta=1e4,
+                      qkv_bias=False, tie_embeddings=False, max_position_embeddings=256, qk_norm=True,
+                      moe=MoESpec(num_experts=6, topk=2, ffn_hidden_size=32, norm_topk_prob=True))
+
+
+@pytest.mark.parametrize("name, billions", [("Qwen3-8B", 8.19), ("Qwen3-30B-A3B", 30.53), ("Qwen3-235B-A22B", 235.09)])
+def test_parameter_counts_are_the_published_totals(name, billions):
+    spec = model_spec_from_hf(published_hf_config(name))
+    layers = spec.num_layers * (layer_parameters(spec, 1) + moe_layer_parameters(spec, 1, 1))
+    total = layers + 2 * padded_vocab_size(spec.vocab_size, 1) * spec.hidden_size + spec.hidden_size
+    assert total / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_small_moe_by_hand():
+    """h 64, q 128, k 32, head_dim 16, 6 experts of M 32, top-2; TP 2, PP 1, DP 4, EP 2; 100 tokens, bf16, no SP.
+
+    Layer besides experts per TP rank: ((128+64)·64 + 128·64) / 2 + 2·64 + 2·16 (q/k norms) + 6·64 (router) = 10784.
+    Experts per rank: 3 experts · 3·32·64 / 2 = 9216. Embedding / output 256·64/2 = 8192.
+    Activations per token per layer: 4·64 + (128+64+128)/2 + 2·(2·64 + 3·32/2) = 768 values (and the last stage's
+    2·64 more).
+    """
+    (stage,) = estimate_memory(SMALL_MOE, tensor_parallel=2, pipeline_parallel=1, data_parallel=4, expert_parallel=2,
+                               micro_batch_tokens=100, recompute="none", sequence_parallel=False)
+    experts, dense = 4 * 9216, 4 * 10784 + 2 * 8192 + 64
+    assert stage.parameters == experts + dense
+    assert stage.optimizer_bytes == int(dense * 12 / 4 + experts * 12 / 2)  # experts: sharded over DP / EP = 2
+    assert stage.activations_bytes == (4 * 768 + 2 * 64) * 100 * 2  # + the final norm's and output layer's inputs
+
+
+def test_expert_parallelism_splits_the_experts_and_their_optimizer_state():
+    one, two = (estimate_memory(SMALL_MOE, tensor_parallel=1, pipeline_parallel=1, data_parallel=2,
+                                expert_parallel=ep, micro_batch_tokens=100)[0] for ep in (1, 2))
+    experts = 4 * 6 * 3 * 32 * 64
+    assert one.parameters - two.parameters == experts // 2
+    # EP=1 shards every expert's optimizer state over DP=2; EP=2 holds half the experts, each unsharded: the same
+    assert one.optimizer_bytes == two.optimizer_bytes
+    assert one.grads_bytes - two.grads_bytes == experts // 2 * 4
+    dense = dataclasses.replace(SMALL_MOE, moe=None, arch="qwen3")
+    with pytest.raises(ValueError, match="expert_parallel"):
+        estimate_memory(SMALL_MOE, tensor_parallel=1, pipeline_parallel=1, data_parallel=3, expert_parallel=2,
+                        micro_batch_tokens=100)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        estimate_memory(dense, tensor_parallel=1, pipeline_parallel=1, data_parallel=2, expert_parallel=2,
+                        micro_batch_tokens=100)
+
+
+PLANS = [  # (model, TP, PP, EP, DP, micro-batch tokens, recompute, fits 80 GB)
+    ("Qwen3-8B", 2, 1, 1, 4, 8192, "selective", True),  # one node
+    ("Qwen3-30B-A3B", 2, 1, 4, 4, 4096, "full", True),  # one node of 8 GPUs
+    ("Qwen3-30B-A3B", 1, 1, 8, 8, 4096, "full", False),  # the same node without TP: the dense part unsplit
+    ("Qwen3-235B-A22B", 4, 2, 16, 16, 8192, "full", True),  # 16 nodes x 8 GPUs
+]
+
+
+@pytest.mark.parametrize("name, tp, pp, ep, dp, tokens, recompute, fits", PLANS)
+def test_plan_command_for_the_qwen3_family(name, tp, pp, ep, dp, tokens, recompute, fits, capsys):
+    from dapo_megatron.cli import main
+
+    code = main(["plan", str(REPO / "examples" / "dapo_qwen2.5_32b.yaml"), f"model.hf_path=/models/{name}-Instruct",
+                 f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.expert={ep}", f"parallel.data={dp}",
+                 f"trainer.micro_batch_tokens={tokens}", f"model.recompute={recompute}"])
+    report = capsys.readouterr().out
+    assert code == (0 if fits else 1), report
+    assert f"published {name} shape" in report and f"TP {tp} x PP {pp} x DP {dp}" in report
+    assert (f"(EP {ep})" in report) is (ep > 1 or "A" in name.split("-")[-1])

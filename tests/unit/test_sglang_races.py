@@ -1,0 +1,206 @@
+"""Async mode's two races on the SGLang side (issue 26, item 5): a stream worker recovering a server while the
+trainer's thread pushes weights.
+
+* The distributed transport's ``reset()`` (a stream worker calls it after a restart) destroyed the process group at
+  once, also while the trainer's thread was broadcasting on it. Now it only marks the group; the next push tears it
+  down under the lock a push holds.
+* A server restart that overlapped a push read the version served before the push (the engine recorded the new one
+  only after it), so the server came back with the old weights (the initial model's during the first push) and
+  outside the push's targets. Now a restart waits for the push and relaunches from its version.
+
+Both need the restart to start inside a push, a window a real server cannot be made to hit on demand, so the
+transport's group and the engine's pool and transport are stood in for; their real counterparts run in
+tests/integration/test_sglang_server.py and tests/integration/test_sglang_streaming.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dapo_megatron.config import SGLangConfig
+from dapo_megatron.rollout.sglang_client import ServerFailure
+from dapo_megatron.rollout.sglang_engine import SGLangEngine
+from dapo_megatron.rollout.sglang_transports import DistributedTransport, ServerTarget
+
+WAIT_S = 10.0
+
+
+class Client:
+    """A server's control calls, all answered at once."""
+
+    def __init__(self, url: str, version: str = "0") -> None:
+        self.base_url = url
+        self.version = version
+
+    def begin_weight_update(self):
+        pass
+
+    def end_weight_update(self):
+        pass
+
+    def flush_cache(self):
+        pass
+
+    def set_weight_version(self, version):
+        self.version = version
+
+    def update_weights_from_distributed(self, **_):
+        pass
+
+    def pause_generation(self, mode):
+        pass
+
+    def continue_generation(self):
+        pass
+
+    def served_weight_version(self):
+        return self.version
+
+
+def _bucket():
+    return [[("w", torch.ones(2))]]
+
+
+def test_a_reset_during_a_broadcast_leaves_the_group_to_the_push(monkeypatch):
+    transport = DistributedTransport()
+    servers = [ServerTarget(Client("a"), tp_size=1)]
+    groups, destroyed, broadcasting = [], [], threading.Event()
+    started, release = threading.Event(), threading.Event()
+
+    def connect(targets):
+        groups.append(object())
+        transport._group, transport._group_servers = groups[-1], list(targets)
+
+    def broadcast(bucket, announcements):
+        broadcasting.set()
+        started.set()
+        assert release.wait(WAIT_S)
+        broadcasting.clear()
+
+    monkeypatch.setattr(transport, "connect", connect)
+    monkeypatch.setattr(transport, "_broadcast", broadcast)
+    monkeypatch.setattr(torch.distributed, "destroy_process_group",
+                        lambda group: destroyed.append((group, broadcasting.is_set())))
+    push = threading.Thread(target=transport.push, args=(servers, iter(_bucket()), 1))
+    push.start()
+    assert started.wait(WAIT_S)
+    transport.reset()  # a stream worker restarted a server meanwhile
+    assert destroyed == []  # the broadcast in progress keeps its group
+    release.set()
+    push.join(WAIT_S)
+    assert not push.is_alive() and len(groups) == 1
+
+    release.set()
+    transport.push(servers, iter(_bucket()), 2)  # the next push forms a new group, destroying the old one first
+    assert destroyed == [(groups[0], False)] and len(groups) == 2
+    transport.push(servers, iter(_bucket()), 3)  # control: without a reset the group is kept
+    assert len(groups) == 2 and len(destroyed) == 1
+
+
+class Slot:
+    def __init__(self, index: int, client: Client) -> None:
+        self.index, self.client, self.tp_size, self.same_host = index, client, 1, True
+        self.generation, self.available = 0, True
+
+
+class Pool:
+    """The engine's pool: two servers; a recovery records which weights the server would be relaunched with."""
+
+    def __init__(self) -> None:
+        self.slots = [Slot(0, Client("a")), Slot(1, Client("b"))]
+        self.restarts: list[tuple[int, str | None]] = []
+
+    def available(self):
+        return list(self.slots)
+
+    def recover(self, slot, generation, error, *, version, restart_path):
+        self.restarts.append((version, restart_path))
+        slot.client.version = str(version)
+        return True
+
+
+class Transport:
+    """A disk transport whose push waits until released, and whose snapshot of version v is ``snapshot/v{v}``."""
+
+    name = "disk"
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        self.latest: int | None = None
+        self.resets = 0
+
+    def push(self, targets, buckets, version):
+        self.started.set()
+        assert self.release.wait(WAIT_S)
+        for target in targets:
+            target.client.set_weight_version(str(version))
+        self.latest = version
+
+    def restart_model_path(self, version):
+        return f"snapshot/v{version}" if self.latest == version else None
+
+    def reset(self):
+        self.resets += 1
+
+
+def engine_on(pool: Pool, transport: Transport) -> SGLangEngine:
+    """An SGLangEngine over stand-ins for its pool and transport (see the module docstring)."""
+    engine = object.__new__(SGLangEngine)
+    engine.config = SGLangConfig()
+    engine.model_path = "initial-model"
+    engine.pool, engine.transport = pool, transport
+    engine._weight_version = 0
+    engine._closed = False
+    engine._update_lock, engine._serving_lock = threading.Lock(), threading.Lock()
+    engine.placement, engine._server_memory = "separate", {}
+    return engine
+
+
+def pushing_version_1(engine: SGLangEngine, transport: Transport) -> threading.Thread:
+    """A thread in ``engine.update_weights(..., 1)``, inside its push once this returns."""
+    update = threading.Thread(target=engine.update_weights, args=(iter(_bucket()), 1))
+    update.start()
+    assert transport.started.wait(WAIT_S)
+    return update
+
+
+def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights():
+    pool, transport = Pool(), Transport()
+    engine = engine_on(pool, transport)
+    update = pushing_version_1(engine, transport)
+    failed = pool.slots[1]
+    recovery = threading.Thread(target=engine.recover_server, args=(failed, 0, ServerFailure("connection reset")))
+    recovery.start()
+    time.sleep(0.3)
+    assert pool.restarts == []  # it waits for the push instead of relaunching from the weights of before
+    transport.release.set()
+    update.join(WAIT_S)
+    recovery.join(WAIT_S)
+    assert not update.is_alive() and not recovery.is_alive()
+    assert pool.restarts == [(1, "snapshot/v1")] and transport.resets == 1
+    assert engine.weight_version == 1
+
+
+def test_a_failure_another_thread_already_handles_does_not_wait_for_a_push():
+    pool, transport = Pool(), Transport()
+    engine = engine_on(pool, transport)
+    update = pushing_version_1(engine, transport)
+    restarting = pool.slots[1]
+    restarting.available = False  # being restarted by the thread that reported first
+    started = time.monotonic()
+    engine.recover_server(restarting, 0, ServerFailure("connection reset"))
+    assert time.monotonic() - started < 1.0 and pool.restarts == []
+    transport.release.set()
+    update.join(WAIT_S)
+
+
+@pytest.mark.parametrize("version", [0, 3])
+def test_control_without_a_push_a_restart_uses_the_served_weights(version):
+    pool, transport = Pool(), Transport()
+    engine = engine_on(pool, transport)
+    engine._weight_version, transport.latest = version, version
+    engine.recover_server(pool.slots[0], 0, ServerFailure("connection reset"))
+    assert pool.restarts == [(version, "initial-model" if version == 0 else f"snapshot/v{version}")]
