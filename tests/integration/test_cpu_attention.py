@@ -2,7 +2,8 @@
 
 The "segments" layout (attention per sample, each prompt once per row, responses without their last token) must give
 the same per-token log-probs and the same parameter gradients as the dense block-diagonal masked square ("mask"
-layout of bench/baseline_packing.py, megatron's own DotProductAttention path) and as each sample run alone, up to float rounding: for samples with
+layout of bench/baseline_packing.py, megatron's own DotProductAttention path) and as each sample run alone, up to
+float rounding: for samples with
 distinct prompts and for groups sharing a prompt, in one row or cut into several padded rows, at TP=1 and TP=2. And
 the local spec with RoPE moved into the core attention computes exactly what megatron's stock local model computes.
 """

@@ -260,6 +260,7 @@ def test_response_logprobs_keep_no_padded_copy_of_the_logits():
     assert touched.nonzero().flatten().tolist() == sorted(mb.response_index[mb.response_valid].tolist())
 
     # What `dapo-megatron plan` counts for it (policy/memory.py): the logits kept and their gradient, nothing more.
-    vocab_wide = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved if t.shape[-1:] == (vocab,)}
+    vocab_wide = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                  for t in saved if t.shape[-1:] == (vocab,)}
     counted = logprob_buffers(logits.numel(), logits.element_size())
     assert sum(vocab_wide.values()) == counted["logits"] and logits.grad.nbytes == counted["gradient"]

@@ -120,7 +120,8 @@ def world_one_job(hf_dir):
     results = {"recompute": {}, "norm": {}}
     for mode in ("none", "selective", "full"):
         actor, spec = manual_actor(hf_dir, recompute=mode, token_budget=40)
-        results["recompute"][mode] = dict(step_record(actor, spec), granularity=actor.model.config.recompute_granularity)
+        results["recompute"][mode] = dict(step_record(actor, spec),
+                                           granularity=actor.model.config.recompute_granularity)
 
     counted = {"norm": 0}
     real_norm = megatron_optimizer.get_grad_norm_fp32

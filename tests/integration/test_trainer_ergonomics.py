@@ -78,7 +78,8 @@ def _two_sources(tmp_path) -> list[str]:
         write_jsonl([{**row, "data_source": f"arith-{kind}"} for row in rows if row["extra_info"]["kind"] == kind],
                     tmp_path / f"{kind}.jsonl")
     return ["data.source=dapo_math", f"data.val_files=[{tmp_path / 'chain.jsonl'}]", "eval.max_problems=4",
-            f"data.train=[{{path: {tmp_path / 'chain.jsonl'}, weight: 3}}, {{path: {tmp_path / 'mul.jsonl'}, weight: 1}}]"]
+            f"data.train=[{{path: {tmp_path / 'chain.jsonl'}, weight: 3}}, "
+            f"{{path: {tmp_path / 'mul.jsonl'}, weight: 1}}]"]
 
 
 def test_a_two_source_mixture_is_drawn_in_proportion_and_resumes_exactly(tmp_path):

@@ -91,7 +91,8 @@ def test_an_is_weight_enters_the_dapo_loss_as_a_per_token_advantage_factor():
     weighted_loss, _ = policy_loss(logprobs, old, advantages * weights.double(), mask, **kwargs)
     per_token = [policy_loss(logprobs[:, i:i + 1], old[:, i:i + 1], advantages[:, i:i + 1], torch.ones(1, 1),
                              **{**kwargs, "num_tokens": 1})[0].item() for i in range(4)]
-    assert weighted_loss.item() == pytest.approx(sum(weight * loss for weight, loss in zip(weights.tolist(), per_token)) / 4)
+    expected = sum(weight * loss for weight, loss in zip(weights.tolist(), per_token)) / 4
+    assert weighted_loss.item() == pytest.approx(expected)
     assert weighted_advantage(-2.0, torch.tensor([0.5, 1.5])).tolist() == [-1.0, -3.0]
 
 

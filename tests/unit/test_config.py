@@ -15,7 +15,8 @@ def test_defaults_are_the_papers_recipe():
     a, r, t, o = c.algorithm, c.rollout, c.trainer, c.optim
     assert (a.eps_low, a.eps_high, a.clip_ratio_c) == (0.2, 0.28, 10.0)
     assert a.loss_agg == "token-mean" and a.dynamic_sampling and a.overlong_penalty
-    assert (a.overlong_buffer_len, a.overlong_penalty_factor, a.gen_batch_size, a.max_gen_rounds) == (4096, 1.0, 1536, 10)
+    assert (a.overlong_buffer_len, a.overlong_penalty_factor) == (4096, 1.0)
+    assert (a.gen_batch_size, a.max_gen_rounds) == (1536, 10)
     assert (r.n_samples, r.temperature, r.top_p, r.max_response_length) == (16, 1.0, 1.0, 20480)
     assert (t.train_batch_size, t.mini_batch_size) == (512, 32)
     assert (o.lr, o.warmup_steps, o.weight_decay, o.grad_clip) == (1e-6, 10, 0.1, 1.0)

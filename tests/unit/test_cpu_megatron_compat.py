@@ -1,4 +1,5 @@
-"""The device-redirect mode of the CPU layer (dapo_megatron.cpu.megatron_compat, point 1): what it rewrites, that ordinary
+"""The device-redirect mode of the CPU layer (dapo_megatron.cpu.megatron_compat, point 1): what it rewrites, that
+ordinary
 calls take its fast path, and that :func:`megatron_compat.suspended` takes it off the stack and puts it back; and that
 megatron's recompute checkpoint runs under it in backward (point 4).
 

@@ -82,7 +82,8 @@ def test_the_position_resumes_exactly():
         with pytest.raises(ValueError, match=message):
             MixtureSampler(other, seed=9).load_state_dict(state)
     with pytest.raises(ValueError, match="single pool"):
-        MixtureSampler(_sources((5, 1)), seed=9).load_state_dict(PromptSampler(["a"], batch_size=1, seed=9).state_dict())
+        plain_state = PromptSampler(["a"], batch_size=1, seed=9).state_dict()
+        MixtureSampler(_sources((5, 1)), seed=9).load_state_dict(plain_state)
 
 
 def test_skipped_rows_are_replaced_from_the_same_source():

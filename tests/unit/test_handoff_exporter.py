@@ -41,7 +41,8 @@ def _export_job(model_dirs: dict, out_root: str, bucket_bytes: int) -> dict:
         model = build_model(spec, tconfig, backend)
         load_hf_weights(model, spec, model_dir)
 
-        stage_buckets = [[(n, t.clone()) for n, t in bucket] for bucket in export_hf_buckets(model, spec, bucket_bytes=bucket_bytes)]
+        stage_buckets = [[(n, t.clone()) for n, t in bucket]
+                         for bucket in export_hf_buckets(model, spec, bucket_bytes=bucket_bytes)]
         on_rank0 = {}
         for bucket in gather_hf_buckets_to_rank0(model, spec, bucket_bytes=bucket_bytes, dtype=torch.bfloat16):
             for n, t in bucket:

@@ -108,7 +108,8 @@ def test_fc1_is_per_rank_gate_then_up_and_split_of_cat_is_caught_at_tp2():
     for tp in (1, 2, 4):
         geometry = ShardGeometry(spec, tp)
         for rank in range(tp):
-            assert torch.equal(shard_from_hf(fc1, geometry, rank, [gate, up]), expected_fc1_shard(gate, up, spec, tp, rank))
+            assert torch.equal(shard_from_hf(fc1, geometry, rank, [gate, up]),
+                               expected_fc1_shard(gate, up, spec, tp, rank))
     # The mistake is invisible at TP=1 and visible at TP=2 — why parity tests must run at TP >= 2.
     assert torch.equal(wrong_split_of_cat_gate_up(gate, up, spec, 1, 0), expected_fc1_shard(gate, up, spec, 1, 0))
     assert not torch.equal(wrong_split_of_cat_gate_up(gate, up, spec, 2, 0), expected_fc1_shard(gate, up, spec, 2, 0))
@@ -117,7 +118,8 @@ def test_fc1_is_per_rank_gate_then_up_and_split_of_cat_is_caught_at_tp2():
 def test_row_parallel_splits_input_dim():
     spec = make_spec()
     geometry = ShardGeometry(spec, 2)
-    (o_proj,) = [m for m in full_model_mappings(spec) if m.megatron_name == "decoder.layers.0.self_attention.linear_proj.weight"]
+    (o_proj,) = [m for m in full_model_mappings(spec)
+                 if m.megatron_name == "decoder.layers.0.self_attention.linear_proj.weight"]
     (w,) = random_hf_tensors(o_proj, geometry, seed=3)
     assert torch.equal(shard_from_hf(o_proj, geometry, 1, [w]), w[:, w.shape[1] // 2:])
 

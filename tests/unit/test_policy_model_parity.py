@@ -116,7 +116,8 @@ def parity(tmp_path_factory):
     results = run_distributed(_parity_job, 4, cases, LAYOUTS, tokens, {k: str(v) for k, v in broken.items()},
                               timeout_s=600)
     merged = {"diffs": {}, "errors": {kind: None for kind in broken}, "read_fraction": {}}
-    for rank, r in enumerate(results):  # each error is raised by the stage holding the broken tensor (layers 2-3: stage 1)
+    # each error is raised by the stage holding the broken tensor (layers 2-3: stage 1)
+    for rank, r in enumerate(results):
         merged["diffs"].update(r["diffs"])
         merged["read_fraction"].update({(*k, rank): v for k, v in r["read_fraction"].items()})
         merged["errors"].update({k: v for k, v in r["errors"].items() if v is not None})

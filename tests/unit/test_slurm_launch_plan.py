@@ -35,7 +35,8 @@ HOSTS16 = [f"node{i:02d}" for i in range(1, 17)]
 
 def _shell_values(plan) -> dict[str, str]:
     """What the sbatch scripts see after ``eval``: run the assignments in a real shell."""
-    script = plan.shell_assignments() + 'for k in SERVER_URLS TRAINER_NODES MASTER_ADDR; do printf "%s\\0" "${!k}"; done'
+    script = plan.shell_assignments() + \
+        'for k in SERVER_URLS TRAINER_NODES MASTER_ADDR; do printf "%s\\0" "${!k}"; done'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
     return dict(zip(["SERVER_URLS", "TRAINER_NODES", "MASTER_ADDR"], out.split("\0")))
 
@@ -179,7 +180,8 @@ def _serve(tmp_path, *serve_flags, **env_vars) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_CUMEM_ENABLE")}
     env.update(SLURM_LOCALID="1", CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7", **env_vars)
     out = subprocess.run(
-        [sys.executable, str(LAUNCH_PLAN), "serve", "--server-cmd", f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}",
+        [sys.executable, str(LAUNCH_PLAN), "serve",
+         "--server-cmd", f"{shlex.quote(sys.executable)} -c {shlex.quote(probe)}",
          "--model-path", "/models/q", "--api-key-file", str(key_file), "--base-port", "15000", "--tp", "4",
          "--gpus-per-node", "8", *serve_flags, "--extra-args", "--mem-fraction-static 0.8"],
         capture_output=True, text=True, env=env, timeout=60, check=True).stdout

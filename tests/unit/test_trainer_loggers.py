@@ -72,7 +72,8 @@ def test_a_missing_logger_library_fails_at_start_naming_the_extra(tmp_path, logg
     hiding.write_text(textwrap.dedent(f"""
         import importlib.util, sys
         found = importlib.util.find_spec
-        importlib.util.find_spec = lambda name, *a, **k: None if name.split(".")[0] == {logger!r} else found(name, *a, **k)
+        importlib.util.find_spec = (lambda name, *a, **k:
+                                    None if name.split(".")[0] == {logger!r} else found(name, *a, **k))
         from dapo_megatron.cli import main
         sys.exit(main())
     """))

@@ -81,7 +81,8 @@ def test_unpacked_per_token_fields_are_views_of_what_crossed_not_lists():
     groups, _ = unpack_rollout_batch(packed)
     flat = {name: packed.tensors[name] for name in ("response_ids", "engine_logprobs", "token_versions")}
     versioned = [g for g in groups if g.token_versions is not None]
-    assert versioned and all(isinstance(r, torch.Tensor) and r.dtype == torch.int64 for g in groups for r in g.responses)
+    assert versioned and all(isinstance(r, torch.Tensor) and r.dtype == torch.int64
+                             for g in groups for r in g.responses)
     assert all(isinstance(lp, torch.Tensor) for g in groups for lp in g.engine_logprobs)
     storages = {t.untyped_storage().data_ptr() for g in groups for t in g.engine_logprobs}
     assert storages == {flat["engine_logprobs"].untyped_storage().data_ptr()}  # log-probs: no copy at all
