@@ -49,8 +49,9 @@ class ReplyWorkers:
     """``num_processes`` spawned processes of ``threads_per_process`` threads each, posting ``/generate`` payloads
     as the :class:`SGLangClient` a call names would (its URL, API key and timeout).
 
-    Tasks go out on one shared queue; each process answers on a pipe of its own and is stopped by closing another
-    (no shared lock or event a killed worker could leave held: a worker's death shows as the end of its pipe)."""
+    Tasks go out on one shared queue; each process answers on a pipe of its own and is stopped by closing another.
+    A worker's death shows as the end of its reply pipe and breaks the pool, so nothing here waits on a lock or an
+    event a killed worker may have held (the task queue's included)."""
 
     def __init__(self, num_processes: int, *, threads_per_process: int) -> None:
         if num_processes < 1 or threads_per_process < 1:

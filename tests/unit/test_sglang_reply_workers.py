@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from functools import partial
@@ -214,3 +216,21 @@ def test_close_leaves_no_worker_process_behind():
     assert not set(pool.pids) & {child.pid for child in psutil.Process().children()}
     assert [process.exitcode for process in pool.processes] == [0, 0]  # they stopped when asked, not killed
     pool.close()  # twice is fine
+
+
+def test_workers_exit_when_the_trainer_dies_without_closing_them():
+    script = ("from dapo_megatron.rollout.sglang_reply_workers import ReplyWorkers\n"
+              "import time\nworkers = ReplyWorkers(2, threads_per_process=1)\n"
+              "print(*workers.pids, flush=True)\ntime.sleep(600)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        workers = [psutil.Process(int(pid)) for pid in trainer.stdout.readline().split()]
+        assert len(workers) == 2 and all(worker.is_running() for worker in workers)  # control
+        trainer.kill()
+        trainer.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=20)
+        assert not alive
+    finally:
+        trainer.kill()
+        trainer.wait()
