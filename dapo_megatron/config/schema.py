@@ -160,6 +160,10 @@ class SGLangConfig:
     # /generate requests in flight at once (each a prompt with its n samples); null: what the servers run at once,
     # Σ over servers of ceil(SGLang's running-request limit / n) (dapo_megatron/rollout/sglang_pool.py)
     max_concurrent_requests: int | None = None
+    # 0: /generate calls and their JSON parsing run in threads of rank 0's process (the GIL they hold slows the
+    # kernel launches of rank 0, everyone's straggler); N > 0: in N worker processes of their own, which return
+    # compact arrays (dapo_megatron/rollout/sglang_reply_workers.py)
+    reply_processes: int = 0
     extra_server_args: list[str] = field(default_factory=list)
     # distributed transport: the address of trainer rank 0 the servers dial; default: this host's address on the
     # route to the first server (dapo_megatron/host_address.py)
@@ -396,6 +400,8 @@ class DAPOConfig:
         _require(s.max_restarts >= 0, "rollout.sglang.max_restarts", "must be >= 0")
         _require(s.max_concurrent_requests is None or s.max_concurrent_requests >= 1,
                  "rollout.sglang.max_concurrent_requests", "must be >= 1 or null (derived from the servers)")
+        _require(s.reply_processes >= 0, "rollout.sglang.reply_processes",
+                 f"must be >= 0 (0: in rank 0's process), got {s.reply_processes}")
         _require(s.base_gpu_id is None or s.base_gpu_id >= 0, "rollout.sglang.base_gpu_id",
                  f"must be >= 0 (or null), got {s.base_gpu_id}")
         _require(s.mem_fraction_static is None or 0 < s.mem_fraction_static < 1, "rollout.sglang.mem_fraction_static",

@@ -9,6 +9,8 @@ sent by a pool of at most :attr:`SGLangEngine.max_concurrent_requests` threads (
 max_concurrent_requests``, by default what the servers run at once: :func:`~dapo_megatron.rollout.sglang_pool.
 concurrent_requests`), each to the server with the fewest requests in flight. SGLang batches concurrent requests
 itself.
+With ``rollout.sglang.reply_processes: N > 0`` those threads only wait: the ``/generate`` call and its reply's
+parsing run in N worker processes (:mod:`dapo_megatron.rollout.sglang_reply_workers`), created and closed here.
 
 Failures: every HTTP call has ``request_timeout_s``; a failed server is restarted or taken out of rotation by the
 pool (see there) and its lost requests are re-sent. A restart needs the weights of the current version: the
@@ -35,10 +37,12 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import tempfile
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from functools import partial
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -60,6 +64,7 @@ from dapo_megatron.rollout.engine import (
 from dapo_megatron.rollout.placement import Placement, ServerMemory, ServerMemoryError
 from dapo_megatron.rollout.sglang_client import ServerFailure
 from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot, concurrent_requests
+from dapo_megatron.rollout.sglang_reply_workers import ReplyWorkers, generate_samples
 from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
 from dapo_megatron.rollout.sglang_server import SGLangServerProcess, server_python
 from dapo_megatron.rollout.sglang_stream import SGLangStreams
@@ -118,6 +123,7 @@ class SGLangEngine(RolloutEngine):
                                placement=placement)
         self.transport: WeightTransport | None = None
         self.streams: SGLangStreams | None = None
+        self.reply_workers: ReplyWorkers | None = None
         self._weight_version = 0  # until the pool reports the servers' version; shutdown reads it on a failed start
         atexit.register(self.shutdown)
         try:
@@ -126,8 +132,12 @@ class SGLangEngine(RolloutEngine):
                 self.pool.capacities(), samples_per_request)
             logger.info("up to %d requests of %d sample(s) in flight over %d server(s)", self.max_concurrent_requests,
                         samples_per_request, len(self.pool.slots))
+            if config.reply_processes:
+                self.reply_workers = ReplyWorkers(config.reply_processes, threads_per_process=math.ceil(
+                    self.max_concurrent_requests / config.reply_processes))
             self.streams = SGLangStreams(self.pool, max_concurrent_requests=self.max_concurrent_requests,
-                                         served_version=lambda: self._weight_version, on_failure=self.recover_server)
+                                         served_version=lambda: self._weight_version, on_failure=self.recover_server,
+                                         reply_workers=self.reply_workers)
             self.transport = self._make_transport()
         except BaseException:
             self.shutdown()
@@ -202,8 +212,9 @@ class SGLangEngine(RolloutEngine):
         payload = build_generate_payload(prompt, index, params, seeded=seeded)
 
         def generate_on(slot: ServerSlot) -> list[Sample]:
-            outputs = slot.client.generate(payload)
-            return samples_from_outputs(outputs, index, params.n, self._weight_version, slot.client.base_url)
+            return generate_samples(self.reply_workers, slot.client, payload, partial(
+                samples_from_outputs, prompt_index=index, expected_count=params.n,
+                expected_version=self._weight_version, server=slot.client.base_url))
 
         return self.pool.send(generate_on, self.recover_server)
 
@@ -351,6 +362,8 @@ class SGLangEngine(RolloutEngine):
         atexit.unregister(self.shutdown)
         if self.streams is not None:
             self.streams.close()
+        if self.reply_workers is not None:
+            self.reply_workers.close()
         transport = self.transport
         if transport is not None:
             try:

@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Callable, Iterable, Sequence
 
 from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, Sample
 from dapo_megatron.rollout.request_book import RequestBook, aborted_samples
 from dapo_megatron.rollout.sglang_client import ServerFailure
 from dapo_megatron.rollout.sglang_pool import FailureHandler, ServerPool, ServerSlot
+from dapo_megatron.rollout.sglang_reply_workers import ReplyWorkers, generate_samples
 from dapo_megatron.rollout.sglang_requests import build_stream_payload, sample_rid, streamed_samples
 
 logger = logging.getLogger(__name__)
@@ -34,11 +36,13 @@ logger = logging.getLogger(__name__)
 
 class SGLangStreams:
     """The streamed requests of one engine on its ``pool``: ``served_version()`` is the engine's weight version (what
-    a request aborted before its first token reports), ``on_failure`` its failover (:meth:`ServerPool.send`)."""
+    a request aborted before its first token reports), ``on_failure`` its failover (:meth:`ServerPool.send`);
+    ``reply_workers``: the processes that post and parse (None: the thread sending a request does)."""
 
     def __init__(self, pool: ServerPool, *, max_concurrent_requests: int, served_version: Callable[[], int],
-                 on_failure: FailureHandler) -> None:
+                 on_failure: FailureHandler, reply_workers: ReplyWorkers | None = None) -> None:
         self.pool = pool
+        self.reply_workers = reply_workers
         self.served_version = served_version
         self.on_failure = on_failure
         self.book = RequestBook("SGLangEngine")
@@ -98,12 +102,12 @@ class SGLangStreams:
             if self.book.is_aborted(request.request_id):  # aborted before it reached a server
                 return aborted_samples(request, self.served_version())
             try:
-                outputs = slot.client.generate(payload)
+                return generate_samples(self.reply_workers, slot.client, payload,
+                                        partial(streamed_samples, request=request, server=slot.client.base_url))
             except ServerFailure:
                 if self.book.closed:  # the engine is shutting down and stopped the server: nothing to recover
                     return aborted_samples(request, self.served_version())
                 raise
-            return streamed_samples(outputs, request, slot.client.base_url)
         finally:
             with self._lock:
                 self._running_on.pop(request.request_id, None)

@@ -10,8 +10,10 @@ import signal
 import sys
 import time
 
+import psutil
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_models import TinyQwen2Spec, build_tiny_qwen2, hf_greedy, load_hf_model, perturbed_state_dict, sample_prompts
 
 from dapo_megatron.config import SGLangConfig
@@ -71,7 +73,38 @@ def poll_all(engine, count: int, timeout_s: float = 300.0) -> dict:
     return {f.request_id: f for f in finished}
 
 
-def test_partial_rollout_continues_across_a_weight_update_with_per_token_versions(engine, model_dir, prompts):
+@pytest.fixture(params=[0, 2], ids=["reply_in_process", "reply_processes_2"])
+def streaming_engine(request, engine, model_dir):
+    """The module's engine (``reply_processes: 0``), or a second engine attached to its server with
+    ``reply_processes: 2``, which first serves the initial weights again (the test expects them) and afterwards hands
+    the server back to the module's engine at a version past its own."""
+    if request.param == 0:
+        yield engine
+        return
+    (server,) = engine.server_processes()
+    key_file = engine.run_dir / "reply_processes.key"
+    key_file.write_text(server.api_key)
+    config = SGLangConfig(urls=[server.url], api_key_file=str(key_file), transport="tensor",
+                          request_timeout_s=REQUEST_TIMEOUT_S, reply_processes=request.param)
+    other = SGLangEngine(config, model_path=engine.model_path, show_progress=False)
+    try:
+        workers = other.reply_workers.processes
+        assert len(workers) == 2 and all(worker.is_alive() for worker in workers)
+        other.update_weights([list(load_file(str(model_dir / "model.safetensors")).items())],
+                             version=other.weight_version + 1)
+        yield other
+    finally:
+        other.shutdown()
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert not {worker.pid for worker in workers} & {child.pid for child in psutil.Process().children()}
+    state = perturbed_state_dict(model_dir, scale=0.1, seed=5)  # what the test leaves served
+    engine.update_weights([list(state.items())], version=other.weight_version + 1)
+
+
+def test_partial_rollout_continues_across_a_weight_update_with_per_token_versions(streaming_engine, model_dir,
+                                                                                  prompts):
+    """The same partial rollout with the replies parsed in rank 0's threads and in reply processes."""
+    engine = streaming_engine
     version = engine.weight_version
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=LONG)
     engine.submit([GenerationRequest("partial", tuple(prompts[0]), params)])
