@@ -92,6 +92,9 @@ class ReplyWorkers:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
+    def _exitcode(self, name: str) -> int | None:
+        return next((process.exitcode for process in self.processes if process.name == name), None)
+
     def _await_ready(self) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
         for reader, name in self._replies.items():
@@ -101,7 +104,7 @@ class ReplyWorkers:
             except EOFError:
                 pass
             raise RolloutError(f"SGLang reply worker {name} did not start within {_READY_TIMEOUT_S:.0f} s (exit "
-                               f"code {_exitcode(self, name)}; None: still running)")
+                               f"code {self._exitcode(name)}; None: still running)")
 
     def submit(self, client: SGLangClient, payload: dict[str, Any], parse: ReplyParser) -> Future:
         """``client.generate(payload)`` in a worker, its outputs parsed there with ``parse``; the future gives the
@@ -143,7 +146,7 @@ class ReplyWorkers:
         with self._lock:
             if self._closed or self._broken:
                 return
-            self._broken = f"broken: {name} died (exit code {_exitcode(self, name)})"
+            self._broken = f"broken: {name} died (exit code {self._exitcode(name)})"
             pending, self._pending = self._pending, {}
         logger.error("SGLang reply workers %s; failing %d call(s) in flight", self._broken, len(pending))
         for future in pending.values():
@@ -172,10 +175,6 @@ class ReplyWorkers:
             reader.close()
         self._tasks.cancel_join_thread()
         self._tasks.close()
-
-
-def _exitcode(workers: ReplyWorkers, name: str) -> int | None:
-    return next((process.exitcode for process in workers.processes if process.name == name), None)
 
 
 def generate_samples(workers: ReplyWorkers | None, client: SGLangClient, payload: dict[str, Any],
