@@ -110,13 +110,14 @@ def cmd_prepare_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)  # a config error in a blink, before torch and megatron load
+
     from dapo_megatron.platform import destroy_distributed
     from dapo_megatron.rank_zero import run_on_rank0
     from dapo_megatron.trainer.loop import DAPOTrainer
     from dapo_megatron.trainer.model_source import prepare_initial_model
     from dapo_megatron.trainer.run_directory import claim_run_directory
 
-    config = load_config(args.config, args.overrides)
     rank = _rank_from_env()
     _setup_logging(rank)
     with StopSignals() as stop:
@@ -153,10 +154,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)  # as in cmd_train
+
     from dapo_megatron.platform import destroy_distributed
     from dapo_megatron.trainer.evaluate import evaluate_checkpoint
 
-    config = load_config(args.config, args.overrides)
     rank = _rank_from_env()
     _setup_logging(rank)
     backend = _init_distributed(config).backend

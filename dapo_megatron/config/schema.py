@@ -270,6 +270,9 @@ class RewardConfig:
     function: str | None = None
     url: str | None = None  # a reward service: POST of a group in verl's batched names, a JSON list back
     num_workers: int = 4  # worker processes for `function` (concurrent HTTP requests for `url`)
+    # The built-in rule in those worker processes too, not in trainer rank 0, whose GIL it would hold while rank 0
+    # launches kernels every other rank waits on (the GPU examples turn it on; a CPU run needs no extra processes).
+    builtin_in_workers: bool = False
     async_concurrency: int = 16  # an async function: calls in flight per worker process
     timeout_s: float = 60.0  # per call: a sample, or a group for the batched form / a url request
     error_score: float = -1.0  # the score of a sample whose reward raised or timed out (counted, never correct)
@@ -471,6 +474,8 @@ class DAPOConfig:
     def _validate_reward(self) -> None:
         w = self.reward
         _require(not (w.function and w.url), "reward.url", "and reward.function are two rewards: give one")
+        _require(not (w.builtin_in_workers and (w.function or w.url)), "reward.builtin_in_workers",
+                 "moves the built-in rule; with reward.function or reward.url there is none to move")
         _require(w.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {w.num_workers}")
         _require(w.async_concurrency >= 1, "reward.async_concurrency", f"must be >= 1, got {w.async_concurrency}")
         _require(w.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {w.timeout_s}")

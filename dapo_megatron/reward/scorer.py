@@ -1,6 +1,7 @@
-"""What scores a response: the built-in DAPO math rule (the default, in this process: plain string code), your
-function in worker processes (:mod:`.pool`), or a reward service (:mod:`.remote`) — one of them, chosen by
-``reward.function`` / ``reward.url`` — plus the soft format bonus (:mod:`.format`).
+"""What scores a response: the built-in DAPO math rule (the default: in this process, or with
+``reward.builtin_in_workers`` in worker processes as :mod:`.builtin`), your function in worker processes
+(:mod:`.pool`), or a reward service (:mod:`.remote`) — one of them, chosen by ``reward.function`` / ``reward.url``
+— plus the soft format bonus (:mod:`.format`).
 
 A response whose reward raises or times out is scored ``reward.error_score`` and never correct; the collectors count
 them (``reward/errors``, ``reward/timeouts``). The first failure of each kind is logged once, naming the function and
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from dapo_megatron.algorithm.reward import math_reward
 from dapo_megatron.config import ConfigError, DAPOConfig
+from dapo_megatron.reward import builtin
 from dapo_megatron.reward.format import FormatReward
 from dapo_megatron.reward.function import Outcome, RewardFunctionError, RewardValue
 from dapo_megatron.reward.pool import RewardPool
@@ -57,6 +59,10 @@ class RewardScorer:
             form = self._pool.form
             self.name = (f"reward function {r.function} ({'async, ' if form.is_async else ''}"
                          f"{'a group' if form.batched else 'a sample'} at a time)")
+        elif r.builtin_in_workers:
+            target = builtin.TARGETS[self.use_math_verify]
+            self._pool = RewardPool(target, num_workers=r.num_workers, timeout_s=r.timeout_s)
+            self.name = f"the built-in DAPO math rule ({target}, in {r.num_workers} worker processes)"
         elif r.url:
             self._remote = RemoteReward(r.url, timeout_s=r.timeout_s, retries=r.url_retries,
                                         concurrency=r.num_workers)

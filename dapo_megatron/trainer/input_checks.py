@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from dapo_megatron.backend import Backend
@@ -178,9 +179,14 @@ def check_data_files(config: DAPOConfig) -> None:
 
 
 def check_reward_function(config: DAPOConfig) -> None:
-    """``reward.function`` imports here, in this process, and has one of the forms (its workers start later)."""
+    """``reward.function`` imports here, in this process, and has one of the forms (its workers start later);
+    ``algorithm.use_math_verify`` finds math-verify (in a worker, its absence would only show as errors per
+    response)."""
     from dapo_megatron.reward.function import RewardFunctionError, load_reward_function, reward_form
 
+    if config.algorithm.use_math_verify and importlib.util.find_spec("math_verify") is None:
+        raise ConfigError("algorithm.use_math_verify needs the optional 'math-verify' package: "
+                          "pip install 'dapo-megatron[math-verify]'")
     target = config.reward.function
     if target:
         try:

@@ -25,7 +25,7 @@ STEPS = 5
 LAYOUTS = [
     pytest.param(2, 1, 2, True, id="tp2-pp1-dp2-distopt"),
     pytest.param(1, 2, 2, False, id="tp1-pp2-dp2"),
-    pytest.param(2, 2, 1, False, id="tp2-pp2", marks=pytest.mark.slow),  # also covered by the actor's TP2/PP2 parity
+    # TP2 x PP2 trains in the actor's parity test (test_policy_actor.py::test_tp2_pp2_matches_tp1_pp1)
 ]
 
 

@@ -4,6 +4,7 @@ bonus and the reflection phrases."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import textwrap
@@ -118,6 +119,38 @@ def test_a_verl_reward_file_scores_in_worker_processes(tmp_path, scorer_of):
     assert values[0].extras == {"length": 9.0, "row": 0.0}  # numeric extras kept, the string "pred" not
 
 
+BUILTIN_CASES = (["Answer: 7", "Answer: 8", "no answer", "Answer: \\boxed{7}", "Answer: 14/2", "Answer: 7.0"],
+                 "7")
+
+
+@pytest.mark.parametrize("use_math_verify", [False, True])
+def test_the_builtin_rule_in_workers_scores_as_it_does_in_the_trainer(scorer_of, monkeypatch, use_math_verify):
+    texts, truth = BUILTIN_CASES
+    verify = f"algorithm.use_math_verify={use_math_verify}"
+    in_trainer = [value for _, value in scorer_of(verify).score([_requests(texts, truth)])[0]]
+    in_workers = scorer_of(verify, "reward.builtin_in_workers=true")
+    assert "worker processes" in in_workers.name
+    assert ("math_verify" in in_workers.name) == use_math_verify
+    # Rank 0's copy of the rule breaks: the workers (spawned, their own imports) still score; the control shows
+    # the default scorer does run it here.
+    monkeypatch.setattr("dapo_megatron.reward.scorer.math_reward", _broken_rule)
+    outcomes = in_workers.score([_requests(texts, truth)])[0]
+    assert [status for status, _ in outcomes] == ["ok"] * len(texts)
+    assert [value for _, value in outcomes] == in_trainer
+    assert [v.acc for v in in_trainer] == [True, False, False, True, use_math_verify, use_math_verify]
+    with pytest.raises(RuntimeError, match="ran in the trainer"):
+        scorer_of(verify).score([_requests(texts, truth)])
+
+
+def _broken_rule(*args, **kwargs):
+    raise RuntimeError("the built-in rule ran in the trainer's process")
+
+
+def test_builtin_in_workers_with_a_reward_of_yours_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="reward.builtin_in_workers"):
+        _config(f"reward.function={_reward_file(tmp_path, VERL_FILE)}", "reward.builtin_in_workers=true")
+
+
 def test_a_module_name_works_like_a_file(tmp_path, scorer_of, monkeypatch):
     (tmp_path / "pkg_rewards").mkdir()
     (tmp_path / "pkg_rewards" / "__init__.py").write_text("")
@@ -204,6 +237,16 @@ def test_a_reward_that_cannot_be_used_is_a_config_error_at_start(tmp_path, text,
         RewardScorer(config)
     with pytest.raises(ConfigError, match="no such file"):
         check_reward_function(_config(f"reward.function={tmp_path}/missing.py:compute_score"))
+
+
+def test_math_verify_missing_is_a_config_error_at_start(monkeypatch):
+    config = _config("algorithm.use_math_verify=true", "reward.builtin_in_workers=true")
+    check_reward_function(config)  # the control: installed here (the dev extra), so nothing to refuse
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "math_verify" else real_find_spec(name, *args))
+    with pytest.raises(ConfigError, match=r"algorithm.use_math_verify needs .*math-verify"):
+        check_reward_function(config)
 
 
 # ------------------------------------------------------------------------------------------------ HTTP service

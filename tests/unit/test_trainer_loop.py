@@ -264,6 +264,3 @@ def test_eval_reproduces_the_run_and_writes_nothing_into_it(tmp_path):
     printed = dict(line.split(": ") for line in result.stdout.splitlines() if line.startswith("val/"))
     assert {k: float(v) for k, v in printed.items()} == pytest.approx(logged, abs=5e-5)
     assert _files(run_dir) == before  # config.yaml byte for byte, and no file added, removed or changed
-    bad = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "eval", str(TINY), *overrides,
-                          "--ckpt", str(tmp_path / "nope")], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 5 and f"checkpoint error: --ckpt {tmp_path / 'nope'}: no such directory" in bad.stderr
