@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from dapo_megatron.platform import free_port
+    from dapo_megatron.launch_env import free_port
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

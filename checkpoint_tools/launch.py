@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 from checkpoint_tools.errors import ConversionError
 from dapo_megatron.hf_format.writer import staging_dir
-from dapo_megatron.platform import free_port, launch_env
+from dapo_megatron.launch_env import free_port, launch_env
 
 RankFn = Callable[..., None]
 _POLL_S = 1.0

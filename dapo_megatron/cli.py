@@ -9,7 +9,7 @@
 ``prepare-tiny`` builds the CPU demo's model (``model.source = tiny``) as an HF folder, by default where ``train``
 looks for it (``<run_dir>/initial_model``); ``train`` prepares it itself when it is missing, so one command does it
 all. ``train`` and ``eval`` run as one process, or under torchrun / srun for many (the layout comes from the
-environment; see dapo_megatron.platform). ``plan`` prints the training ranks' GPU memory per pipeline stage for a
+environment; see dapo_megatron.launch_env). ``plan`` prints the training ranks' GPU memory per pipeline stage for a
 config (dapo_megatron.policy.memory) and exits 1 when a stage does not fit.
 
 ``train`` holds its run directory's lock while it runs, and refuses a directory that holds a run unless ``--resume``
@@ -46,7 +46,7 @@ def _setup_logging(rank: int) -> None:
 
 
 def _rank_from_env() -> int:
-    from dapo_megatron.platform import launch_env
+    from dapo_megatron.launch_env import launch_env
 
     return launch_env().rank
 
@@ -89,7 +89,7 @@ def _init_distributed(config):
 
 
 def cmd_prepare_tiny(args: argparse.Namespace) -> int:
-    from dapo_megatron.platform import LaunchError, launch_env
+    from dapo_megatron.launch_env import LaunchError, launch_env
     from dapo_megatron.tiny_model import prepare_tiny_model
     from dapo_megatron.trainer.model_source import tiny_model_dir
     from dapo_megatron.trainer.run_lock import RunLock

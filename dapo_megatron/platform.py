@@ -1,4 +1,4 @@
-"""Everything device- and launch-specific, in one place.
+"""Everything device-specific and the process group, in one place (the launch variables: :mod:`.launch_env`).
 
 * :func:`prepare_device` — this process's device and collective backend, as the platform's backend
   (:mod:`dapo_megatron.backend`) says: on CUDA, NCCL and GPU ``local_rank % visible GPUs`` (:func:`cuda_device_index`:
@@ -9,9 +9,6 @@
   linear layers (``tensor_parallel/layers.py``) launch the all-gather / reduce-scatter of the input gradient
   asynchronously and then the weight-gradient GEMM, relying on the GPU to start kernels in the order they were
   issued so that the communication overlaps the GEMM; one hardware work queue is what guarantees that order.
-* :func:`launch_env` — rank, world size, local rank and rendezvous address from torchrun's variables
-  (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
-  first host of SLURM_JOB_NODELIST); a plain ``python`` launch is a world of one.
 * :func:`init_distributed` — torch.distributed + megatron ``parallel_state`` with the TP/PP layout; DP is what is
   left of the world, and a mixture-of-experts model's experts are split over EP of those DP ranks (megatron's
   ``expert_model_parallel_size``; EP must divide DP). A world that is not TP×PP×DP, an EP that does not divide DP,
@@ -25,10 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import re
-import shutil
 import socket
-import subprocess
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
@@ -37,17 +31,10 @@ import numpy as np
 import torch
 
 from dapo_megatron.host_address import pin_gloo_interface
-from dapo_megatron.slurm_tasks import tasks_on_each_node
-from dapo_megatron.user_errors import UserError
+from dapo_megatron.launch_env import LaunchError, launch_env
 
 if TYPE_CHECKING:
     from dapo_megatron.backend import Backend
-
-DEFAULT_MASTER_PORT = 29500
-
-
-class LaunchError(UserError, RuntimeError, kind="launch"):
-    """The process layout or rendezvous is wrong (world size, ports, missing variables)."""
 
 
 @dataclass(frozen=True)
@@ -104,133 +91,6 @@ def apply_cuda_connections(tensor_parallel: int, *, environ: dict | None = None,
                       f"the launch environment", stacklevel=2)
     env[CUDA_CONNECTIONS_VARIABLE] = wanted
     return wanted
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    launcher: str  # "torchrun", "slurm" or "single"
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM host list (``node[01-04]``, ``a1,b2``, ``gpu-[1,3-5]``) into host names.
-
-    Uses ``scontrol show hostnames`` when it is installed (it knows every form SLURM accepts), else a parser for
-    the bracket forms above, including several bracket groups and zero-padded ranges.
-    """
-    nodelist = nodelist.strip()
-    if not nodelist:
-        raise LaunchError("SLURM_JOB_NODELIST is empty")
-    if shutil.which("scontrol"):
-        try:
-            out = subprocess.run(
-                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10, check=True
-            ).stdout.split()
-            if out:
-                return out
-        except (subprocess.SubprocessError, OSError):
-            pass  # fall back to our own parser
-    return _parse_nodelist(nodelist)
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p for p in parts if p]
-
-
-def _expand_host_pattern(pattern: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", pattern)
-    if not match:
-        return [pattern]
-    head, tail = pattern[: match.start()], pattern[match.end() :]
-    hosts = []
-    for item in match.group(1).split(","):
-        if "-" in item:
-            lo, hi = item.split("-", 1)
-            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-                raise LaunchError(f"bad range {item!r} in SLURM host list {pattern!r}")
-            width = len(lo)
-            numbers = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
-        else:
-            numbers = [item]
-        for number in numbers:
-            hosts.extend(_expand_host_pattern(head + number + tail))
-    return hosts
-
-
-def _parse_nodelist(nodelist: str) -> list[str]:
-    if nodelist.count("[") != nodelist.count("]"):
-        raise LaunchError(f"unbalanced brackets in SLURM host list {nodelist!r}")
-    hosts = []
-    for part in _split_top_level(nodelist):
-        hosts.extend(_expand_host_pattern(part))
-    return hosts
-
-
-def local_world_size(environ: Mapping[str, str] | None = None) -> int:
-    """Trainer ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, SLURM's tasks on this node, else 1."""
-    env = os.environ if environ is None else environ
-    if "LOCAL_WORLD_SIZE" in env:
-        return int(env["LOCAL_WORLD_SIZE"])
-    if "SLURM_NTASKS_PER_NODE" in env:
-        return int(env["SLURM_NTASKS_PER_NODE"])
-    if "SLURM_TASKS_PER_NODE" in env:  # e.g. "4(x2),3": 4 tasks on each of the first two nodes, 3 on the third
-        try:
-            per_node = tasks_on_each_node(env["SLURM_TASKS_PER_NODE"])
-        except ValueError as error:
-            raise ValueError(f"SLURM_TASKS_PER_NODE: {error}") from None
-        return per_node[int(env.get("SLURM_NODEID", 0))]
-    return 1
-
-
-def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Read the process layout from torchrun variables, else SLURM variables, else a single process."""
-    env = os.environ if environ is None else environ
-    port = int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT))
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return LaunchEnv(
-            rank=int(env["RANK"]),
-            world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=port,
-            launcher="torchrun",
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        missing = [k for k in ("SLURM_LOCALID", "SLURM_JOB_NODELIST") if k not in env]
-        if missing:
-            raise LaunchError(f"SLURM launch is missing {', '.join(missing)} (are you inside srun?)")
-        master = env.get("MASTER_ADDR") or expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
-        return LaunchEnv(
-            rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env["SLURM_LOCALID"]),
-            master_addr=master,
-            master_port=port,
-            launcher="slurm",
-        )
-    # A world of one rendezvous with itself: any free port will do unless the user chose one.
-    return LaunchEnv(0, 1, 0, "127.0.0.1", port if "MASTER_PORT" in env else free_port(), "single")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

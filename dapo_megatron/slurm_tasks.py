@@ -1,5 +1,5 @@
 """SLURM's per-node task counts (``SLURM_TASKS_PER_NODE``, ``SLURM_NTASKS_PER_NODE``), read in two places: by the
-trainer for its ranks on this node (:func:`dapo_megatron.platform.local_world_size`) and by the sbatch scripts'
+trainer for its ranks on this node (:func:`dapo_megatron.launch_env.local_world_size`) and by the sbatch scripts'
 launch plan (``slurm/launch_plan.py``, which runs under any ``python3``: this module needs the standard library only).
 """
 

@@ -20,7 +20,7 @@ checkpoint  5     a checkpoint path that is not a (complete, loadable) checkpoin
 server      6     an SGLang server that is missing, dies for good, or answers something unusable
                   (:class:`ServerError`, :class:`dapo_megatron.rollout.sglang_client.SGLangServerError`)
 launch      7     a process layout that does not fit the config (world size vs TP×PP, a taken rendezvous port)
-                  (:class:`dapo_megatron.platform.LaunchError`)
+                  (:class:`dapo_megatron.launch_env.LaunchError`)
 =========== ===== ========================================================================================
 
 ``train`` stopped by a signal has codes of its own (75, 130, 143: dapo_megatron.trainer.stop_signals).

@@ -16,7 +16,7 @@ import queue
 import traceback
 from typing import Any, Callable
 
-from dapo_megatron.platform import free_port
+from dapo_megatron.launch_env import free_port
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: mp.Queue) -> None:

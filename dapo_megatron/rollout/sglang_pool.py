@@ -39,7 +39,7 @@ from typing import Callable, Literal, TypeVar
 import torch
 
 from dapo_megatron.config import SGLangConfig
-from dapo_megatron.platform import local_world_size
+from dapo_megatron.launch_env import local_world_size
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.placement import Placement, check_attached_server, colocated_gpu_ranges, uses_memory_saver
 from dapo_megatron.rollout.sglang_client import ServerFailure, SGLangClient, SGLangServerError

@@ -96,7 +96,7 @@ def check_training_memory(config: DAPOConfig, spec, *, world_size: int, fused_at
     Engine's. ``available``: (bytes, what they are), for tests; default: this machine's."""
     import torch
 
-    from dapo_megatron.platform import local_world_size
+    from dapo_megatron.launch_env import local_world_size
 
     p = config.parallel
     data_parallel = max(world_size // (p.tensor * p.pipeline), 1)
@@ -134,7 +134,7 @@ def check_embedded_engine_memory(config: DAPOConfig, spec, *, world_size: int, b
     :func:`check_training_memory`). ``available_host_bytes``, ``ranks_on_host``: for tests; default: this machine's."""
     import psutil
 
-    from dapo_megatron.platform import local_world_size
+    from dapo_megatron.launch_env import local_world_size
     from dapo_megatron.rollout.embedded_memory import embedded_engine_bytes, embedded_parameters
 
     engine = embedded_engine_bytes(spec, config.rollout.embedded)

@@ -1,7 +1,7 @@
 """Real SLURM jobs on one node of a running cluster (CI starts one with ``scripts/slurm_cluster.sh start --nodes 3``;
 the single-node layout works as well; CPU only).
 
-(a) ``srun`` with 2 tasks: what ``platform.launch_env()`` sees in each task.
+(a) ``srun`` with 2 tasks: what ``launch_env.launch_env()`` sees in each task.
 (b) ``slurm/dapo_train_sglang.sbatch`` on one node (servers and trainer share it) with a real SGLang server, whose
     trainer fails after the servers are up: the failure's exit code and reason come back through ``sbatch --wait``,
     the script itself stops the server step and no process of the job is left.
@@ -40,7 +40,7 @@ def test_srun_two_tasks_see_their_ranks(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(textwrap.dedent("""\
         import dataclasses, json, socket
-        from dapo_megatron.platform import launch_env
+        from dapo_megatron.launch_env import launch_env
         print("LAUNCH_ENV " + json.dumps(dict(dataclasses.asdict(launch_env()), host=socket.gethostname())))
     """))
     job = submit([*CPU_JOB, "--wrap", f"srun --ntasks=2 {sys.executable} {probe}"], tmp_path, job_env(tmp_path),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from cli_runs import TINY, check_run, cli_command, kill_after_checkpoint, read_run_metrics
 
-from dapo_megatron.platform import free_port
+from dapo_megatron.launch_env import free_port
 
 pytestmark = pytest.mark.slow
 

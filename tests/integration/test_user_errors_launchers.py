@@ -23,7 +23,7 @@ import pytest
 from cli_runs import REPO, TINY
 from test_user_errors import SMALL
 
-from dapo_megatron.platform import free_port
+from dapo_megatron.launch_env import free_port
 from dapo_megatron.user_errors import EXIT_CODES
 
 pytestmark = pytest.mark.slow

@@ -110,3 +110,25 @@ def test_plot_of_a_directory_without_metrics_is_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     assert _plot(tmp_path).stderr.strip() == f"data error: plot {tmp_path}: {tmp_path}/metrics.jsonl has no metrics " \
                                              f"rows yet"
+
+
+TORCH_LOADED = """
+import sys
+from dapo_megatron import cli
+code = cli.main({argv!r})
+print(code, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_config_error_is_reported_before_torch_is_imported(command):
+    """A typo in a config is answered in a fraction of a second, not after torch and megatron-core load (~8 s)."""
+    argv = [command, str(TINY), "rollout.n_samples=many"] + (["--ckpt", "nowhere"] if command == "eval" else [])
+    result = subprocess.run([sys.executable, "-c", TORCH_LOADED.format(argv=argv)], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert "config error: rollout.n_samples: expected an integer, got 'many'" in result.stderr
+    assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr[-2000:]
+    # the control: the check sees torch when something imports it (the process layout of a valid config does)
+    probe = "import sys, dapo_megatron.platform; print('torch' in sys.modules)"
+    control = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert control.stdout.split() == ["True"], control.stderr[-2000:]

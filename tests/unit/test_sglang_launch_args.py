@@ -16,7 +16,7 @@ from sglang_fixtures import exiting_python, launched_argv
 
 from dapo_megatron.backend import select_backend
 from dapo_megatron.config import ConfigError, SGLangConfig, load_config
-from dapo_megatron.platform import local_world_size
+from dapo_megatron.launch_env import local_world_size
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang_client import SGLangServerError
 from dapo_megatron.rollout.sglang_gpus import nccl_carries_weights, server_gpu_ranges, trainer_nccl_env

@@ -1,4 +1,4 @@
-"""platform.expand_nodelist / launch_env under SLURM variables, with the built-in parser and with `scontrol`.
+"""launch_env.expand_nodelist / launch_env under SLURM variables, with the built-in parser and with `scontrol`.
 
 Fast: no cluster needed (``scontrol show hostnames`` expands a host list locally from slurm.conf, so those cases
 run only where SLURM's client and configuration are installed).
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from dapo_megatron import platform
+from dapo_megatron import launch_env as launch
 
 NODELISTS = {
     "node[01-04]": ["node01", "node02", "node03", "node04"],
@@ -48,20 +48,20 @@ def without_scontrol(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("nodelist,hosts", NODELISTS.items())
 def test_builtin_parser(without_scontrol, nodelist, hosts):
-    assert platform.expand_nodelist(nodelist) == hosts
+    assert launch.expand_nodelist(nodelist) == hosts
 
 
 @needs_scontrol
 @pytest.mark.parametrize("nodelist,hosts", NODELISTS.items())
 def test_with_scontrol(nodelist, hosts):
-    assert platform.expand_nodelist(nodelist) == hosts
+    assert launch.expand_nodelist(nodelist) == hosts
 
 
 @needs_scontrol
 @pytest.mark.parametrize("nodelist", [k for k in NODELISTS if k != "n[1-2]-ib,x"])
 def test_builtin_parser_agrees_with_scontrol(nodelist):
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
-    assert platform._parse_nodelist(nodelist) == out.stdout.split()
+    assert launch._parse_nodelist(nodelist) == out.stdout.split()
 
 
 @needs_scontrol
@@ -71,13 +71,13 @@ def test_scontrol_rejects_a_suffix_after_brackets_and_platform_falls_back():
     out = subprocess.run(["scontrol", "show", "hostnames", "n[1-2]-ib,x"], capture_output=True, text=True, timeout=10)
     if out.stdout.split():
         pytest.skip(f"this scontrol expands the form itself: {out.stdout.split()}")
-    assert platform.expand_nodelist("n[1-2]-ib,x") == NODELISTS["n[1-2]-ib,x"]
+    assert launch.expand_nodelist("n[1-2]-ib,x") == NODELISTS["n[1-2]-ib,x"]
 
 
 @pytest.mark.parametrize("bad", ["node[01-04", "n[4-2]", "n[a-b]", "  "])
 def test_bad_nodelists_are_named(without_scontrol, bad):
-    with pytest.raises(platform.LaunchError):
-        platform.expand_nodelist(bad)
+    with pytest.raises(launch.LaunchError):
+        launch.expand_nodelist(bad)
 
 
 @pytest.mark.parametrize("use_scontrol", [False, True], ids=["builtin", "scontrol"])
@@ -91,8 +91,8 @@ def test_launch_env_from_slurm_variables(monkeypatch, tmp_path, use_scontrol, no
     for procid in range(world):
         env = {"SLURM_PROCID": str(procid), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(procid % 2),
                "SLURM_NODEID": str(procid // 2), "SLURM_JOB_NODELIST": nodelist, "MASTER_PORT": "23456"}
-        got = platform.launch_env(env)
-        assert got == platform.LaunchEnv(rank=procid, world_size=world, local_rank=procid % 2,
+        got = launch.launch_env(env)
+        assert got == launch.LaunchEnv(rank=procid, world_size=world, local_rank=procid % 2,
                                          master_addr=hosts[0], master_port=23456, launcher="slurm")
 
 
@@ -100,11 +100,11 @@ def test_launch_env_prefers_an_exported_master_addr():
     """The SGLang sbatch script exports the first *trainer* node, which is not the job's first node."""
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "n[1-3]",
            "MASTER_ADDR": "n2"}
-    got = platform.launch_env(env)
+    got = launch.launch_env(env)
     assert (got.rank, got.world_size, got.local_rank, got.master_addr) == (3, 4, 1, "n2")
-    assert got.master_port == platform.DEFAULT_MASTER_PORT
+    assert got.master_port == launch.DEFAULT_MASTER_PORT
 
 
 def test_launch_env_outside_srun_names_what_is_missing():
-    with pytest.raises(platform.LaunchError, match="SLURM_LOCALID"):
-        platform.launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"})
+    with pytest.raises(launch.LaunchError, match="SLURM_LOCALID"):
+        launch.launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"})
