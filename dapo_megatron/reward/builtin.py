@@ -20,11 +20,14 @@ TARGETS = {False: f"{__name__}:dapo_math", True: f"{__name__}:dapo_math_with_mat
 def dapo_math(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> dict:
     """``{"score": ±1, "acc": bool}`` of one response (one response per call, so that a response math-verify
     spends long on times out alone, not with its group)."""
-    result = math_reward(solution_str, ground_truth, use_math_verify=False)
-    return {"score": result.score, "acc": result.acc}
+    return _answer(solution_str, ground_truth, use_math_verify=False)
 
 
 def dapo_math_with_math_verify(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> dict:
     """:func:`dapo_math` with math-verify's symbolic fallback."""
-    result = math_reward(solution_str, ground_truth, use_math_verify=True)
+    return _answer(solution_str, ground_truth, use_math_verify=True)
+
+
+def _answer(solution_str: str, ground_truth: str, *, use_math_verify: bool) -> dict:
+    result = math_reward(solution_str, ground_truth, use_math_verify=use_math_verify)
     return {"score": result.score, "acc": result.acc}

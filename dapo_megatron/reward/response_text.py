@@ -20,4 +20,10 @@ def response_texts(tokenizer, responses: Sequence[Sequence[int]]) -> list[str]:
     # "a ." -> "a."); Qwen's and the tiny tokenizers ask for none.
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
-    return backend.decode_batch([list(ids) for ids in responses], skip_special_tokens=True)
+    return backend.decode_batch(responses, skip_special_tokens=True)
+
+
+def grouped_response_texts(tokenizer, groups: Sequence[Sequence]) -> list[list[str]]:
+    """:func:`response_texts` of groups of samples (anything with ``token_ids``), in one call, grouped as given."""
+    texts = iter(response_texts(tokenizer, [sample.token_ids for group in groups for sample in group]))
+    return [[next(texts) for _ in group] for group in groups]

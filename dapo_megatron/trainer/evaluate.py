@@ -23,7 +23,7 @@ from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.policy.hf_loader import load_model_spec
 from dapo_megatron.policy.model import build_model, transformer_config
 from dapo_megatron.rank_zero import run_on_rank0
-from dapo_megatron.reward.response_text import response_texts
+from dapo_megatron.reward.response_text import grouped_response_texts
 from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
 from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
 from dapo_megatron.rollout.factory import build_rollout_engine
@@ -57,8 +57,7 @@ def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, 
         seed=EVAL_SEED,
     )
     outputs = engine.generate([r.prompt_ids for r in records], params)
-    flat = iter(response_texts(tokenizer, [s.token_ids for samples in outputs for s in samples]))
-    responses = [[next(flat) for _ in samples] for samples in outputs]
+    responses = grouped_response_texts(tokenizer, outputs)
     outcomes = reward.score([[RewardRequest(r.data_source, text, r.ground_truth, dict(r.extra_info or {}),
                                             row=f"validation row index={r.index!r} of data source {r.data_source!r}")
                               for text in texts] for r, texts in zip(records, responses)])

@@ -16,7 +16,7 @@ from dapo_megatron.algorithm import overlong_penalty
 from dapo_megatron.algorithm.staleness import TokenVersions, response_staleness, version_span
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
-from dapo_megatron.reward.response_text import response_texts
+from dapo_megatron.reward.response_text import grouped_response_texts
 from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
 from dapo_megatron.rollout.engine import Sample, SamplingParams
 from dapo_megatron.trainer.reflection import ReflectionPhrases
@@ -99,8 +99,7 @@ def score_groups(drawn: list[tuple[PromptRecord, list[Sample]]], tokenizer, conf
     """Score the responses of each (prompt, samples) pair in one call of ``reward`` (its worker processes score all
     groups at once): score = reward (or ``reward.error_score`` when it failed) + format bonus at ``step`` (optimizer
     steps done) + overlong penalty; correctness = the reward's ``acc`` alone."""
-    flat = iter(response_texts(tokenizer, [s.token_ids for _, samples in drawn for s in samples]))
-    texts = [[next(flat) for _ in samples] for _, samples in drawn]
+    texts = grouped_response_texts(tokenizer, [samples for _, samples in drawn])
     outcomes = reward.score([[_request(record, text, j, len(group_texts)) for j, text in enumerate(group_texts)]
                              for (record, _), group_texts in zip(drawn, texts)])
     format_weight = reward.format.weight(step) if reward.format.enabled else None

@@ -7,9 +7,9 @@ test command runs).
     logs exactly the metrics of an uninterrupted run.
 (b) ``slurm/dapo_train_sglang.sbatch``: the SGLang server on node1, the trainer (DP = 2) on node2 + node3, attached
     by URL with the API key; weights over the ``distributed`` transport (gloo, across nodes; the ``disk`` one reads a
-    shared folder, tested on one node). While
-    the job runs the test asks the server for greedy output at a trained weight version; it must equal HF
-    ``transformers`` greedy output from that step's checkpoint (and differ from the initial model's: the control).
+    shared folder, tested on one node). While the job runs the test asks the server for greedy output at a trained
+    weight version; it must equal HF ``transformers`` greedy output from that step's checkpoint (and differ from the
+    initial model's: the control).
     The servers are stopped when the trainer ends; nothing is left on any node.
 (c) The rendezvous-address control: the same distributed-transport job with the weight-update address forced to
     ``127.0.0.1`` (what the trainer used before it derived a routable one) fails, naming the weight-update group.

@@ -93,7 +93,7 @@ def test_launch_env_from_slurm_variables(monkeypatch, tmp_path, use_scontrol, no
                "SLURM_NODEID": str(procid // 2), "SLURM_JOB_NODELIST": nodelist, "MASTER_PORT": "23456"}
         got = launch.launch_env(env)
         assert got == launch.LaunchEnv(rank=procid, world_size=world, local_rank=procid % 2,
-                                         master_addr=hosts[0], master_port=23456, launcher="slurm")
+                                       master_addr=hosts[0], master_port=23456, launcher="slurm")
 
 
 def test_launch_env_prefers_an_exported_master_addr():
