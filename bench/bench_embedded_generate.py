@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from dapo_megatron.config import EmbeddedConfig
 from dapo_megatron.rollout import SamplingParams
-from dapo_megatron.rollout.embedded import EmbeddedEngine
+from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
 
 def demo_sized_config(vocab_size: int, hidden_size: int, num_layers: int) -> Qwen2Config:

@@ -15,8 +15,8 @@ import pickle
 import time
 
 from dapo_megatron.rollout.engine import GenerationRequest, SamplingParams
-from dapo_megatron.rollout.sglang_reply_workers import _compact, _sample
-from dapo_megatron.rollout.sglang_requests import streamed_samples
+from dapo_megatron.rollout.sglang.reply_workers import _compact, _sample
+from dapo_megatron.rollout.sglang.requests import streamed_samples
 
 
 def reply(samples: int, tokens: int) -> bytes:

@@ -91,8 +91,8 @@ def prepare_workload(args: argparse.Namespace, work_dir: Path) -> dict:
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.data.schema import validate_row
     from dapo_megatron.tiny_model import prepare_tiny_model
-    from dapo_megatron.trainer.model_source import load_tokenizer
-    from dapo_megatron.trainer.task import synthetic_split
+    from dapo_megatron.run.model_source import load_tokenizer
+    from dapo_megatron.data.task import synthetic_split
 
     prompts_per_step = 8 * args.batch_scale
     config = bench_config(args.seed)

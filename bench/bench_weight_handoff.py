@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
     from dapo_megatron.policy.model import build_model, transformer_config
     from dapo_megatron.policy.model_spec import model_spec_from_hf
-    from dapo_megatron.rollout.embedded import EmbeddedEngine
+    from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
     backend = init_distributed(tensor_parallel=world, pipeline_parallel=1).backend
     seed_everything(0)

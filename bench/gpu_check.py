@@ -227,7 +227,7 @@ def handoff_rows(shapes: CheckShapes, actor, spec, samples_seed: int, device: to
 
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
     from dapo_megatron.hf_format import nbytes
-    from dapo_megatron.rollout.embedded import load_named_tensors
+    from dapo_megatron.rollout.embedded.engine import load_named_tensors
 
     engine_model = AutoModelForCausalLM.from_config(_spec(shapes.parity_model), dtype=torch.bfloat16,
                                                     attn_implementation="sdpa")

@@ -121,11 +121,11 @@ def main() -> None:
     from dapo_megatron.policy.batch_plan import PackedBatching
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
     from dapo_megatron.policy.packing import PolicySample, pack_micro_batches
-    from dapo_megatron.rollout.embedded import EmbeddedEngine
+    from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
     from dapo_megatron.rollout.engine import SamplingParams
     from dapo_megatron.tiny_model import prepare_tiny_model
-    from dapo_megatron.trainer.model_source import load_tokenizer
-    from dapo_megatron.trainer.task import train_prompts
+    from dapo_megatron.run.model_source import load_tokenizer
+    from dapo_megatron.data.task import train_prompts
 
     config = bench_config(args.seed)
     reps = args.reps

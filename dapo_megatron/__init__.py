@@ -3,7 +3,7 @@ generating the rollouts.
 
 One DAPO step, and where each stage lives:
 
-    data/ ─► rollout/ ─► algorithm/reward.py ─► algorithm/dynamic_sampling.py ─► algorithm/advantages.py
+    data/ ─► rollout/ ─► reward/rule.py ─► algorithm/dynamic_sampling.py ─► algorithm/advantages.py
         ─► algorithm/loss.py (inside policy/actor.py's Megatron schedule) ─► optimizer (policy/optimizer.py)
         ─► handoff/ (Megatron shards → HF tensors → rollout engine)
 

@@ -13,13 +13,13 @@ environment; see dapo_megatron.launch_env). ``plan`` prints the training ranks' 
 config (dapo_megatron.policy.memory) and exits 1 when a stage does not fit.
 
 ``train`` holds its run directory's lock while it runs, and refuses a directory that holds a run unless ``--resume``
-continues it or ``--overwrite`` moves it aside (dapo_megatron.trainer.run_directory). SIGTERM or SIGUSR1 make it
+continues it or ``--overwrite`` moves it aside (dapo_megatron.run.directory). SIGTERM or SIGUSR1 make it
 save a checkpoint at the end of the step in progress and exit 75; Ctrl-C ends it at once with 130
-(dapo_megatron.trainer.stop_signals).
+(dapo_megatron.run.stop_signals).
 
 Bad input (a config key, a data file, a model folder, a checkpoint, a server) ends a command with one line on rank 0,
 ``<kind> error: <message>``, and the kind's exit code on every rank (dapo_megatron.user_errors); ``train`` and
-``eval`` check what they read before building anything (dapo_megatron.trainer.input_checks).
+``eval`` check what they read before building anything (dapo_megatron.run.input_checks).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from dapo_megatron.config import load_config
-from dapo_megatron.trainer.stop_signals import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE, StopNow, StopSignals
+from dapo_megatron.run.stop_signals import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE, StopNow, StopSignals
 from dapo_megatron.user_errors import UserError
 
 
@@ -52,11 +52,11 @@ def _rank_from_env() -> int:
 
 
 def _check_inputs(config, backend, **what) -> None:
-    """:func:`~dapo_megatron.trainer.input_checks.check_run_inputs` on rank 0; its error is raised on every rank."""
+    """:func:`~dapo_megatron.run.input_checks.check_run_inputs` on rank 0; its error is raised on every rank."""
     import torch.distributed as dist
 
     from dapo_megatron.rank_zero import run_on_rank0
-    from dapo_megatron.trainer.input_checks import check_run_inputs
+    from dapo_megatron.run.input_checks import check_run_inputs
 
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     run_on_rank0(lambda: check_run_inputs(config, world_size=world_size, backend=backend, **what),
@@ -79,7 +79,7 @@ def _init_distributed(config):
 
     from dapo_megatron.backend import select_backend
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.sglang_gpus import trainer_nccl_env
+    from dapo_megatron.rollout.sglang.gpus import trainer_nccl_env
 
     os.environ.update(trainer_nccl_env(config, cuda_available=torch.cuda.is_available()))  # before any NCCL group
     p = config.parallel
@@ -91,8 +91,8 @@ def _init_distributed(config):
 def cmd_prepare_tiny(args: argparse.Namespace) -> int:
     from dapo_megatron.launch_env import LaunchError, launch_env
     from dapo_megatron.tiny_model import prepare_tiny_model
-    from dapo_megatron.trainer.model_source import tiny_model_dir
-    from dapo_megatron.trainer.run_lock import RunLock
+    from dapo_megatron.run.model_source import tiny_model_dir
+    from dapo_megatron.run.lock import RunLock
 
     config = load_config(args.config, args.overrides)
     if launch_env().world_size > 1:
@@ -115,8 +115,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dapo_megatron.platform import destroy_distributed
     from dapo_megatron.rank_zero import run_on_rank0
     from dapo_megatron.trainer.loop import DAPOTrainer
-    from dapo_megatron.trainer.model_source import prepare_initial_model
-    from dapo_megatron.trainer.run_directory import claim_run_directory
+    from dapo_megatron.run.model_source import prepare_initial_model
+    from dapo_megatron.run.directory import claim_run_directory
 
     rank = _rank_from_env()
     _setup_logging(rank)
@@ -184,7 +184,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from dapo_megatron.trainer.plot import plot_run
+    from dapo_megatron.metrics.plot import plot_run
 
     out = plot_run(args.run_dir, args.out)
     print(f"wrote {out}")
@@ -193,7 +193,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from dapo_megatron.policy.plan_report import plan_report
-    from dapo_megatron.trainer.model_source import model_spec_for_plan
+    from dapo_megatron.run.model_source import model_spec_for_plan
 
     config = load_config(args.config, args.overrides)
     spec, origin = model_spec_for_plan(config)

@@ -18,12 +18,12 @@ model       4     a model folder without weights, with a truncated/corrupted fil
 checkpoint  5     a checkpoint path that is not a (complete, loadable) checkpoint
                   (:class:`dapo_megatron.checkpoint.CheckpointError`)
 server      6     an SGLang server that is missing, dies for good, or answers something unusable
-                  (:class:`ServerError`, :class:`dapo_megatron.rollout.sglang_client.SGLangServerError`)
+                  (:class:`ServerError`, :class:`dapo_megatron.rollout.sglang.client.SGLangServerError`)
 launch      7     a process layout that does not fit the config (world size vs TP×PP, a taken rendezvous port)
                   (:class:`dapo_megatron.launch_env.LaunchError`)
 =========== ===== ========================================================================================
 
-``train`` stopped by a signal has codes of its own (75, 130, 143: dapo_megatron.trainer.stop_signals).
+``train`` stopped by a signal has codes of its own (75, 130, 143: dapo_megatron.run.stop_signals).
 
 The same codes on every launch path: a plain process, each torchrun worker and each srun task exits with it
 (an error found on rank 0 inside :func:`dapo_megatron.rank_zero.run_on_rank0` reaches every rank with its kind).

@@ -21,7 +21,7 @@
 #      torchvision ops (nms, roi_align, ...) stay unavailable, which no text model needs.
 # The installer is uv at the version constraints/cpu.txt pins (installed into the environment by its pip if absent).
 #
-# The server additionally needs, at run time (set by dapo_megatron.rollout.sglang_server, not here):
+# The server additionally needs, at run time (set by dapo_megatron.rollout.sglang.server, not here):
 # SGLANG_USE_CPU_ENGINE=1 and the `sgl_kernel` stand-in of dapo_megatron/cpu/sglang on PYTHONPATH.
 #
 # Idempotent: when sglang, its CPU requirements and an importable torchvision are already present it

@@ -279,7 +279,7 @@ def _serve(args: argparse.Namespace) -> None:
     if env.get("MASTER_ADDR"):
         gloo_interface = _project_module("dapo_megatron.host_address").pin_gloo_interface(env["MASTER_ADDR"], env)
     if args.nccl_weight_sync:
-        env.update(_project_module("dapo_megatron.rollout.sglang_gpus").NCCL_CUMEM_OFF)
+        env.update(_project_module("dapo_megatron.rollout.sglang.gpus").NCCL_CUMEM_OFF)
     port = args.base_port + local_id
     argv = server_argv(args.server_cmd, model_path=args.model_path, host=args.bind_host, port=port,
                        api_key=read_api_key(args.api_key_file), tp=args.tp, dtype=args.dtype,
@@ -347,8 +347,8 @@ def server_settings_from_config(config_path: str, overrides: list[str], *, gpus_
     if config.model.source != "hf" or not config.model.hf_path:
         raise PlanError(f"{config_path}: SGLang servers load an HF folder, so the config needs model.source = hf "
                         f"and model.hf_path (got source={config.model.source!r}); or set SGLANG_MODEL_PATH")
-    served_dtype = _project_module("dapo_megatron.rollout.sglang_server").served_dtype
-    nccl = _project_module("dapo_megatron.rollout.sglang_gpus").nccl_carries_weights(
+    served_dtype = _project_module("dapo_megatron.rollout.sglang.server").served_dtype
+    nccl = _project_module("dapo_megatron.rollout.sglang.gpus").nccl_carries_weights(
         config.rollout.sglang.transport, "cuda" if gpus_per_node else "cpu")
     return {"MODEL_PATH": config.model.hf_path, "SERVER_DTYPE": served_dtype(config.model.precision),
             "SERVER_NCCL_WEIGHT_SYNC": str(int(nccl))}

@@ -21,9 +21,9 @@ from tiny_models import build_tiny_qwen2, hf_greedy
 
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
-from dapo_megatron.rollout.sglang_client import SGLangClient
-from dapo_megatron.rollout.sglang_engine import SGLangEngine
-from dapo_megatron.rollout.sglang_server import require_sglang
+from dapo_megatron.rollout.sglang.client import SGLangClient
+from dapo_megatron.rollout.sglang.engine import SGLangEngine
+from dapo_megatron.rollout.sglang.server import require_sglang
 
 SERVER_PYTHON = os.environ.get("DAPO_SGLANG_PYTHON", sys.executable)
 # The configured bound on one request; every legitimate request of the tests takes a few seconds.

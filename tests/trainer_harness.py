@@ -16,7 +16,7 @@ def build_trainer(overrides: list[str], config_path: str | Path = REPO / "exampl
     from dapo_megatron.config import load_config
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.trainer.loop import DAPOTrainer
-    from dapo_megatron.trainer.model_source import prepare_initial_model
+    from dapo_megatron.run.model_source import prepare_initial_model
 
     config = load_config(config_path, overrides)
     p = config.parallel
@@ -31,7 +31,7 @@ def run_trainer(overrides: list[str], config_path: str | Path = REPO / "examples
     import torch
     from megatron.core import parallel_state
 
-    from dapo_megatron.trainer.metrics import read_metrics
+    from dapo_megatron.metrics.writer import read_metrics
 
     trainer = build_trainer(overrides, config_path)
     before = {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}
@@ -55,7 +55,7 @@ def small_sglang_run(run_dir: str | Path) -> list[str]:
     """Overrides of examples/tiny_cpu_sglang.yaml for two quick DAPO steps at TP=2 on a real SGLang server (the
     server python: DAPO_SGLANG_PYTHON, default this one; the test skips when it has no SGLang)."""
     from dapo_megatron.rollout.engine import RolloutError
-    from dapo_megatron.rollout.sglang_server import require_sglang
+    from dapo_megatron.rollout.sglang.server import require_sglang
 
     python = os.environ.get("DAPO_SGLANG_PYTHON", sys.executable)
     try:

@@ -45,7 +45,7 @@ def main(workload_path: str, result_path: str) -> None:
 
     torch.set_num_threads(workload["threads"])
     from dapo_megatron import cli
-    from dapo_megatron.trainer.metrics import read_metrics
+    from dapo_megatron.metrics.writer import read_metrics
 
     run_dir = Path(result_path).parent / "dapo_run"
     code = cli.main(["train", str(REPO_ROOT / "examples" / "tiny_cpu.yaml"), *overrides(workload, run_dir)])

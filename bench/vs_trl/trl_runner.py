@@ -4,7 +4,7 @@
 
 Reads the workload the orchestrator wrote (model folder, prompts in step order, batch shape, optimizer settings),
 trains with TRL's DAPO loss and writes per-step times (wall and CPU), generated tokens and the peak RSS as JSON.
-The reward is dapo-megatron's own rule (``dapo_megatron.algorithm.reward``, pure Python), imported from the
+The reward is dapo-megatron's own rule (``dapo_megatron.reward.rule``, pure Python), imported from the
 repository so both systems score the same way.
 
 Phases, measured by subclassing the trainer (nothing in TRL is patched):
@@ -48,7 +48,7 @@ def main(workload_path: str, result_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from dapo_megatron.algorithm.reward import math_reward
+    from dapo_megatron.reward.rule import math_reward
 
     steps: list[dict] = []
     current: dict = {}

@@ -158,11 +158,11 @@ class SGLangConfig:
     request_timeout_s: float = 600.0
     max_restarts: int = 2
     # /generate requests in flight at once (each a prompt with its n samples); null: what the servers run at once,
-    # Σ over servers of ceil(SGLang's running-request limit / n) (dapo_megatron/rollout/sglang_pool.py)
+    # Σ over servers of ceil(SGLang's running-request limit / n) (dapo_megatron/rollout/sglang/pool.py)
     max_concurrent_requests: int | None = None
     # 0: /generate calls and their JSON parsing run in threads of rank 0's process (the GIL they hold slows the
     # kernel launches of rank 0, everyone's straggler); N > 0: in N worker processes of their own, which return
-    # compact arrays (dapo_megatron/rollout/sglang_reply_workers.py)
+    # compact arrays (dapo_megatron/rollout/sglang/reply_workers.py)
     reply_processes: int = 0
     extra_server_args: list[str] = field(default_factory=list)
     # distributed transport: the address of trainer rank 0 the servers dial; default: this host's address on the
@@ -176,7 +176,7 @@ class SGLangConfig:
 
 @dataclass
 class EmbeddedConfig:
-    """The in-process engine (``rollout.engine: embedded``, dapo_megatron/rollout/embedded.py): how it batches."""
+    """The in-process engine (``rollout.engine: embedded``, dapo_megatron/rollout/embedded/engine.py): how it batches."""
 
     max_batch_rows: int = 512  # most sample rows decoded together (a chunk)
     max_kv_cache_mb: float = 2048  # MiB of KV cache per chunk; chunks get fewer rows so rows x positions fit
@@ -197,7 +197,7 @@ class RolloutConfig:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     # sync: generate → train → hand off, one after the other (the paper). async: a background driver on rank 0 keeps
-    # generating the next steps' groups while the policy trains (dapo_megatron/trainer/async_collector.py).
+    # generating the next steps' groups while the policy trains (dapo_megatron/collectors/asynchronous.py).
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 1  # async: a group trains only while policy version − its oldest token's version <= this
     partial_rollouts: bool = True  # async: generations in flight at a weight update continue on the new weights
@@ -334,7 +334,7 @@ class TrainerConfig:
     save_every: int = 10  # 0: only at the end
     keep_checkpoints: int = 3  # of this run, the newest; 0: every one
     tensorboard: bool = True  # false removes tensorboard from `loggers`
-    # Where the scalars go besides metrics.jsonl (dapo_megatron/trainer/loggers.py); wandb and mlflow are extras:
+    # Where the scalars go besides metrics.jsonl (dapo_megatron/metrics/loggers.py); wandb and mlflow are extras:
     # pip install 'dapo-megatron[wandb]' / '[mlflow]'.
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
     wandb: WandbConfig = field(default_factory=WandbConfig)

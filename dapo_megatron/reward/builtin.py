@@ -1,6 +1,6 @@
 """The built-in DAPO math rule in verl's per-sample form, for :class:`~dapo_megatron.reward.pool.RewardPool`'s worker
 processes (``reward.builtin_in_workers``): the same rule the trainer runs in its own process by default
-(:func:`dapo_megatron.algorithm.reward.math_reward`), moved off trainer rank 0.
+(:func:`dapo_megatron.reward.rule.math_reward`), moved off trainer rank 0.
 
 Why it matters on a GPU: in rank 0's process the rule holds the GIL while rank 0 launches its TP/PP kernels, so
 every other rank waits on it, and math-verify's per-answer timeout (``signal.alarm``) only works in a main thread,
@@ -12,7 +12,7 @@ match, :func:`dapo_math_with_math_verify` adds the symbolic fallback (``algorith
 
 from __future__ import annotations
 
-from dapo_megatron.algorithm.reward import math_reward
+from dapo_megatron.reward.rule import math_reward
 
 TARGETS = {False: f"{__name__}:dapo_math", True: f"{__name__}:dapo_math_with_math_verify"}
 

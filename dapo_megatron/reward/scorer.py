@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from dapo_megatron.algorithm.reward import math_reward
+from dapo_megatron.reward.rule import math_reward
 from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.reward import builtin
 from dapo_megatron.reward.format import FormatReward

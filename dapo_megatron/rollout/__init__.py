@@ -1,8 +1,7 @@
-"""Rollout engines: the interface every engine implements (:mod:`.engine`).
-
-The engines are imported from their own modules — :mod:`dapo_megatron.rollout.embedded` (in-process) and
-:mod:`dapo_megatron.rollout.sglang_engine` (SGLang servers) — or built from the run config by
-:func:`dapo_megatron.rollout.factory.build_rollout_engine`, so that importing this package loads neither.
+"""Rollout engines, one interface (:mod:`.engine`): the SGLang servers (:mod:`.sglang`) and the in-process engine
+(:mod:`.embedded`), built from the run config by :func:`dapo_megatron.rollout.factory.build_rollout_engine`.
+Shared by both: next-token sampling math (:mod:`.sampling`), the streamed-request book (:mod:`.request_book`), and
+colocated placement on the trainer's GPUs (:mod:`.placement`). Importing this package loads neither engine.
 """
 
 from dapo_megatron.rollout.engine import (

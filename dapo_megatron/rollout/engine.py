@@ -2,9 +2,9 @@
 
 Two engines implement it:
 
-* :class:`dapo_megatron.rollout.embedded.EmbeddedEngine` — in-process sampling on an HF-format copy of the
+* :class:`dapo_megatron.rollout.embedded.engine.EmbeddedEngine` — in-process sampling on an HF-format copy of the
   policy (the CPU default, no server);
-* :class:`dapo_megatron.rollout.sglang_engine.SGLangEngine` — SGLang servers launched here or attached by URL
+* :class:`dapo_megatron.rollout.sglang.engine.SGLangEngine` — SGLang servers launched here or attached by URL
   (the production path).
 
 Both receive new weights the same way: the buckets of ``(hf_name, tensor)`` pairs the Megatron-side exporter
@@ -18,7 +18,7 @@ Two ways to generate, both offered by both engines:
   background; :meth:`~RolloutEngine.poll` returns requests as soon as all their samples are done;
   :meth:`~RolloutEngine.abort` stops requests at their next token (they come back from ``poll`` with
   ``finish_reason == "abort"`` and the tokens generated so far, which the caller counts as wasted). The async
-  rollout driver (:mod:`dapo_megatron.trainer.async_collector`) is built on it.
+  rollout driver (:mod:`dapo_megatron.collectors.asynchronous`) is built on it.
 
 Weight updates and versions. :meth:`~RolloutEngine.update_weights` may be called while streamed requests are in
 flight (from another thread than the one polling). They are paused between two tokens, the engine swaps the

@@ -9,8 +9,8 @@ from dapo_megatron.backend import Backend
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.hf_format import load_hf_config
 from dapo_megatron.rollout.engine import RolloutEngine
-from dapo_megatron.rollout.sglang_engine import SGLangEngine
-from dapo_megatron.rollout.sglang_server import served_dtype
+from dapo_megatron.rollout.sglang.engine import SGLangEngine
+from dapo_megatron.rollout.sglang.server import served_dtype
 
 
 def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | Path, backend: Backend
@@ -23,7 +23,7 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
     if r.engine == "embedded":
         # Import cost: the in-process engine loads transformers' model classes (0.47 s on top of torch and
         # transformers, measured with `python -X importtime`), which a run on SGLang servers never uses.
-        from dapo_megatron.rollout.embedded import EmbeddedEngine
+        from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
         return EmbeddedEngine(load_hf_config(hf_dir), r.embedded, host_compute=backend.host_compute)
     return SGLangEngine(r.sglang, model_path=hf_dir, run_dir=Path(run_dir) / "sglang",

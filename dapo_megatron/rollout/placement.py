@@ -40,9 +40,9 @@ from typing import Any, Literal
 
 from dapo_megatron.config import ConfigError, SGLangConfig
 from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.rollout.sglang_client import SGLangServerError
-from dapo_megatron.rollout.sglang_gpus import server_gpu_ranges
-from dapo_megatron.rollout.sglang_server import MEMORY_SAVER_FLAG
+from dapo_megatron.rollout.sglang.client import SGLangServerError
+from dapo_megatron.rollout.sglang.gpus import server_gpu_ranges
+from dapo_megatron.rollout.sglang.server import MEMORY_SAVER_FLAG
 
 Placement = Literal["separate", "colocated"]
 

@@ -22,14 +22,14 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from dapo_megatron.algorithm import math_reward
+from dapo_megatron.reward.rule import math_reward
 from dapo_megatron.config import DAPOConfig, WarmStartConfig
 from dapo_megatron.data.prompts import PromptRecord, build_prompt_records
 from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic import make_split
-from dapo_megatron.rollout.embedded import EmbeddedEngine
+from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
-from dapo_megatron.rollout.named_tensors import checkpoint_targets
+from dapo_megatron.rollout.embedded.named_tensors import checkpoint_targets
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from dapo_megatron.reward.response_text import grouped_response_texts
 from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
 from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
 from dapo_megatron.rollout.factory import build_rollout_engine
-from dapo_megatron.trainer.model_source import initial_model_dir, load_tokenizer
-from dapo_megatron.trainer.task import eval_prompts
+from dapo_megatron.run.model_source import initial_model_dir, load_tokenizer
+from dapo_megatron.data.task import eval_prompts
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
 EVAL_SEED = 1_234_567  # fixed: every evaluation of a run samples with the same seed, so curves are comparable

@@ -5,8 +5,8 @@ SGLang servers are called from it); the other ranks wait for its batch in a broa
 
 1. sample a batch of prompts (:mod:`dapo_megatron.data.sampler`), on rank 0;
 2. generate G responses per prompt (:mod:`dapo_megatron.rollout`);
-3. reward them: exact-match ±1 (:mod:`dapo_megatron.algorithm.reward`) or your reward (:mod:`dapo_megatron.reward`),
-   plus the soft overlong punishment (``algorithm/overlong.py``) and, when on, the soft format bonus;
+3. reward them: exact-match ±1 (:mod:`dapo_megatron.reward.rule`) or your reward (:mod:`dapo_megatron.reward`),
+   plus the soft overlong punishment (``reward/overlong.py``) and, when on, the soft format bonus;
 4. filter and buffer: keep groups with mixed outcomes until the batch is full or the generation-round cap is hit
    (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank
    as packed tensors (:mod:`.rollout_batch`);
@@ -51,20 +51,20 @@ from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.factory import build_rollout_engine
-from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
+from dapo_megatron.collectors.asynchronous import AsyncRolloutCollector
 from dapo_megatron.trainer.colocation import Colocation
 from dapo_megatron.trainer.evaluate import evaluate
-from dapo_megatron.trainer.loggers import build_loggers
-from dapo_megatron.trainer.metrics import MetricsWriter
-from dapo_megatron.trainer.model_source import load_tokenizer
+from dapo_megatron.metrics.loggers import build_loggers
+from dapo_megatron.metrics.writer import MetricsWriter
+from dapo_megatron.run.model_source import load_tokenizer
 from dapo_megatron.trainer.policy_update import PolicyUpdate
-from dapo_megatron.trainer.rollout_batch import hand_over_rollouts
-from dapo_megatron.trainer.rollout_collector import RolloutCollector
-from dapo_megatron.trainer.run_config import record_start
-from dapo_megatron.trainer.step_metrics import StepTimer, policy_metrics, step_metrics, summary_line
-from dapo_megatron.trainer.stop_signals import StopSignals
-from dapo_megatron.trainer.task import eval_prompts, train_sampler
-from dapo_megatron.trainer.training_progress import WARN_AFTER_STEPS, TrainingProgress
+from dapo_megatron.collectors.batch import hand_over_rollouts
+from dapo_megatron.collectors.sync import RolloutCollector
+from dapo_megatron.run.config_record import record_start
+from dapo_megatron.metrics.step import StepTimer, policy_metrics, step_metrics, summary_line
+from dapo_megatron.run.stop_signals import StopSignals
+from dapo_megatron.data.task import eval_prompts, train_sampler
+from dapo_megatron.run.progress import WARN_AFTER_STEPS, TrainingProgress
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 
 class DAPOTrainer:
     """Every rank builds one, after ``init_distributed``, from the run config, the HF folder the policy starts from
-    (:func:`dapo_megatron.trainer.model_source.prepare_initial_model`) and the platform's backend."""
+    (:func:`dapo_megatron.run.model_source.prepare_initial_model`) and the platform's backend."""
 
     def __init__(self, config: DAPOConfig, model_dir: str | Path, backend: Backend, *, resume: bool = False,
                  stop: StopSignals | None = None):

@@ -36,8 +36,8 @@ from dapo_megatron.config import DAPOConfig
 from dapo_megatron.policy.actor import Actor, PolicyLogProbs
 from dapo_megatron.policy.moe_routing import RecordedRouting
 from dapo_megatron.policy.packing import PolicySample
-from dapo_megatron.trainer.rollout_group import RolloutGroup
-from dapo_megatron.trainer.step_metrics import StepTimer
+from dapo_megatron.collectors.group import RolloutGroup
+from dapo_megatron.metrics.step import StepTimer
 
 Progress = Callable[[list], Iterable]
 

@@ -23,7 +23,7 @@ from tiny_qwen3 import EVEN_EXPERTS, ODD_EXPERTS, tiny_qwen3_moe_config
 from dapo_megatron.config import AlgorithmConfig, ModelConfig, MoEConfig, OptimConfig, load_config
 from dapo_megatron.policy.moe_routing import moe_routers
 from dapo_megatron.trainer.policy_update import PolicyUpdate
-from dapo_megatron.trainer.rollout_group import RolloutGroup
+from dapo_megatron.collectors.group import RolloutGroup
 
 TINY_MOE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu_moe.yaml"
 VOCAB = 101

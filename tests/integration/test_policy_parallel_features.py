@@ -244,7 +244,7 @@ class StageFileReceiver:
 def _stagewise_engine(hf_config, directory: str, failing_stage: int | None = None):
     """The embedded engine, receiving one stream per stage through :class:`StageFileReceiver`; the commit loads the
     stage files into its weights."""
-    from dapo_megatron.rollout.embedded import EmbeddedEngine
+    from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
     class StagewiseEngine(EmbeddedEngine):
         writers: list[int] = []
@@ -266,7 +266,7 @@ def routes_job(hf_dir, out_dir):
     from dapo_megatron.handoff.stage_routes import stage_broadcast_groups
     from dapo_megatron.hf_format import load_hf_config
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.embedded import EmbeddedEngine
+    from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
     from dapo_megatron.trainer.weight_sync import StageStreamError, sync_engine_weights
 
     init_distributed(1, 2)

@@ -21,10 +21,10 @@ from tiny_qwen3 import build_tiny_qwen3_folder
 
 from dapo_megatron.config import OptimConfig, SGLangConfig
 from dapo_megatron.hf_format import load_hf_config
-from dapo_megatron.rollout.embedded import EmbeddedEngine
+from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
-from dapo_megatron.rollout.sglang_engine import SGLangEngine
-from dapo_megatron.rollout.sglang_server import require_sglang
+from dapo_megatron.rollout.sglang.engine import SGLangEngine
+from dapo_megatron.rollout.sglang.server import require_sglang
 
 pytestmark = pytest.mark.slow
 GREEDY_TOKENS = 12

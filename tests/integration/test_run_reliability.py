@@ -20,7 +20,7 @@ from cli_runs import REPO, TINY, check_run, cli_command, cli_env, read_run_metri
 from test_user_errors import assert_one_line_error
 
 from dapo_megatron.checkpoint import checkpoint_problems, list_checkpoints
-from dapo_megatron.trainer.stop_signals import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE
+from dapo_megatron.run.stop_signals import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

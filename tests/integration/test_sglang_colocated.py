@@ -22,8 +22,8 @@ from tiny_models import load_hf_model, perturbed_state_dict, sample_prompts
 
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.placement import ServerMemory, ServerMemoryError
-from dapo_megatron.rollout.sglang_client import SGLangClient, SGLangServerError
-from dapo_megatron.rollout.sglang_engine import SGLangEngine
+from dapo_megatron.rollout.sglang.client import SGLangClient, SGLangServerError
+from dapo_megatron.rollout.sglang.engine import SGLangEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 torch.set_num_threads(1)

@@ -53,7 +53,7 @@ class RecordingEngine:
 
 
 def _served_now(engine, key: str, prompts) -> dict:
-    from dapo_megatron.rollout.sglang_client import SGLangClient
+    from dapo_megatron.rollout.sglang.client import SGLangClient
 
     client = SGLangClient(engine.server_urls[0], key, 30)
     return {"served_version": int(client.served_weight_version()),
@@ -62,7 +62,7 @@ def _served_now(engine, key: str, prompts) -> dict:
 
 def _attach(url: str, key_file: str, transport: str, weight_dir: str, model_dir: str):
     from dapo_megatron.config import SGLangConfig
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.sglang.engine import SGLangEngine
 
     config = SGLangConfig(urls=[url], api_key_file=key_file, transport=transport, weight_dir=weight_dir,
                           request_timeout_s=REQUEST_TIMEOUT_S)

@@ -31,9 +31,9 @@ from tiny_models import load_hf_model, perturbed_state_dict, sample_prompts
 
 from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
-from dapo_megatron.rollout.sglang_client import SGLangClient
-from dapo_megatron.rollout.sglang_engine import SGLangEngine
-from dapo_megatron.rollout.sglang_pool import concurrent_requests, server_capacity
+from dapo_megatron.rollout.sglang.client import SGLangClient
+from dapo_megatron.rollout.sglang.engine import SGLangEngine
+from dapo_megatron.rollout.sglang.pool import concurrent_requests, server_capacity
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 torch.set_num_threads(1)

@@ -18,8 +18,8 @@ from tiny_models import TinyQwen2Spec, build_tiny_qwen2, hf_greedy, load_hf_mode
 
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.engine import GenerationRequest, RolloutError, SamplingParams
-from dapo_megatron.rollout.sglang_engine import SGLangEngine
-from dapo_megatron.rollout.sglang_server import require_sglang
+from dapo_megatron.rollout.sglang.engine import SGLangEngine
+from dapo_megatron.rollout.sglang.server import require_sglang
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 torch.set_num_threads(1)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dapo_megatron.config import SGLangConfig
-from dapo_megatron.rollout.sglang_server import SGLangServerProcess, find_free_port
-from dapo_megatron.rollout.sglang_transports import open_sender_group
+from dapo_megatron.rollout.sglang.server import SGLangServerProcess, find_free_port
+from dapo_megatron.rollout.sglang.transports import open_sender_group
 
 TORCHRUN = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_RUN_ID": "none",
             "TORCHELASTIC_MAX_RESTARTS": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}

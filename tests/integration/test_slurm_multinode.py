@@ -161,7 +161,7 @@ class ServerProbe:
         self.job, self.run_dir, self.client = job, run_dir, None
 
     def connect(self):
-        from dapo_megatron.rollout.sglang_client import SGLangClient
+        from dapo_megatron.rollout.sglang.client import SGLangClient
 
         if self.client is None:
             match = re.search(r"SGLang server\(s\) \(TP \d+\) on \S+: (\[.*\])", self.job.output())

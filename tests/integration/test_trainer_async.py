@@ -66,7 +66,7 @@ def _env() -> dict:
 
 @pytest.mark.slow
 def test_async_sigkill_then_resume_loses_no_prompt(tmp_path):
-    from dapo_megatron.trainer.metrics import read_metrics
+    from dapo_megatron.metrics.writer import read_metrics
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(_cli(run_dir), env=_env(), cwd=REPO, start_new_session=True,

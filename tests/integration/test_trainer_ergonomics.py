@@ -15,7 +15,7 @@ from logger_readers import mlflow_history, wandb_offline_history
 
 from dapo_megatron.data.dapo_math import write_jsonl
 from dapo_megatron.data.synthetic import make_split
-from dapo_megatron.trainer.loggers import IDS_FILE, mlflow_metric_name
+from dapo_megatron.metrics.loggers import IDS_FILE, mlflow_metric_name
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ OVERRIDES = ["warm_start.enabled=false", "data.synthetic.num_train=200", "data.s
 
 
 def _stream_breaking_engine(hf_config):
-    from dapo_megatron.rollout.embedded import EmbeddedEngine
+    from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
     class StreamBreakingEngine(EmbeddedEngine):
         """The embedded engine, whose incoming weights stop after a few tensors, as when a server connection drops."""

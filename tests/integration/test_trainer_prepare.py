@@ -69,7 +69,7 @@ def _prepare_on_every_rank(run_dir: str, not_a_dir: str) -> dict:
     from dapo_megatron.config import load_config
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.rank_zero import Rank0Error
-    from dapo_megatron.trainer.model_source import prepare_initial_model
+    from dapo_megatron.run.model_source import prepare_initial_model
 
     init_distributed(timeout_s=120)
     try:

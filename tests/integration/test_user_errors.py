@@ -103,7 +103,7 @@ def test_training_memory_check_compares_the_estimate_with_what_is_there():
     from dapo_megatron.config import ConfigError, load_config
     from dapo_megatron.policy.model_spec import model_spec_from_hf
     from dapo_megatron.policy.shapes import published_hf_config
-    from dapo_megatron.trainer.input_checks import check_training_memory
+    from dapo_megatron.run.input_checks import check_training_memory
 
     config = load_config(TINY, ["model.source=hf", "model.hf_path=/models/Qwen2.5-0.5B", "model.precision=bf16"])
     spec = model_spec_from_hf(published_hf_config("Qwen2.5-0.5B"))

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from dapo_megatron.algorithm import group_advantages, math_reward, overlong_filter_mask, overlong_penalty, policy_loss
+from dapo_megatron.algorithm import group_advantages, policy_loss
+from dapo_megatron.reward.overlong import overlong_filter_mask, overlong_penalty
+from dapo_megatron.reward.rule import math_reward
 
 torch.set_num_threads(1)
 

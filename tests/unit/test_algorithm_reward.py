@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from dapo_megatron.algorithm import RewardResult, math_reward, normalize_answer
+from dapo_megatron.reward.rule import RewardResult, math_reward, normalize_answer
 
 torch.set_num_threads(1)
 

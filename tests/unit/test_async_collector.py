@@ -23,9 +23,9 @@ from dapo_megatron.config import load_config
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.reward.scorer import RewardScorer
-from dapo_megatron.rollout.embedded import EmbeddedEngine
+from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.trainer.async_collector import AsyncRolloutCollector
+from dapo_megatron.collectors.asynchronous import AsyncRolloutCollector
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 BATCH = 4

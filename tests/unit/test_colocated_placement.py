@@ -26,9 +26,9 @@ from dapo_megatron.rollout.placement import (
     colocated_gpu_ranges,
     uses_memory_saver,
 )
-from dapo_megatron.rollout.sglang_client import SGLangServerError
-from dapo_megatron.rollout.sglang_pool import ServerPool
-from dapo_megatron.rollout.sglang_server import MEMORY_SAVER_FLAG, SGLangServerProcess
+from dapo_megatron.rollout.sglang.client import SGLangServerError
+from dapo_megatron.rollout.sglang.pool import ServerPool
+from dapo_megatron.rollout.sglang.server import MEMORY_SAVER_FLAG, SGLangServerProcess
 from dapo_megatron.trainer.colocation import Colocation
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from dapo_megatron.data.folders import StreamedPrompts, folder_dataset
 from dapo_megatron.data.mixture import MixtureSampler, MixtureSource
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.data.tokenizer import build_tiny_tokenizer
-from dapo_megatron.trainer.task import check_training_data, train_sampler
+from dapo_megatron.data.task import check_training_data, train_sampler
 from dapo_megatron.user_errors import DataError
 
 MINIMAL = ["model.source=tiny", "data.source=dapo_math", "data.max_prompt_length=4096"]

@@ -14,8 +14,8 @@ from dapo_megatron.backend import select_backend
 from dapo_megatron.config import ConfigError, load_config
 from dapo_megatron.policy.model_spec import model_spec_from_hf
 from dapo_megatron.policy.shapes import published_hf_config
-from dapo_megatron.rollout.embedded_memory import embedded_engine_bytes, embedded_parameters
-from dapo_megatron.trainer.input_checks import check_embedded_engine_memory
+from dapo_megatron.rollout.embedded.memory import embedded_engine_bytes, embedded_parameters
+from dapo_megatron.run.input_checks import check_embedded_engine_memory
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 GIB = 2**30
@@ -69,7 +69,7 @@ def test_train_and_eval_check_it_with_the_model_folder(monkeypatch):
     available memory is replaced by one that cannot hold a 32B copy."""
     import psutil
 
-    from dapo_megatron.trainer import input_checks
+    from dapo_megatron.run import input_checks
 
     spec = model_spec_from_hf(published_hf_config("Qwen2.5-32B"))
     monkeypatch.setattr(input_checks, "check_user_model", lambda config: spec)

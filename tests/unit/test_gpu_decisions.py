@@ -220,7 +220,7 @@ def test_handoff_route_and_stage_sources():
 def test_embedded_engine_takes_one_stream_on_rank0():
     from transformers import Qwen2Config
 
-    from dapo_megatron.rollout.embedded import EmbeddedEngine
+    from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=2))

@@ -14,8 +14,8 @@ import pytest
 
 from dapo_megatron.config import ConfigError, load_config
 from dapo_megatron.data.dapo_math import load_dapo_math, write_jsonl, write_parquet
-from dapo_megatron.trainer.input_checks import check_data_files
-from dapo_megatron.trainer.metrics import MetricsWriter, read_metrics
+from dapo_megatron.run.input_checks import check_data_files
+from dapo_megatron.metrics.writer import MetricsWriter, read_metrics
 from dapo_megatron.user_errors import DataError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from dapo_megatron.backend import select_backend
 from dapo_megatron.config import ConfigError, EmbeddedConfig, load_config
 from dapo_megatron.rollout import RolloutError, SamplingParams
-from dapo_megatron.rollout.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill
-from dapo_megatron.rollout.embedded import NO_WEIGHTS_VERSION, EmbeddedEngine
+from dapo_megatron.rollout.embedded.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill
+from dapo_megatron.rollout.embedded.engine import NO_WEIGHTS_VERSION, EmbeddedEngine
 from dapo_megatron.rollout.factory import build_rollout_engine
-from dapo_megatron.rollout.lean_decode import LeanDecoder, ModelDecodeStep
-from dapo_megatron.rollout.named_tensors import checkpoint_targets
+from dapo_megatron.rollout.embedded.lean_decode import LeanDecoder, ModelDecodeStep
+from dapo_megatron.rollout.embedded.named_tensors import checkpoint_targets
 
 VOCAB = 101
 

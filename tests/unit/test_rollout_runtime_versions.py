@@ -1,4 +1,4 @@
-"""The torch/NCCL check before the distributed weight-update group forms (dapo_megatron/rollout/runtime_versions.py)."""
+"""The torch/NCCL check before the distributed weight-update group forms (dapo_megatron/rollout/sglang/runtime_versions.py)."""
 
 import stat
 import sys
@@ -6,15 +6,15 @@ import sys
 import pytest
 import torch
 
-from dapo_megatron.rollout.runtime_versions import (
+from dapo_megatron.rollout.sglang.runtime_versions import (
     RuntimeMismatchError,
     RuntimeVersions,
     local_versions,
     python_versions,
     require_same_runtime,
 )
-from dapo_megatron.rollout.sglang_client import SGLangServerError
-from dapo_megatron.rollout.sglang_transports import DistributedTransport, ServerTarget
+from dapo_megatron.rollout.sglang.client import SGLangServerError
+from dapo_megatron.rollout.sglang.transports import DistributedTransport, ServerTarget
 from dapo_megatron.user_errors import EXIT_CODES
 
 # The pair issue 23 met: the trainer on torch 2.13.0, SGLang 0.5.23's environment on torch 2.14.1.

@@ -23,7 +23,7 @@ from tiny_models import hf_greedy
 
 from dapo_megatron.config import EmbeddedConfig
 from dapo_megatron.rollout.engine import GenerationRequest, SamplingParams
-from dapo_megatron.rollout.weight_gate import WeightGate
+from dapo_megatron.rollout.embedded.weight_gate import WeightGate
 
 WAIT_S = 60.0
 

@@ -1,4 +1,4 @@
-"""What a resumed run may change, and the record of its configs (dapo_megatron/trainer/run_config.py)."""
+"""What a resumed run may change, and the record of its configs (dapo_megatron/run/config_record.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dapo_megatron.config import ConfigError, config_to_dict, load_config
-from dapo_megatron.trainer.run_config import check_resume_config, record_start
+from dapo_megatron.run.config_record import check_resume_config, record_start
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 

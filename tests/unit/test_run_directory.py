@@ -1,4 +1,4 @@
-"""The run directory's lock and who may start a run in it (dapo_megatron/trainer/run_lock.py, run_directory.py):
+"""The run directory's lock and who may start a run in it (dapo_megatron/run/lock.py, run_directory.py):
 real processes for liveness and for racing newcomers, lock files of another host for the heartbeat path."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.config import ConfigError
-from dapo_megatron.trainer.run_directory import claim_run_directory, existing_run
-from dapo_megatron.trainer.run_lock import LOCK_FILE, RunLock, _process_start
+from dapo_megatron.run.directory import claim_run_directory, existing_run
+from dapo_megatron.run.lock import LOCK_FILE, RunLock, _process_start
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,7 +100,7 @@ def test_lock_of_another_host_is_alive_while_its_heartbeat_moves(tmp_path):
 def test_racing_processes_get_the_lock_one_at_a_time(tmp_path):
     """Six processes released at the same instant onto a free lock: exactly one holds it."""
     go = time.time() + 3
-    code = (f"import time, sys; from dapo_megatron.trainer.run_lock import RunLock\n"
+    code = (f"import time, sys; from dapo_megatron.run.lock import RunLock\n"
             f"time.sleep(max(0, {go} - time.time()))\n"
             f"try:\n    lock = RunLock(sys.argv[1]).acquire()\nexcept Exception:\n    print('busy'); sys.exit(0)\n"
             f"print('got', flush=True); time.sleep(2); lock.release()\n")

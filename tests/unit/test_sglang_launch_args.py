@@ -18,10 +18,10 @@ from dapo_megatron.backend import select_backend
 from dapo_megatron.config import ConfigError, SGLangConfig, load_config
 from dapo_megatron.launch_env import local_world_size
 from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.rollout.sglang_client import SGLangServerError
-from dapo_megatron.rollout.sglang_gpus import nccl_carries_weights, server_gpu_ranges, trainer_nccl_env
-from dapo_megatron.rollout.sglang_pool import ServerPool
-from dapo_megatron.rollout.sglang_server import SGLangServerProcess, served_dtype
+from dapo_megatron.rollout.sglang.client import SGLangServerError
+from dapo_megatron.rollout.sglang.gpus import nccl_carries_weights, server_gpu_ranges, trainer_nccl_env
+from dapo_megatron.rollout.sglang.pool import ServerPool
+from dapo_megatron.rollout.sglang.server import SGLangServerProcess, served_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -198,7 +198,7 @@ def _server_info(*limits):
 
 
 def test_requests_in_flight_fill_every_server_of_the_layout():
-    from dapo_megatron.rollout.sglang_pool import concurrent_requests, server_capacity
+    from dapo_megatron.rollout.sglang.pool import concurrent_requests, server_capacity
 
     capacities = [server_capacity(_server_info(2048), f"http://s{i}") for i in range(16)]  # the 32B layout's 16
     assert concurrent_requests(capacities, 16) == 16 * 128  # 128 prompts of 16 samples per server, not 64 in all

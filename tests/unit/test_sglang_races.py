@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from dapo_megatron.config import SGLangConfig
-from dapo_megatron.rollout.sglang_client import ServerFailure
-from dapo_megatron.rollout.sglang_engine import SGLangEngine
-from dapo_megatron.rollout.sglang_transports import DistributedTransport, ServerTarget
+from dapo_megatron.rollout.sglang.client import ServerFailure
+from dapo_megatron.rollout.sglang.engine import SGLangEngine
+from dapo_megatron.rollout.sglang.transports import DistributedTransport, ServerTarget
 
 WAIT_S = 10.0
 

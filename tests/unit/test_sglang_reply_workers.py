@@ -1,5 +1,5 @@
 """``rollout.sglang.reply_processes``: ``/generate`` calls and their parsing in worker processes
-(dapo_megatron/rollout/sglang_reply_workers.py), against a real HTTP server in this test that answers in SGLang
+(dapo_megatron/rollout/sglang/reply_workers.py), against a real HTTP server in this test that answers in SGLang
 0.5.23's wire format (the reply shape ``sglang_requests.streamed_samples`` parses), not a stand-in for our code.
 
 Who sent a ``/generate`` is read by the server while the call is open: the process owning the client end of the
@@ -22,10 +22,10 @@ import pytest
 
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.engine import GenerationRequest, RolloutError, SamplingParams
-from dapo_megatron.rollout.sglang_client import SGLangClient, ServerFailure, ServerReplyError
-from dapo_megatron.rollout.sglang_engine import SGLangEngine
-from dapo_megatron.rollout.sglang_reply_workers import ReplyWorkers
-from dapo_megatron.rollout.sglang_requests import build_stream_payload, streamed_samples
+from dapo_megatron.rollout.sglang.client import SGLangClient, ServerFailure, ServerReplyError
+from dapo_megatron.rollout.sglang.engine import SGLangEngine
+from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers
+from dapo_megatron.rollout.sglang.requests import build_stream_payload, streamed_samples
 
 
 def _output(prompt: list[int], index: int, length: int, streamed: bool) -> dict:
@@ -219,7 +219,7 @@ def test_close_leaves_no_worker_process_behind():
 
 
 def test_workers_exit_when_the_trainer_dies_without_closing_them():
-    script = ("from dapo_megatron.rollout.sglang_reply_workers import ReplyWorkers\n"
+    script = ("from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers\n"
               "import time\nworkers = ReplyWorkers(2, threads_per_process=1)\n"
               "print(*workers.pids, flush=True)\ntime.sleep(600)\n")
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,

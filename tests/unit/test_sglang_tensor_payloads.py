@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo_megatron.rollout import tensor_payloads
-from dapo_megatron.rollout.sglang_client import SGLangClient, tensor_update_body
-from dapo_megatron.rollout.sglang_transports import IPC_WINDOW_BUCKETS, ServerTarget, TensorTransport
-from dapo_megatron.rollout.tensor_payloads import (
+from dapo_megatron.rollout.sglang import tensor_payloads
+from dapo_megatron.rollout.sglang.client import SGLangClient, tensor_update_body
+from dapo_megatron.rollout.sglang.transports import IPC_WINDOW_BUCKETS, ServerTarget, TensorTransport
+from dapo_megatron.rollout.sglang.tensor_payloads import (
     DEVICE_ARGUMENT,
     BucketPayloads,
     serialize_by_reference,

@@ -23,16 +23,16 @@ from dapo_megatron.backend import select_backend
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
-from dapo_megatron.rollout.sglang_client import SGLangServerError
-from dapo_megatron.rollout.sglang_requests import (
+from dapo_megatron.rollout.sglang.client import SGLangServerError
+from dapo_megatron.rollout.sglang.requests import (
     build_generate_payload,
     finish_reason_from_sglang,
     per_sample_seed,
     samples_from_outputs,
 )
-from dapo_megatron.rollout.sglang_server import SGLangServerProcess, new_api_key, require_sglang
-from dapo_megatron.rollout.sglang_transports import DiskTransport
-from dapo_megatron.rollout.tensor_payloads import serialize_by_value
+from dapo_megatron.rollout.sglang.server import SGLangServerProcess, new_api_key, require_sglang
+from dapo_megatron.rollout.sglang.transports import DiskTransport
+from dapo_megatron.rollout.sglang.tensor_payloads import serialize_by_value
 
 torch.set_num_threads(1)
 
@@ -304,7 +304,7 @@ def test_server_command_follows_the_run_config_section(tmp_path):
 
 
 def test_api_key_comes_from_the_key_file(tmp_path):
-    from dapo_megatron.rollout.sglang_pool import read_api_key
+    from dapo_megatron.rollout.sglang.pool import read_api_key
 
     key_file = tmp_path / "key"
     key_file.write_text("secret\n")
@@ -313,7 +313,7 @@ def test_api_key_comes_from_the_key_file(tmp_path):
 
 
 def test_engine_rejects_a_folder_without_an_hf_config(tmp_path):
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.sglang.engine import SGLangEngine
 
     with pytest.raises(ValueError, match="no config.json"):
         SGLangEngine(SGLangConfig(), model_path=tmp_path)

@@ -1,4 +1,4 @@
-"""The stop-signal rules of dapo_megatron/trainer/stop_signals.py, with real signals sent to this process (the
+"""The stop-signal rules of dapo_megatron/run/stop_signals.py, with real signals sent to this process (the
 whole-run behaviour, with real `train` processes, is tests/integration/test_run_reliability.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from dapo_megatron.trainer.stop_signals import (
+from dapo_megatron.run.stop_signals import (
     STOPPED_EXIT_CODE,
     TERMINATED_EXIT_CODE,
     StopNow,

@@ -1,4 +1,4 @@
-"""Where the curves go (trainer/loggers.py): metrics.jsonl plus TensorBoard, W&B (offline) and MLflow (a local
+"""Where the curves go (metrics/loggers.py): metrics.jsonl plus TensorBoard, W&B (offline) and MLflow (a local
 store) holding the same scalars, the validation generations file, and a missing logger library named at start."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from cli_runs import REPO, TINY, cli_env
 from logger_readers import mlflow_history, wandb_offline_history
 
 from dapo_megatron.config import load_config
-from dapo_megatron.trainer.loggers import IDS_FILE, build_loggers, check_logger_libraries, mlflow_metric_name
-from dapo_megatron.trainer.metrics import MetricsWriter, read_metrics
+from dapo_megatron.metrics.loggers import IDS_FILE, build_loggers, check_logger_libraries, mlflow_metric_name
+from dapo_megatron.metrics.writer import MetricsWriter, read_metrics
 
 ROWS = [(0, {"val/all/acc/mean@1": 0.25, "val/all/acc/best@1": 0.25}),
         (1, {"critic/score/mean": -0.5, "actor/entropy": 1.25, "actor/pg_loss": float("nan"), "reward/errors": 0.0}),

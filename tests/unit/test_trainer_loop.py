@@ -12,10 +12,10 @@ from trainer_harness import run_trainer
 
 from dapo_megatron.config import load_config
 from dapo_megatron.rollout.engine import Sample
-from dapo_megatron.trainer.metrics import read_metrics
+from dapo_megatron.metrics.writer import read_metrics
 from dapo_megatron.trainer.policy_update import PolicyUpdate
 from dapo_megatron.reward.scorer import RewardScorer
-from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, score_groups
+from dapo_megatron.collectors.group import RolloutGroup, generation_seed, score_groups
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny_cpu.yaml"
@@ -155,7 +155,7 @@ def test_each_ablation_rung_changes_exactly_its_switch():
 
 
 def test_ablation_switches_reach_the_buffer():
-    from dapo_megatron.trainer.rollout_collector import RolloutCollector
+    from dapo_megatron.collectors.sync import RolloutCollector
 
     grpo, dapo = load_config(LADDER[0]), load_config(TINY)
 
@@ -186,7 +186,7 @@ def test_plot_writes_a_png(tmp_path):
     import subprocess
     import sys
 
-    from dapo_megatron.trainer.plot import panel_series
+    from dapo_megatron.metrics.plot import panel_series
 
     rows = [{"step": s, "critic/score/mean": -1 + s / 10, "rollout/acc/mean": s / 20, "actor/entropy": 0.5 - s / 50,
              "response_length/mean": 20 + s, "val/all/acc/mean@1": s / 25, "rollout/gen_prob/mean": 0.8 + s / 100,
@@ -214,7 +214,7 @@ def _train_then_reload_the_checkpoint(overrides: list[str]) -> dict:
 
     from trainer_harness import build_trainer
 
-    from dapo_megatron.rollout.embedded import EmbeddedEngine
+    from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
     from dapo_megatron.rollout.engine import SamplingParams
     from dapo_megatron.trainer.evaluate import checkpoint_engine
 

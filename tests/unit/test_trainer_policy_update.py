@@ -16,7 +16,7 @@ from spawn_ranks import run_distributed
 
 from dapo_megatron.config import OptimConfig, load_config
 from dapo_megatron.trainer.policy_update import PolicyUpdate
-from dapo_megatron.trainer.rollout_group import RolloutGroup
+from dapo_megatron.collectors.group import RolloutGroup
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 

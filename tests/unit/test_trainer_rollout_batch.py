@@ -1,4 +1,4 @@
-"""The rollout batch's way from rank 0 to every rank (dapo_megatron.trainer.rollout_batch): packed into a fixed set of
+"""The rollout batch's way from rank 0 to every rank (dapo_megatron.collectors.batch): packed into a fixed set of
 flat tensors plus a small object, unpacked into exactly the batch rank 0 made, and received by the other ranks of a
 real 2-rank gloo world while only rank 0 generates."""
 
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.rank_zero import Rank0Error
-from dapo_megatron.trainer.rollout_batch import hand_over_rollouts, pack_rollout_batch, unpack_rollout_batch
-from dapo_megatron.trainer.rollout_group import RolloutGroup
+from dapo_megatron.collectors.batch import hand_over_rollouts, pack_rollout_batch, unpack_rollout_batch
+from dapo_megatron.collectors.group import RolloutGroup
 
 
 def make_batch(seed: int, num_groups: int = 5) -> tuple[list[RolloutGroup], dict[str, float]]:
@@ -106,7 +106,7 @@ def test_inconsistent_groups_and_unknown_fields_are_refused(monkeypatch):
     class GroupWithMore(RolloutGroup):
         behaviour_logprobs: list | None = None
 
-    from dapo_megatron.trainer import rollout_batch
+    from dapo_megatron.collectors import batch as rollout_batch
 
     monkeypatch.setattr(rollout_batch, "RolloutGroup", GroupWithMore)
     with pytest.raises(TypeError, match="behaviour_logprobs"):

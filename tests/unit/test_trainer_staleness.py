@@ -13,8 +13,8 @@ import torch
 from dapo_megatron.algorithm import FilterStats
 from dapo_megatron.config import ConfigError, load_config
 from dapo_megatron.trainer.policy_update import PolicyUpdate, with_old_logprobs
-from dapo_megatron.trainer.rollout_group import RolloutGroup
-from dapo_megatron.trainer.step_metrics import rollout_metrics, staleness_of_batch
+from dapo_megatron.collectors.group import RolloutGroup
+from dapo_megatron.metrics.step import rollout_metrics, staleness_of_batch
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
@@ -138,8 +138,8 @@ def test_the_step_reads_a_handed_over_batch_without_walking_its_tokens(monkeypat
     """Issue 26, item 6: every rank holds the batch as tensors (rollout_batch); staleness, the correction's masks and
     the step's metrics must not turn them back into per-token Python values. Iterating a tensor raises here."""
     from dapo_megatron.policy.actor import PolicyLogProbs
-    from dapo_megatron.trainer.rollout_batch import pack_rollout_batch, unpack_rollout_batch
-    from dapo_megatron.trainer.step_metrics import policy_metrics
+    from dapo_megatron.collectors.batch import pack_rollout_batch, unpack_rollout_batch
+    from dapo_megatron.metrics.step import policy_metrics
 
     config = load_config(TINY, ["rollout.n_samples=2", "rollout.mode=async"])
     made = [_group(version=1, token_versions=[[1, 2, 2], [2, 2, 2]]), _group(version=2)]

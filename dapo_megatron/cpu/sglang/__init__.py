@@ -3,7 +3,7 @@
 SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports a handful of kernels from ``sgl_kernel`` at import
 time. ``sgl_kernel`` (PyPI: ``sglang-kernel``) only ships CUDA builds (sm90/sm100), so on a CPU-only machine
 the import fails before the server starts. This directory holds a stand-in ``sgl_kernel`` package; the SGLang
-server launcher (:mod:`dapo_megatron.rollout.sglang_server`) prepends :func:`server_pythonpath` to the
+server launcher (:mod:`dapo_megatron.rollout.sglang.server`) prepends :func:`server_pythonpath` to the
 server's ``PYTHONPATH`` when, and only when, the server runs with ``--device cpu``.
 
 Nothing here changes what SGLang computes: the stand-in's functions are the CPU kernels of speculative decoding

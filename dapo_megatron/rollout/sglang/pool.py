@@ -12,7 +12,7 @@ over the pool's life) from the model directory the engine says holds the weights
 one out of restarts, or one with no such directory is taken out of rotation and its requests go to the others.
 With no server left, :class:`RolloutError` is raised.
 
-Launched CUDA servers take the GPUs :func:`dapo_megatron.rollout.sglang_gpus.server_gpu_ranges` gives them (after the
+Launched CUDA servers take the GPUs :func:`dapo_megatron.rollout.sglang.gpus.server_gpu_ranges` gives them (after the
 trainer's, by default), or, colocated, the trainer's own (:func:`dapo_megatron.rollout.placement.colocated_gpu_ranges`,
 started with SGLang's memory saver). Launched servers run on this host; an attached one does when its URL names this
 host.
@@ -42,9 +42,9 @@ from dapo_megatron.config import SGLangConfig
 from dapo_megatron.launch_env import local_world_size
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.placement import Placement, check_attached_server, colocated_gpu_ranges, uses_memory_saver
-from dapo_megatron.rollout.sglang_client import ServerFailure, SGLangClient, SGLangServerError
-from dapo_megatron.rollout.sglang_gpus import server_gpu_ranges
-from dapo_megatron.rollout.sglang_server import (
+from dapo_megatron.rollout.sglang.client import ServerFailure, SGLangClient, SGLangServerError
+from dapo_megatron.rollout.sglang.gpus import server_gpu_ranges
+from dapo_megatron.rollout.sglang.server import (
     ServerEnvironment,
     SGLangServerProcess,
     require_sglang,

@@ -14,7 +14,7 @@ SGLang 0.5.23 (``TpModelWorker.deserialize_own_rank``) has TP rank ``r`` of a se
   global patch would also rewrite CPU tensors' reductions. Servers load (enqueue their copies from) that memory before
   they answer, and torch keeps a block a consumer still holds in its IPC limbo when this process drops it, so the
   transport drops :attr:`BucketPayloads.tensors` a few buckets after the answers
-  (:class:`dapo_megatron.rollout.sglang_transports.HandleWindow`).
+  (:class:`dapo_megatron.rollout.sglang.transports.HandleWindow`).
 
 CPU tensors are never sent as shared-memory handles: with torch's default ``file_descriptor`` strategy the server
 crashes (it fetches the fd from this process's resource sharer, which rejects the server's authkey), and the

@@ -15,7 +15,7 @@ import torch
 
 from dapo_megatron.algorithm import FilterStats
 from dapo_megatron.algorithm.staleness import staleness_metrics
-from dapo_megatron.trainer.rollout_group import RolloutGroup
+from dapo_megatron.collectors.group import RolloutGroup
 
 if TYPE_CHECKING:
     from dapo_megatron.policy.actor import PolicyLogProbs

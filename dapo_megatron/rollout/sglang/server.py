@@ -5,7 +5,7 @@ config's ``rollout.sglang`` section (:class:`dapo_megatron.config.SGLangConfig`)
 environment's interpreter (SGLang and the trainer need not share an env). The served dtype follows the trainer's
 ``model.precision`` (:func:`served_dtype`), not SGLang's ``auto``, which serves a float32 checkpoint in float16;
 ``--dtype`` in ``extra_server_args`` overrides it. GPU servers get ``--base-gpu-id`` from the pool's layout
-(:mod:`dapo_megatron.rollout.sglang_gpus`) and ``--mem-fraction-static`` when the section sets it.
+(:mod:`dapo_megatron.rollout.sglang.gpus`) and ``--mem-fraction-static`` when the section sets it.
 
 Each server runs in its own session (``start_new_session=True``), so it and the scheduler/detokenizer
 processes it forks form one process group that :meth:`SGLangServerProcess.stop` kills as a whole (SIGTERM, a
@@ -43,8 +43,8 @@ from typing import Callable, Literal
 import psutil
 
 from dapo_megatron.config import SGLangConfig
-from dapo_megatron.rollout.sglang_client import SGLangServerError
-from dapo_megatron.rollout.sglang_gpus import NCCL_CUMEM_OFF, nccl_carries_weights
+from dapo_megatron.rollout.sglang.client import SGLangServerError
+from dapo_megatron.rollout.sglang.gpus import NCCL_CUMEM_OFF, nccl_carries_weights
 
 SGLANG_VERSION = "0.5.23"
 

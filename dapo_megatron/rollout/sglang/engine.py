@@ -1,16 +1,16 @@
 """``SGLangEngine``: the production rollout engine — the :class:`RolloutEngine` API over K SGLang servers.
 
 Configured by the run config's ``rollout.sglang`` section (:class:`dapo_megatron.config.SGLangConfig`); the servers
-are launched here or attached by URL and kept by :class:`dapo_megatron.rollout.sglang_pool.ServerPool`.
+are launched here or attached by URL and kept by :class:`dapo_megatron.rollout.sglang.pool.ServerPool`.
 
 Generation: one ``/generate`` request per prompt carrying its ``n`` samples (see
-:mod:`dapo_megatron.rollout.sglang_requests` for the payload, the seed and the log-prob temperature semantics),
+:mod:`dapo_megatron.rollout.sglang.requests` for the payload, the seed and the log-prob temperature semantics),
 sent by a pool of at most :attr:`SGLangEngine.max_concurrent_requests` threads (``rollout.sglang.
-max_concurrent_requests``, by default what the servers run at once: :func:`~dapo_megatron.rollout.sglang_pool.
+max_concurrent_requests``, by default what the servers run at once: :func:`~dapo_megatron.rollout.sglang.pool.
 concurrent_requests`), each to the server with the fewest requests in flight. SGLang batches concurrent requests
 itself.
 With ``rollout.sglang.reply_processes: N > 0`` those threads only wait: the ``/generate`` call and its reply's
-parsing run in N worker processes (:mod:`dapo_megatron.rollout.sglang_reply_workers`), created and closed here.
+parsing run in N worker processes (:mod:`dapo_megatron.rollout.sglang.reply_workers`), created and closed here.
 
 Failures: every HTTP call has ``request_timeout_s``; a failed server is restarted or taken out of rotation by the
 pool (see there) and its lost requests are re-sent. A restart needs the weights of the current version: the
@@ -18,11 +18,11 @@ initial model for version 0, otherwise the disk transport's latest snapshot; the
 keep no copy, so with them a server that dies after the first update cannot be restored and is taken out of
 rotation instead. ``request_timeout_s`` must therefore exceed the longest legitimate generation of one prompt.
 
-Streaming (submit / poll / abort, requests in flight across weight updates): :mod:`dapo_megatron.rollout.sglang_stream`.
+Streaming (submit / poll / abort, requests in flight across weight updates): :mod:`dapo_megatron.rollout.sglang.stream`.
 
 Weights: :meth:`SGLangEngine.update_weights` pauses every server (``mode="retract"``: streamed requests in flight
 wait in the server's queue and resume on the new weights), flushes its cache, pushes the buckets through the
-configured transport (:mod:`dapo_megatron.rollout.sglang_transports`), continues generation, and reads back each
+configured transport (:mod:`dapo_megatron.rollout.sglang.transports`), continues generation, and reads back each
 server's ``weight_version`` (``/model_info``), raising :class:`RolloutError` on any mismatch. Every generated
 sample's reported ``weight_version`` is checked as well.
 
@@ -62,13 +62,13 @@ from dapo_megatron.rollout.engine import (
     SamplingParams,
 )
 from dapo_megatron.rollout.placement import Placement, ServerMemory, ServerMemoryError
-from dapo_megatron.rollout.sglang_client import ServerFailure
-from dapo_megatron.rollout.sglang_pool import ServerPool, ServerSlot, concurrent_requests
-from dapo_megatron.rollout.sglang_reply_workers import ReplyWorkers, generate_samples
-from dapo_megatron.rollout.sglang_requests import build_generate_payload, samples_from_outputs
-from dapo_megatron.rollout.sglang_server import SGLangServerProcess, server_python
-from dapo_megatron.rollout.sglang_stream import SGLangStreams
-from dapo_megatron.rollout.sglang_transports import (
+from dapo_megatron.rollout.sglang.client import ServerFailure
+from dapo_megatron.rollout.sglang.pool import ServerPool, ServerSlot, concurrent_requests
+from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers, generate_samples
+from dapo_megatron.rollout.sglang.requests import build_generate_payload, samples_from_outputs
+from dapo_megatron.rollout.sglang.server import SGLangServerProcess, server_python
+from dapo_megatron.rollout.sglang.stream import SGLangStreams
+from dapo_megatron.rollout.sglang.transports import (
     DiskTransport,
     DistributedTransport,
     ServerTarget,
@@ -87,7 +87,7 @@ class SGLangEngine(RolloutEngine):
     ``run_dir``: server logs and config files, and by default the disk snapshots (``rollout.sglang.weight_dir``;
     must be readable by the servers, i.e. on a shared filesystem for remote ones); None: a temporary directory.
     ``dtype``: what launched servers compute in (SGLang's ``--dtype``; the trainer passes
-    :func:`dapo_megatron.rollout.sglang_server.served_dtype` of its ``model.precision``).
+    :func:`dapo_megatron.rollout.sglang.server.served_dtype` of its ``model.precision``).
     ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its device
     type, in the environment it gives them.
     ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.

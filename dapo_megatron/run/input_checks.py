@@ -4,7 +4,7 @@
 :func:`dapo_megatron.rank_zero.run_on_rank0`, right after the process group is up, so a bad input is one
 :class:`~dapo_megatron.user_errors.UserError` on every rank within seconds:
 
-* the user's model folder (``model.source = hf``): :func:`dapo_megatron.trainer.model_source.check_model_folder`,
+* the user's model folder (``model.source = hf``): :func:`dapo_megatron.run.model_source.check_model_folder`,
   whether it splits over ``parallel.tensor`` × ``parallel.pipeline``, and, for training, whether its estimated
   memory (:mod:`dapo_megatron.policy.memory`) fits what a GPU has — or, on CPU, what this host has for the trainer
   ranks it runs (:func:`check_training_memory`); with ``rollout.engine: embedded``, whether the engine's fp32 host
@@ -12,9 +12,9 @@
 * the data files and ``data.train`` sources (``data.source = dapo_math``): read and validated, every row (the trainer
   reuses what was read; a large folder read as drawn: its columns and first rows); enough distinct training prompts
   for a step's draws (:func:`check_enough_prompts`; once more after the prompts longer than
-  ``data.max_prompt_length`` are dropped, by :func:`dapo_megatron.trainer.task.train_prompts`);
+  ``data.max_prompt_length`` are dropped, by :func:`dapo_megatron.data.task.train_prompts`);
 * ``reward.function``: imported, its form read from its signature (:mod:`dapo_megatron.reward.function`);
-* ``trainer.loggers``: their libraries installed (:func:`dapo_megatron.trainer.loggers.check_logger_libraries`);
+* ``trainer.loggers``: their libraries installed (:func:`dapo_megatron.metrics.loggers.check_logger_libraries`);
 * the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory without
   missing or truncated files (:func:`dapo_megatron.checkpoint.newest_sound_checkpoint`; none is fine: the run starts
   at step 0), written with the settings this run has where they cannot change (:mod:`.run_config`), at a step no
@@ -38,10 +38,10 @@ from dapo_megatron.checkpoint import (
 )
 from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.hf_format import INDEX_FILE, SINGLE_FILE
-from dapo_megatron.trainer.loggers import check_logger_libraries
-from dapo_megatron.trainer.model_source import check_model_folder
-from dapo_megatron.trainer.run_config import check_resume_config, read_config_file
-from dapo_megatron.trainer.task import check_enough_prompts, check_training_data, load_data_file, train_files_summary
+from dapo_megatron.metrics.loggers import check_logger_libraries
+from dapo_megatron.run.model_source import check_model_folder
+from dapo_megatron.run.config_record import check_resume_config, read_config_file
+from dapo_megatron.data.task import check_enough_prompts, check_training_data, load_data_file, train_files_summary
 
 
 def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, resume: bool = False,
@@ -128,14 +128,14 @@ def _largest_stage(config: DAPOConfig, spec, *, world_size: int, fused_attention
 
 def check_embedded_engine_memory(config: DAPOConfig, spec, *, world_size: int, backend: Backend,
                                  available_host_bytes: int | None = None, ranks_on_host: int | None = None) -> None:
-    """Refuse ``rollout.engine: embedded`` when its fp32 host copy (:mod:`dapo_megatron.rollout.embedded_memory`)
+    """Refuse ``rollout.engine: embedded`` when its fp32 host copy (:mod:`dapo_megatron.rollout.embedded.memory`)
     and the trainer ranks of this host do not fit the host memory available now, naming every number. The trainer
     ranks' host share: a process's own cost on GPU; on CPU their stage's estimate too (as
     :func:`check_training_memory`). ``available_host_bytes``, ``ranks_on_host``: for tests; default: this machine's."""
     import psutil
 
     from dapo_megatron.launch_env import local_world_size
-    from dapo_megatron.rollout.embedded_memory import embedded_engine_bytes, embedded_parameters
+    from dapo_megatron.rollout.embedded.memory import embedded_engine_bytes, embedded_parameters
 
     engine = embedded_engine_bytes(spec, config.rollout.embedded)
     ranks = min(local_world_size(), world_size) if ranks_on_host is None else ranks_on_host

@@ -21,8 +21,8 @@ from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.engine import RolloutEngine
-from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, sampling_params, score_groups
-from dapo_megatron.trainer.step_metrics import rollout_metrics
+from dapo_megatron.collectors.group import RolloutGroup, generation_seed, sampling_params, score_groups
+from dapo_megatron.metrics.step import rollout_metrics
 
 
 class RolloutCollector:

@@ -16,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from dapo_megatron.trainer.loggers import RunLogger, TensorBoardLogger
+from dapo_megatron.metrics.loggers import RunLogger, TensorBoardLogger
 
 logger = logging.getLogger(__name__)
 

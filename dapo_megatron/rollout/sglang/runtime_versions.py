@@ -1,6 +1,6 @@
 """The torch and NCCL versions on both ends of the distributed weight-update group, compared before it forms.
 
-The trainer and the SGLang servers join one process group (:class:`dapo_megatron.rollout.sglang_transports.
+The trainer and the SGLang servers join one process group (:class:`dapo_megatron.rollout.sglang.transports.
 DistributedTransport`). Every torch wheel bundles its own NCCL (torch 2.13.0: 2.29.7, torch 2.14.1: 2.30.7), and NCCL
 does not form a communicator across releases: with a server environment on another torch the failure would come at
 the first broadcast, as a hang until the group timeout or an opaque NCCL error. This module names both versions
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo_megatron.rollout.sglang_client import SGLangServerError
+from dapo_megatron.rollout.sglang.client import SGLangServerError
 
 PROBE_TIMEOUT_S = 120.0  # importing a CUDA torch from a cold network filesystem can take a minute
 

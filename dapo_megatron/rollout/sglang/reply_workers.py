@@ -4,10 +4,10 @@ A streamed request's reply is a multi-MB JSON document (per token: an id, a log-
 thread of trainer rank 0, ``json.loads`` and the per-token lists hold the GIL while rank 0 launches its TP/PP
 kernels, so every other rank waits on it. With ``reply_processes: N > 0`` the engine hands each call to one of N
 spawned processes instead: a process runs a few threads, each posting one payload with its own
-:class:`~dapo_megatron.rollout.sglang_client.SGLangClient` and parsing the reply with the same function rank 0 would
+:class:`~dapo_megatron.rollout.sglang.client.SGLangClient` and parsing the reply with the same function rank 0 would
 have used (``parse``). The samples come back as numpy arrays (a pickle of a few buffers, not of a list of
 Python numbers) and are turned into :class:`Sample` lists at rank 0 with ``ndarray.tolist`` (C speed): consumers
-(:mod:`dapo_megatron.trainer.rollout_group`) take lists, and a ``Sample`` keeps exactly what the in-process path
+(:mod:`dapo_megatron.collectors.group`) take lists, and a ``Sample`` keeps exactly what the in-process path
 gives (ids as int64, log-probs as float64: bit-equal).
 
 Errors raised in a worker (:class:`ServerFailure`, :class:`ServerReplyError`, :class:`RolloutError`) come back as
@@ -34,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dapo_megatron.rollout.engine import RolloutError, Sample
-from dapo_megatron.rollout.sglang_client import SGLangClient
+from dapo_megatron.rollout.sglang.client import SGLangClient
 
 logger = logging.getLogger(__name__)
 

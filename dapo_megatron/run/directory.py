@@ -19,8 +19,8 @@ from pathlib import Path
 
 from dapo_megatron.checkpoint import list_checkpoints
 from dapo_megatron.config import ConfigError
-from dapo_megatron.trainer.metrics import METRICS_FILE, read_metrics
-from dapo_megatron.trainer.run_lock import LOCK_FILE, RunLock
+from dapo_megatron.metrics.writer import METRICS_FILE, read_metrics
+from dapo_megatron.run.lock import LOCK_FILE, RunLock
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dapo_megatron.trainer.metrics import METRICS_FILE, read_metrics
+from dapo_megatron.metrics.writer import METRICS_FILE, read_metrics
 from dapo_megatron.user_errors import DataError
 
 PANELS = (

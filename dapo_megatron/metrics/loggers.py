@@ -1,5 +1,5 @@
 """Where a run's scalars and validation generations go besides ``metrics.jsonl`` (which
-:class:`~dapo_megatron.trainer.metrics.MetricsWriter` always writes and delegates the rest to these):
+:class:`~dapo_megatron.metrics.writer.MetricsWriter` always writes and delegates the rest to these):
 
 * ``val_generations.jsonl`` — always: at each validation, the first ``eval.log_generations`` problems' first
   response with its prompt, ground truth, score and correctness, one JSON object per line;

@@ -1,6 +1,6 @@
 """The three ways full HF-named weights reach SGLang servers.
 
-The engine (:class:`dapo_megatron.rollout.sglang_engine.SGLangEngine`) pauses every server and flushes its cache
+The engine (:class:`dapo_megatron.rollout.sglang.engine.SGLangEngine`) pauses every server and flushes its cache
 before calling :meth:`WeightTransport.push`, and continues generation and checks the served ``weight_version``
 after it. A transport consumes the buckets of ``(hf_name, tensor)`` pairs as the exporter made them (it never
 re-buckets) and sends every bucket to every server before pulling the next one, so the trainer never holds more
@@ -11,7 +11,7 @@ than one bucket. Full tensors are sent; SGLang shards them for its own TP degree
   write_hf_folder`, on a filesystem the servers can read), then ``/update_weights_from_disk``.
   Works across hosts and is the one a restarted server can be relaunched from (:meth:`restart_model_path`).
 * :class:`TensorTransport` — ``/update_weights_from_tensor`` with one payload per server TP rank
-  (:mod:`dapo_megatron.rollout.tensor_payloads`): CUDA IPC handles for GPU buckets going to a server on this host,
+  (:mod:`dapo_megatron.rollout.sglang.tensor_payloads`): CUDA IPC handles for GPU buckets going to a server on this host,
   the last :data:`IPC_WINDOW_BUCKETS` of them kept referenced here (:class:`HandleWindow`); pickled CPU copies
   otherwise (any host, through the HTTP body).
 * :class:`DistributedTransport` — a process group formed by ``/init_weights_update_group`` (rank 0 here, the
@@ -43,10 +43,10 @@ from torch.distributed import distributed_c10d as c10d
 
 from dapo_megatron.hf_format import CONFIG_FILE, Bucket, checked_buckets, write_hf_folder
 from dapo_megatron.rollout.engine import RolloutError
-from dapo_megatron.rollout.runtime_versions import require_server_runtime_matches
-from dapo_megatron.rollout.sglang_client import SGLangClient
-from dapo_megatron.rollout.sglang_server import find_free_port
-from dapo_megatron.rollout.tensor_payloads import BucketPayloads
+from dapo_megatron.rollout.sglang.runtime_versions import require_server_runtime_matches
+from dapo_megatron.rollout.sglang.client import SGLangClient
+from dapo_megatron.rollout.sglang.server import find_free_port
+from dapo_megatron.rollout.sglang.tensor_payloads import BucketPayloads
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from dapo_megatron.rank_zero import Packed, run_on_rank0
-from dapo_megatron.trainer.rollout_group import RolloutGroup
+from dapo_megatron.collectors.group import RolloutGroup
 
 RolloutBatch = tuple[list[RolloutGroup], dict[str, float]]  # the scored groups and the step's rollout metrics
 

@@ -1,7 +1,7 @@
 """Streamed requests on the SGLang engine's servers (the streaming half of the :class:`RolloutEngine` API).
 
 Each request is one ``/generate`` call (its ``n`` samples as prompt copies with one rid each,
-:func:`~dapo_megatron.rollout.sglang_requests.build_stream_payload`) sent by a thread of a pool of at most
+:func:`~dapo_megatron.rollout.sglang.requests.build_stream_payload`) sent by a thread of a pool of at most
 ``max_concurrent_requests``, to the least-loaded server. Requests beyond that wait here, not on a server.
 
 * Abort: flagged in the :class:`RequestBook`; a request still waiting here never starts, a running one gets
@@ -26,10 +26,10 @@ from typing import Callable, Iterable, Sequence
 
 from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, Sample
 from dapo_megatron.rollout.request_book import RequestBook, aborted_samples
-from dapo_megatron.rollout.sglang_client import ServerFailure
-from dapo_megatron.rollout.sglang_pool import FailureHandler, ServerPool, ServerSlot
-from dapo_megatron.rollout.sglang_reply_workers import ReplyWorkers, generate_samples
-from dapo_megatron.rollout.sglang_requests import build_stream_payload, sample_rid, streamed_samples
+from dapo_megatron.rollout.sglang.client import ServerFailure
+from dapo_megatron.rollout.sglang.pool import FailureHandler, ServerPool, ServerSlot
+from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers, generate_samples
+from dapo_megatron.rollout.sglang.requests import build_stream_payload, sample_rid, streamed_samples
 
 logger = logging.getLogger(__name__)
 

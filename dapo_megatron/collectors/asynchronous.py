@@ -46,11 +46,11 @@ from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, RolloutEngine
-from dapo_megatron.trainer.async_driver import DriverThread
-from dapo_megatron.trainer.async_pace import GenerationPace
-from dapo_megatron.trainer.async_prompts import AsyncPrompts
-from dapo_megatron.trainer.rollout_group import RolloutGroup, generation_seed, sampling_params, score_groups
-from dapo_megatron.trainer.step_metrics import rollout_metrics
+from dapo_megatron.collectors.async_driver import DriverThread
+from dapo_megatron.collectors.async_pace import GenerationPace
+from dapo_megatron.collectors.async_prompts import AsyncPrompts
+from dapo_megatron.collectors.group import RolloutGroup, generation_seed, sampling_params, score_groups
+from dapo_megatron.metrics.step import rollout_metrics
 
 logger = logging.getLogger(__name__)
 

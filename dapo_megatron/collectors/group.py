@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo_megatron.algorithm import overlong_penalty
+from dapo_megatron.reward.overlong import overlong_penalty
 from dapo_megatron.algorithm.staleness import TokenVersions, response_staleness, version_span
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.reward.response_text import grouped_response_texts
 from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
 from dapo_megatron.rollout.engine import Sample, SamplingParams
-from dapo_megatron.trainer.reflection import ReflectionPhrases
+from dapo_megatron.metrics.reflection import ReflectionPhrases
 
 
 @dataclass
