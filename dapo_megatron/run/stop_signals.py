@@ -1,17 +1,21 @@
 """How a ``train`` process stops on a signal, and the exit code each way of stopping ends it with.
 
-* **SIGTERM, SIGUSR1** (SLURM sends SIGTERM at a job's time limit, on preemption and on ``scancel``;
-  ``sbatch --signal=USR1@120`` sends SIGUSR1 ahead of it): once the training loop runs, the step in progress is
-  finished, a checkpoint of it is written (unless that step just wrote one) and the run exits with
-  :data:`STOPPED_EXIT_CODE`; ``--resume`` continues exactly there. Every rank reaches the same decision at the same
-  step (:meth:`StopSignals.agreed_stop` is a collective), so a signal that reached one rank stops them all. Before
-  the loop (loading, warm start, starting servers) there is nothing to save: the run stops at once, with the same
-  code. A second such signal while the step finishes stops at once with :data:`TERMINATED_EXIT_CODE`; the newest
-  complete checkpoint is then the one before.
+* **SIGTERM, SIGUSR1, SIGHUP** (SLURM sends SIGTERM at a job's time limit, on preemption and on ``scancel``;
+  ``sbatch --signal=USR1@120`` sends SIGUSR1 ahead of it; a closed terminal or ssh session sends SIGHUP): once the
+  training loop runs, the step in progress is finished, a checkpoint of it is written (unless that step just wrote
+  one) and the run exits with :data:`STOPPED_EXIT_CODE`; ``--resume`` continues exactly there. Every rank reaches
+  the same decision at the same step (:meth:`StopSignals.agreed_stop` is a collective), so a signal that reached
+  one rank stops them all. Before the loop (loading, warm start, starting servers) there is nothing to save: the run
+  stops at once, with the same code. A second such signal while the step finishes stops at once with
+  :data:`TERMINATED_EXIT_CODE`; the newest complete checkpoint is then the one before.
 * **SIGINT** (Ctrl-C): stops at once with :data:`INTERRUPTED_EXIT_CODE` — except inside a :meth:`StopSignals.protected`
   section (a checkpoint being written, which takes about as long as the process's own exit would: megatron's writer
   processes are waited for either way), which is finished first; a second Ctrl-C abandons it (its ``.tmp`` folder is
   ignored by ``--resume``).
+
+Output never stops a run: while the handlers are installed, stdout and stderr survive their reader (``| tee``
+killed with the rest of the process group, a closed terminal) by going on in the run directory's ``console.log``
+(:mod:`.console`).
 
 Processes forked from the trainer (megatron-core's checkpoint writer processes) inherit these handlers and ignore
 the signals: the trainer alone decides, and a writer interrupted half-way would leave its parent waiting forever
@@ -31,12 +35,14 @@ import signal
 import threading
 from typing import Iterator
 
+from dapo_megatron.run.console import keep_writing
+
 logger = logging.getLogger(__name__)
 
 STOPPED_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: stopped on request, nothing lost; `--resume` continues
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 TERMINATED_EXIT_CODE = 143  # 128 + SIGTERM: stopped at once by a second signal; steps since the last checkpoint lost
-SAVE_THEN_STOP = (signal.SIGTERM, signal.SIGUSR1)
+SAVE_THEN_STOP = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class StopNow(BaseException):
@@ -53,7 +59,7 @@ class StopSignals:
     (a StopSignals that is not entered handles nothing and never asks to stop)."""
 
     def __init__(self) -> None:
-        self.save_requested: int | None = None  # SIGTERM or SIGUSR1: checkpoint at the end of the step, then stop
+        self.save_requested: int | None = None  # SIGTERM/USR1/HUP: checkpoint at the end of the step, then stop
         self._stop: BaseException | None = None  # a stop raised (or to be raised) in the main thread
         self._owner = os.getpid()
         self._in_loop = False
@@ -62,6 +68,7 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
+            keep_writing()
             for signum in (signal.SIGINT, *SAVE_THEN_STOP):
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
@@ -119,7 +126,7 @@ class StopSignals:
             self._raise_pending()
 
     def agreed_stop(self) -> int | None:
-        """Whether to save and stop now: the signal (SIGTERM or SIGUSR1) that any rank received, else None. A
+        """Whether to save and stop now: the signal (SIGTERM, SIGUSR1 or SIGHUP) that any rank received, else None. A
         collective: every rank calls it at the end of every step."""
         # Imported here: the CLI imports this module for its exit codes, also for commands that never load torch.
         import torch

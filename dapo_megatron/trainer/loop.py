@@ -61,6 +61,7 @@ from dapo_megatron.trainer.policy_update import PolicyUpdate
 from dapo_megatron.collectors.batch import hand_over_rollouts
 from dapo_megatron.collectors.sync import RolloutCollector
 from dapo_megatron.run.config_record import record_start
+from dapo_megatron.run.console import CONSOLE_LOG, continue_in
 from dapo_megatron.metrics.step import StepTimer, policy_metrics, step_metrics, summary_line
 from dapo_megatron.run.stop_signals import StopSignals
 from dapo_megatron.data.task import eval_prompts, train_sampler
@@ -95,6 +96,7 @@ class DAPOTrainer:
         self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote or resumed from
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            continue_in(self.run_dir / CONSOLE_LOG)  # where the output goes on if its reader (`| tee`) dies
 
         # The policy, on every rank: this rank's Megatron stage, loaded from the HF folder.
         self.tokenizer = load_tokenizer(config, self.model_dir)
@@ -182,7 +184,7 @@ class DAPOTrainer:
 
     def run(self) -> dict:
         """Train from step 0, or from the checkpoint when resuming, to ``trainer.total_steps``; stop early, with a
-        checkpoint of the step reached, when a SIGTERM or SIGUSR1 arrived (``stopped_by`` in the result)."""
+        checkpoint of the step reached, when a SIGTERM, SIGUSR1 or SIGHUP arrived (``stopped_by`` in the result)."""
         step = self.restore() if self.resume else 0
         self.run_id = run_on_rank0(lambda: record_start(self.run_dir, self.config, run_id=self.run_id, step=step,
                                                         resumed_from=self.resumed_from),
