@@ -98,6 +98,35 @@ def test_bad_yaml_file_is_named(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+@pytest.mark.parametrize("spelling, value", [("1e-6", 1e-6), ("5e-5", 5e-5), ("1E-6", 1e-6), ("2e0", 2.0),
+                                             ("1_000.5e-3", 1.0005), (".5", 0.5), ("3", 3.0)])
+def test_every_float_spelling_python_accepts_is_a_number_in_a_file_and_on_the_command_line(tmp_path, spelling, value):
+    """Issue 33.3: YAML 1.1 (PyYAML) reads `1e-6` as a string; the paper's learning rate was refused."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"optim:\n  lr: {spelling}\n")
+    assert load_config(path, MINIMAL).optim.lr == value
+    assert load_config(None, MINIMAL + [f"optim.lr={spelling}"]).optim.lr == value
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=-1e-4", "optim.lr: must be > 0"),  # a number, refused for its value, not as "not a number"
+    ("optim.lr=1e-", "optim.lr: expected a number, got '1e-'"),
+    ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
+    ("optim.lr=[1e-6]", "optim.lr: expected a number"),
+    ("rollout.n_samples=1e1", "rollout.n_samples: expected an integer"),
+])
+def test_what_is_not_a_number_is_still_refused(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_config(None, MINIMAL + [override])
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("trainer:\n  run_dir: runs/caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"{path}: line 2 is not UTF-8 text \\(byte 0xe9\\)"):
+        load_config(path, MINIMAL)
+
+
 def test_saved_config_reloads_identically(tmp_path):
     c = load_config(REPO / "examples" / "tiny_cpu.yaml", ["trainer.total_steps=3"])
     save_config(c, tmp_path / "config.yaml")
