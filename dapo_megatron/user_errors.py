@@ -21,6 +21,9 @@ server      6     an SGLang server that is missing, dies for good, or answers so
                   (:class:`ServerError`, :class:`dapo_megatron.rollout.sglang.client.SGLangServerError`)
 launch      7     a process layout that does not fit the config (world size vs TP×PP, a taken rendezvous port)
                   (:class:`dapo_megatron.launch_env.LaunchError`)
+reward      8     the reward fails: ``reward.url`` does not answer at start, or more than
+                  ``reward.max_error_fraction`` of the responses scored fail (raise, time out, answer no
+                  number); the message names the first failure (:class:`RewardError`)
 =========== ===== ========================================================================================
 
 ``train`` stopped by a signal has codes of its own (75, 130, 143: dapo_megatron.run.stop_signals).
@@ -34,7 +37,7 @@ code as the root cause in its failure summary, and itself exits 1.
 from __future__ import annotations
 
 BUG_EXIT_CODE = 1
-EXIT_CODES = {"config": 2, "data": 3, "model": 4, "checkpoint": 5, "server": 6, "launch": 7}
+EXIT_CODES = {"config": 2, "data": 3, "model": 4, "checkpoint": 5, "server": 6, "launch": 7, "reward": 8}
 
 
 class UserError(Exception):
@@ -68,3 +71,7 @@ class ModelFolderError(UserError, kind="model"):
 
 class ServerError(UserError, kind="server"):
     """An inference server is missing, failed for good, or answered something that is not what was asked."""
+
+
+class RewardError(UserError, kind="reward"):
+    """The reward cannot score: its service does not answer, or it fails on too many responses to train on."""

@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from dapo_megatron.config.schema import ConfigError, DAPOConfig
+from dapo_megatron.reward.function import RewardFunctionError, check_reward_source
 
 
 # Checked by hand, not with pydantic or OmegaConf: these ~65 lines keep the schema plain dataclasses, refuse "1" and
@@ -160,7 +161,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
-    return _build(DAPOConfig, tree).validate()
+    config = _build(DAPOConfig, tree).validate()
+    if config.reward.function:  # a typo in the reward file shows now, not after the ~20 s of torch's imports
+        try:
+            check_reward_source(config.reward.function)
+        except RewardFunctionError as error:
+            raise ConfigError(f"reward.function: {error}") from None
+    return config
 
 
 def config_to_dict(config: DAPOConfig) -> dict:

@@ -277,6 +277,9 @@ class RewardConfig:
     timeout_s: float = 60.0  # per call: a sample, or a group for the batched form / a url request
     error_score: float = -1.0  # the score of a sample whose reward raised or timed out (counted, never correct)
     url_retries: int = 3  # a failed url request is retried this many times, with backoff
+    # The run stops with a reward error (exit 8) when more than this fraction of the responses scored together (at
+    # least 32) failed: a reward that fails on every response trains nothing. 1.0: never stop.
+    max_error_fraction: float = 0.5
     format: FormatRewardConfig = field(default_factory=FormatRewardConfig)
 
 

@@ -65,6 +65,21 @@ def _is_file(location: str) -> bool:
     return location.endswith(".py") or "/" in location or "\\" in location
 
 
+def check_reward_source(target: str) -> None:
+    """A reward file that does not compile, named with its line, before anything slow is imported (a file that does
+    not exist is left to :func:`load_reward_function`, which says so)."""
+    location, _ = split_target(target)
+    path = Path(location)
+    if not _is_file(location) or not path.is_file():
+        return
+    try:
+        compile(path.read_bytes(), str(path.resolve()), "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as error:  # ValueError: a null byte in the source
+        where = f", line {error.lineno}" if getattr(error, "lineno", None) else ""
+        message = getattr(error, "msg", None) or str(error)
+        raise RewardFunctionError(f"{target!r}: {path.resolve()}{where}: {type(error).__name__}: {message}") from None
+
+
 def load_reward_function(target: str) -> Callable:
     """Import ``target`` and return the function it names. A file is imported as a module of its own (so pickling
     and dataclasses inside it work); a module name is imported from ``sys.path``."""

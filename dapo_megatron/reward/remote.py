@@ -8,16 +8,20 @@ and the answer a JSON list with one score per response: a number or an object wi
 ``acc`` and numeric extras), as a reward function answers (:mod:`.function`). So a batched verl reward behind a
 ten-line web server is a reward service.
 
-A request that fails to connect, times out (``reward.timeout_s``) or gets HTTP 429 / 5xx is sent again, at most
-``reward.url_retries`` more times, after 0.5, 1, 2 ... s (at most 8 s); other HTTP errors and answers that cannot be
-read are not retried. A group whose request fails for good is scored as ``timeout`` (if its last attempt timed out)
-or ``error``, response by response. Up to ``reward.num_workers`` requests are in flight at once.
+A request that times out (``reward.timeout_s``), fails on the way or gets HTTP 429 / 5xx is sent again, at most
+``reward.url_retries`` more times, after 0.5, 1, 2 ... s (at most 8 s); a refused connection (nothing listens
+there: no backoff brings it back within a step), other HTTP errors and answers that cannot be read are not retried.
+:meth:`RemoteReward.unreachable` opens one connection, what the scorer does at start. A group whose request fails
+for good is scored as ``timeout`` (if its last attempt timed out) or ``error``, response by response. Up to
+``reward.num_workers`` requests are in flight at once.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
@@ -57,6 +61,8 @@ class RemoteReward:
                 continue
             except requests.RequestException as error:
                 status, message = "error", f"{type(error).__name__}: {error}"
+                if _refused(error):
+                    return [(status, f"{message} (connection refused: not retried)")] * size
                 continue
             if response.status_code in RETRY_STATUS:
                 status, message = "error", f"HTTP {response.status_code}: {response.text[:200]}"
@@ -75,6 +81,36 @@ class RemoteReward:
             return [("error", f"the answer is not JSON: {response.text[:200]!r}")] * size
         return group_outcomes(answers, size, "the reward service")
 
+    def unreachable(self) -> str | None:
+        """Why no connection to the service opens (None when one does). A connection only: the service's answer to
+        a real group is judged when there is one."""
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return "not an http(s):// URL"
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as error:
+            return str(error)
+        try:
+            socket.create_connection((parts.hostname, port), timeout=min(self.timeout_s, 10.0)).close()
+        except OSError as error:
+            return f"connecting to {parts.hostname}:{port} failed: {error}"
+        return None
+
     def close(self) -> None:
         self._threads.shutdown(wait=True)
         self._session.close()
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether ``error`` (from requests, wrapping urllib3's) is, at its root, a refused connection."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ConnectionRefusedError):
+            return True
+        for arg in getattr(error, "args", ()):
+            if isinstance(arg, BaseException) and _refused(arg):
+                return True
+        error = getattr(error, "reason", None) or error.__cause__ or error.__context__
+    return False

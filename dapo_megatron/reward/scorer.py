@@ -5,7 +5,11 @@
 
 A response whose reward raises or times out is scored ``reward.error_score`` and never correct; the collectors count
 them (``reward/errors``, ``reward/timeouts``). The first failure of each kind is logged once, naming the function and
-the row; later ones are only counted.
+the row; later ones are only counted. A reward that fails on most responses trains nothing (their groups all score
+``error_score`` alike) while looking like a run: when more than ``reward.max_error_fraction`` of the responses
+scored since the last judgement (at least :data:`JUDGED_AFTER` of them: one call, or several small ones) failed,
+:meth:`RewardScorer.score` raises a :class:`~dapo_megatron.user_errors.RewardError` naming the first failure.
+A reward service (``reward.url``) is connected to at start: nothing listening there is that error at once.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from dapo_megatron.reward.format import FormatReward
 from dapo_megatron.reward.function import Outcome, RewardFunctionError, RewardValue
 from dapo_megatron.reward.pool import RewardPool
 from dapo_megatron.reward.remote import RemoteReward
+from dapo_megatron.user_errors import RewardError
 
 logger = logging.getLogger(__name__)
 
 FAILURES = {"error": ("failed", "reward/errors"), "timeout": ("timed out", "reward/timeouts")}
+JUDGED_AFTER = 32  # responses: fewer say little about a reward's error rate (one group of a small run)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,9 @@ class RewardScorer:
         self._pool: RewardPool | None = None
         self._remote: RemoteReward | None = None
         self._shown: set[str] = set()
+        self.max_error_fraction = r.max_error_fraction
+        self.first_failure: str | None = None
+        self._unjudged = [0, 0]  # responses scored, of which failed, since the last judgement
         if r.function:
             try:
                 self._pool = RewardPool(r.function, num_workers=r.num_workers, timeout_s=r.timeout_s,
@@ -67,6 +76,10 @@ class RewardScorer:
             self._remote = RemoteReward(r.url, timeout_s=r.timeout_s, retries=r.url_retries,
                                         concurrency=r.num_workers)
             self.name = f"reward service {r.url}"
+            problem = self._remote.unreachable()
+            if problem:
+                self._remote.close()
+                raise RewardError(f"reward.url: {r.url} does not answer: {problem}")
         else:
             self.name = "the built-in DAPO math rule"
 
@@ -79,6 +92,7 @@ class RewardScorer:
         else:
             outcomes = [[self._builtin(request) for request in group] for group in groups]
         self._show_first_failures(groups, outcomes)
+        self._judge(outcomes)
         return outcomes
 
     def value(self, outcome: Outcome) -> RewardValue:
@@ -108,6 +122,21 @@ class RewardScorer:
                     what, counter = FAILURES[status]
                     logger.error("%s %s on %s: %s (shown once; every one is counted in %s)", self.name, what,
                                  request.row, payload, counter)
+                    if self.first_failure is None:
+                        self.first_failure = f"{self.name} {what} on {request.row}: {payload}"
+
+    def _judge(self, outcomes: list[list[Outcome]]) -> None:
+        statuses = [status for group in outcomes for status, _ in group]
+        self._unjudged[0] += len(statuses)
+        self._unjudged[1] += sum(status != "ok" for status in statuses)
+        scored, failed = self._unjudged
+        if scored < JUDGED_AFTER:
+            return
+        self._unjudged = [0, 0]
+        if failed > self.max_error_fraction * scored:
+            raise RewardError(f"the reward failed on {failed} of {scored} responses, more than "
+                              f"reward.max_error_fraction={self.max_error_fraction:g}; the first failure: "
+                              f"{self.first_failure}")
 
     def close(self) -> None:
         if self._pool is not None:

@@ -2,8 +2,9 @@
 
 A step can train nothing for good reasons (every group of a batch answered alike, once in a while). A run whose
 every step trained nothing is a configuration that cannot train — ``rollout.max_response_length`` too short for an
-answer, a reward nobody earns, a task the model always solves — and a run of them would otherwise end with exit 0
-and an unchanged model. :class:`TrainingProgress` watches the steps' metrics and says so, naming the cause the
+answer, a reward that fails (often enough to score groups alike, not enough for ``reward.max_error_fraction`` to
+stop the run), a reward nobody earns, a task the model always solves — and a run of them would otherwise end with
+exit 0 and an unchanged model. :class:`TrainingProgress` watches the steps' metrics and says so, naming the cause the
 metrics show.
 """
 
@@ -21,6 +22,7 @@ class TrainingProgress:
         self.trained_steps = 0
         self.all_wrong = 0.0  # sums of the filter fractions over the steps that trained nothing
         self.all_right = 0.0
+        self.reward_failures = 0.0  # responses whose reward failed, over the steps that trained nothing
 
     def note(self, metrics: dict[str, float]) -> None:
         """One step's metrics: a step trained nothing when its batch was empty (dynamic sampling kept no group) or
@@ -29,6 +31,7 @@ class TrainingProgress:
         if metrics.get("train/skipped_empty_batch") == 1.0 or metrics.get("actor/grad_norm") == 0.0:
             self.all_wrong += metrics.get("train/filter/all_wrong_fraction", 0.0)
             self.all_right += metrics.get("train/filter/all_correct_fraction", 0.0)
+            self.reward_failures += metrics.get("reward/errors", 0.0) + metrics.get("reward/timeouts", 0.0)
         else:
             self.trained_steps += 1
 
@@ -38,7 +41,10 @@ class TrainingProgress:
             return None
         c = self.config
         ds = c.algorithm.dynamic_sampling
-        if self.all_wrong == self.steps:
+        if self.reward_failures:  # failed rewards all score reward.error_score: that is why the groups look alike
+            cause = (f"the reward failed on {self.reward_failures:.0f} responses (reward/errors, reward/timeouts; the "
+                     f"first failure is logged at its step)")
+        elif self.all_wrong == self.steps:
             cause = (f"every response was wrong (is rollout.max_response_length={c.rollout.max_response_length} "
                      f"room enough for an answer?)")
         elif self.all_right == self.steps:

@@ -223,7 +223,7 @@ def test_errors_are_scored_counted_and_the_first_is_shown_once(tmp_path, scorer_
 
 
 @pytest.mark.parametrize("text, message", [
-    ("def compute_score(:\n", "SyntaxError"),
+    ("raise RuntimeError('broken at import')\n", "RuntimeError"),  # a SyntaxError: test_reward_failures.py
     ("import not_a_module_anywhere\n", "ModuleNotFoundError"),
     ("def other(data_source, solution_str, ground_truth, extra_info): return 1\n", "has no 'compute_score'"),
     ("def compute_score(response, answer): return 1\n", "takes neither verl's per-sample arguments"),

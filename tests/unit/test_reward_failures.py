@@ -1,0 +1,141 @@
+"""Issue 33.2: a reward that fails on (nearly) every response stops the run with a reward error naming the first
+failure, instead of a 'successful' run that trained nothing; a dead reward service is found at start and a refused
+connection is not retried like a timeout; a reward file that does not compile is a config error before any slow
+import. Real worker processes, a real HTTP server and real closed ports."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from test_reward_plugin import (  # noqa: F401 - service: a fixture
+    _config,
+    _QuietServer,
+    _requests,
+    _reward_file,
+    _RewardService,
+    service,
+)
+
+from dapo_megatron.config import ConfigError, load_config
+from dapo_megatron.reward.scorer import JUDGED_AFTER, RewardScorer
+from dapo_megatron.run.input_checks import check_reward_function
+from dapo_megatron.run.progress import TrainingProgress
+from dapo_megatron.user_errors import EXIT_CODES, RewardError
+
+FAILING_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if "raise" in solution_str:
+        return 1 / 0
+    if "text" in solution_str:
+        return "a string"
+    return 1.0
+'''
+
+
+@pytest.fixture
+def scorer_of(tmp_path):
+    made = []
+
+    def make(*overrides: str) -> RewardScorer:
+        scorer = RewardScorer(_config(f"reward.function={_reward_file(tmp_path, FAILING_FILE)}", *overrides))
+        made.append(scorer)
+        return scorer
+
+    yield make
+    for scorer in made:
+        scorer.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:  # bound, never listening, then closed: connecting is refused
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("answer", ["raise", "text"], ids=["raises", "returns-a-string"])
+def test_a_reward_that_fails_on_every_response_is_a_reward_error_naming_the_first_failure(scorer_of, answer):
+    scorer = scorer_of()
+    with pytest.raises(RewardError) as stopped:
+        scorer.score([_requests([answer] * 8) for _ in range(JUDGED_AFTER // 8)])
+    message = str(stopped.value)
+    assert message.startswith(f"the reward failed on {JUDGED_AFTER} of {JUDGED_AFTER} responses, more than "
+                              f"reward.max_error_fraction=0.5; the first failure: reward function ")
+    assert "row index=0" in message and ("ZeroDivisionError" in message if answer == "raise" else "str" in message)
+    assert stopped.value.exit_code == EXIT_CODES["reward"] == 8
+    assert stopped.value.line().startswith("reward error: the reward failed on")
+
+
+def test_small_calls_are_judged_together_and_a_rate_under_the_threshold_goes_on(scorer_of):
+    scorer = scorer_of()
+    for _ in range(JUDGED_AFTER // 8 - 1):  # fewer responses than a judgement needs: counted, not judged yet
+        scorer.score([_requests(["raise"] * 8)])
+    with pytest.raises(RewardError, match=f"failed on {JUDGED_AFTER} of {JUDGED_AFTER} responses"):
+        scorer.score([_requests(["raise"] * 8)])
+    # The controls: 40% failed is under the default 0.5; and 1.0 never stops
+    scorer.score([_requests(["raise"] * 4 + ["7"] * 6) for _ in range(4)])
+    scorer_of("reward.max_error_fraction=1.0").score([_requests(["raise"] * 8) for _ in range(8)])
+    with pytest.raises(RewardError, match="more than reward.max_error_fraction=0.3"):
+        scorer_of("reward.max_error_fraction=0.3").score([_requests(["raise"] * 4 + ["7"] * 6) for _ in range(4)])
+
+
+def test_the_threshold_must_be_a_fraction():
+    check_reward_function(_config("reward.max_error_fraction=1"))
+    with pytest.raises(ConfigError, match=r"reward.max_error_fraction: must be between 0 and 1 \(1: never stop\), "
+                                          r"got 1.5"):
+        check_reward_function(_config("reward.max_error_fraction=1.5"))
+
+
+def test_a_reward_service_that_does_not_listen_is_a_reward_error_at_start(service):  # noqa: F811
+    url = f"http://127.0.0.1:{_closed_port()}/score"
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=f"reward.url: {url} does not answer: connecting to 127.0.0.1:"
+                                          f"[0-9]+ failed: .*Connection refused"):
+        RewardScorer(_config(f"reward.url={url}"))
+    assert time.monotonic() - started < 5
+    RewardScorer(_config(f"reward.url={service[1]}")).close()  # the control: a listening service starts
+
+
+def test_a_refused_connection_mid_run_fails_at_once_not_after_the_retries():
+    handler = type("Handler", (_RewardService,), {"requests_seen": []})
+    server = _QuietServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    scorer = RewardScorer(_config(f"reward.url={url}", "reward.url_retries=3"))
+    try:
+        (outcomes,) = scorer.score([_requests(["7"])])
+        assert outcomes[0][0] == "ok"  # the control: it answers
+        server.shutdown()
+        server.server_close()  # the service goes away after the start
+        started = time.monotonic()
+        (outcomes,) = scorer.score([_requests(["7", "8"])])
+        took = time.monotonic() - started
+        assert [status for status, _ in outcomes] == ["error", "error"]
+        assert "connection refused: not retried" in outcomes[0][1]
+        assert took < 1.0, f"{took:.1f} s: retried with backoff (0.5 + 1 + 2 s) as if it were a timeout"
+    finally:
+        scorer.close()
+
+
+def test_a_reward_file_that_does_not_compile_is_a_config_error_when_the_config_loads(tmp_path):
+    target = _reward_file(tmp_path, "def compute_score(data_source, solution_str,\n    return 1\n")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"reward.function: .*my_reward.py, line [12]: SyntaxError: "):
+        load_config(None, ["model.hf_path=/m", "data.train_files=[a]", f"reward.function={target}"])
+    assert time.monotonic() - started < 1
+    good = _reward_file(tmp_path, FAILING_FILE, name="good.py")
+    load_config(None, ["model.hf_path=/m", "data.train_files=[a]", f"reward.function={good}"])  # the control
+
+
+def test_the_end_of_run_diagnosis_names_failed_rewards_before_the_response_length():
+    config = _config()
+    untrained = {"train/skipped_empty_batch": 1.0, "train/filter/all_wrong_fraction": 1.0}
+    failing, short = TrainingProgress(config), TrainingProgress(config)
+    for _ in range(2):
+        failing.note({**untrained, "reward/errors": 30.0, "reward/timeouts": 2.0})
+        short.note({**untrained, "reward/errors": 0.0, "reward/timeouts": 0.0})
+    assert "the reward failed on 64 responses (reward/errors, reward/timeouts" in failing.nothing_trained()
+    assert "max_response_length" not in failing.nothing_trained()
+    assert "max_response_length" in short.nothing_trained()  # the control: no failure, the old diagnosis
