@@ -88,8 +88,18 @@ class DapoMathData:
 
 def _iter_jsonl(path: Path, *, on_bad_row: OnBadRow, report: LoadReport) -> Iterator[RawRow]:
     row = 0
-    with path.open("r", encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # decoded line by line: a byte that is not UTF-8 is one bad row, not the file
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                report.total_rows += 1
+                problem = RowValidationError(f"{path} (line {line_number})", row, "<utf-8>",
+                                             f"not UTF-8 text (byte 0x{raw[error.start]:02x} at column "
+                                             f"{error.start + 1})")
+                _handle_bad_row(problem, on_bad_row=on_bad_row, report=report)
+                row += 1
+                continue
             if not line.strip():
                 continue
             try:

@@ -153,6 +153,20 @@ def test_invalid_json_line_is_named(tmp_path):
         load_dapo_math(path)
 
 
+def test_a_line_that_is_not_utf8_is_named_and_skipped_in_skip_mode(tmp_path):
+    """Issue 33.4: a Latin-1 byte in a jsonl was a UnicodeDecodeError traceback naming neither file nor line."""
+    path = tmp_path / "latin1.jsonl"
+    bad = json.dumps(_good_row("2"), ensure_ascii=False).replace("math_dapo", "math_dap\u00e9").encode("latin-1")
+    good = [json.dumps(_good_row(answer)).encode() for answer in ("1", "3")]
+    path.write_bytes(b"\n".join([good[0], bad, good[1]]) + b"\n")
+    with pytest.raises(RowValidationError, match=r"latin1.jsonl \(line 2\): row 1: field '<utf-8>': not UTF-8 text "
+                                                 r"\(byte 0xe9 at column \d+\)"):
+        load_dapo_math(path)
+    data = load_dapo_math(path, on_bad_row="skip")
+    assert [row.ground_truth for row in data.rows] == ["1", "3"]
+    assert data.report.skipped_by_reason == {"<utf-8>": 1} and data.report.total_rows == 3
+
+
 def test_conflicting_duplicate_is_an_error(tmp_path):
     rows = [_good_row("5", index="a"), _good_row("6"), _good_row("5", index="b")]
     rows[2]["reward_model"]["ground_truth"] = "7"
