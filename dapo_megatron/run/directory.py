@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -59,6 +60,15 @@ def move_run_aside(run_dir: str | Path) -> Path:
     return aside
 
 
+def _free_space(run_dir: Path) -> str:
+    existing = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    try:
+        free = shutil.disk_usage(existing).free if existing is not None else None
+    except OSError:
+        free = None
+    return "" if free is None else f" ({free / 2**20:.1f} MiB free there)"
+
+
 def claim_run_directory(run_dir: str | Path, *, resume: bool, overwrite: bool) -> RunLock:
     """Lock ``run_dir`` (made if missing) for this process, and make it ready for a new run unless ``resume``: an
     earlier run in it is moved aside with ``overwrite``, else refused. Returns the held lock."""
@@ -66,8 +76,12 @@ def claim_run_directory(run_dir: str | Path, *, resume: bool, overwrite: bool) -
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other: continue the run in trainer.run_dir, or "
                           "move it aside and start a new one")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run_dir).acquire()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(run_dir).acquire()
+    except OSError as error:  # a full disk, a read-only mount, no permission: the run could write nothing there
+        raise ConfigError(f"trainer.run_dir: cannot write in {run_dir}: {error.strerror or error}"
+                          f"{_free_space(run_dir)}") from None
     try:
         found = None if resume else existing_run(run_dir)
         if found and not overwrite:

@@ -125,10 +125,14 @@ class RunLock:
 
     def _write_tmp(self) -> Path:
         tmp = self.path.with_name(f".{LOCK_FILE}.{self.owner['token']}.tmp")
-        with open(tmp, "w") as handle:
-            handle.write(json.dumps(self.owner) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            with open(tmp, "w") as handle:
+                handle.write(json.dumps(self.owner) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+        except BaseException:  # a full disk: no half-written temporary file left behind in the run directory
+            tmp.unlink(missing_ok=True)
+            raise
         return tmp
 
     def _read(self) -> dict | None:

@@ -150,3 +150,28 @@ def test_a_directory_without_steps_or_rows_holds_no_run(tmp_path):
 def test_resume_and_overwrite_exclude_each_other(tmp_path):
     with pytest.raises(ConfigError, match="--resume and --overwrite exclude each other"):
         claim_run_directory(tmp_path, resume=True, overwrite=True)
+
+
+def test_a_run_directory_on_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path):
+    """Issue 33.4: the lock's temporary file could not be written: an OSError traceback, and the half-written
+    `.run.lock.<token>.tmp` stayed. A 4 KiB tmpfs, filled, in a private mount namespace (real ENOSPC)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=4k tmpfs {disk}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("needs `unshare -m` and tmpfs mounts (root or user namespaces)")
+    claim = ("import sys\nfrom dapo_megatron.config import ConfigError\n"
+             "from dapo_megatron.run.directory import claim_run_directory\n"
+             f"try:\n    claim_run_directory({str(disk / 'run')!r}, resume=False, overwrite=False).release()\n"
+             "except ConfigError as error:\n    print(error)\n    sys.exit(2)\n")
+    script = (f"mount -t tmpfs -o size=4k tmpfs {disk} && mkdir {disk}/run && "
+              f"(dd if=/dev/zero of={disk}/fill bs=1k 2>/dev/null; true) && "
+              f"{sys.executable} -c \"$CLAIM\"; code=$?; ls -A {disk}/run; exit $code")
+    result = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "CLAIM": claim}, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    message, *listing = result.stdout.splitlines()
+    assert message.startswith(f"trainer.run_dir: cannot write in {disk / 'run'}: No space left on device (0.0 MiB "
+                              f"free there)"), result.stdout
+    assert listing == [], listing  # no `.run.lock.*.tmp` left
