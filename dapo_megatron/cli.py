@@ -4,7 +4,7 @@
     dapo-megatron train        CONFIG.yaml [dotted.key=value ...] [--resume | --overwrite]
     dapo-megatron eval         CONFIG.yaml --ckpt RUN/checkpoints/step_000012 [dotted.key=value ...] [--out FILE]
     dapo-megatron plot         RUN_DIR [--out FILE.png]
-    dapo-megatron plan         CONFIG.yaml [dotted.key=value ...] [--data-parallel N] [--gpu-memory-gb 80]
+    dapo-megatron plan         CONFIG.yaml [dotted.key=value ...] [--data-parallel N] [--gpu-memory-gb GB]
 
 ``prepare-tiny`` builds the CPU demo's model (``model.source = tiny``) as an HF folder, by default where ``train``
 looks for it (``<run_dir>/initial_model``); ``train`` prepares it itself when it is missing, so one command does it
@@ -197,8 +197,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     spec, origin = model_spec_for_plan(config)
+    gpu_memory_gb = args.gpu_memory_gb or config.parallel.gpu_memory_gb or 80.0
     report, fits = plan_report(config, spec, origin, data_parallel=args.data_parallel,
-                               gpu_memory_gb=args.gpu_memory_gb, local_spec=args.local_spec)
+                               gpu_memory_gb=gpu_memory_gb, local_spec=args.local_spec)
     print(report)
     return 0 if fits else 1
 
@@ -235,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*", help="dotted.key=value")
     plan.add_argument("--data-parallel", type=int, default=None, help="DP size (default: parallel.data, else 1)")
-    plan.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, in 10^9 bytes")
+    plan.add_argument("--gpu-memory-gb", type=float, default=None,
+                      help="memory of one GPU, in 10^9 bytes (default: parallel.gpu_memory_gb, else 80)")
     plan.add_argument("--local-spec", action="store_true",
                       help="plan megatron's local spec (no Transformer Engine: unfused attention, no sequence "
                            "parallelism) instead of the TE path")
@@ -244,7 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a nargs="*" positional at the first option: `train C.yaml --resume key=value` left key=value
+    # over. Overrides are accepted on either side of the options, as the synopsis shows them.
+    if extra and hasattr(args, "overrides") and not any(arg.startswith("-") for arg in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except UserError as exc:

@@ -104,6 +104,8 @@ class ParallelConfig:
     # parameter all-gather with the next forward pass. Off by default: on CPU/gloo there is nothing to overlap with.
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # One GPU's memory (10^9 bytes) this layout is meant for: the default of `dapo-megatron plan --gpu-memory-gb`.
+    gpu_memory_gb: float | None = None  # unset: 80
 
 
 @dataclass

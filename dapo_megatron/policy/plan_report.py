@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dapo_megatron.config import DAPOConfig
+from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.policy.gpu_sharing import sharing_report
 from dapo_megatron.policy.memory import memory_table, plan_stages
 from dapo_megatron.policy.model_spec import ModelSpec
@@ -21,6 +21,10 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
     """
     p = config.parallel
     dp = data_parallel or p.data or 1
+    if dp % p.expert:
+        source = "--data-parallel" if data_parallel else "parallel.data" if p.data else "DP 1, parallel.data unset"
+        raise ConfigError(f"parallel.expert: {p.expert} expert-parallel ranks must divide the data-parallel size, "
+                          f"{dp} ({source})")
     stages, sequence_parallel = plan_stages(config, spec, data_parallel=dp, local_spec=local_spec)
     sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
     fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits

@@ -92,6 +92,14 @@ def check_model_folder(model_dir: str | Path, *, tokenizer_path: str | None = No
     return spec
 
 
+def _folder_spec(folder: Path) -> ModelSpec:
+    """The spec of the model in ``folder``, its unsupported architecture the error `train` gives for it."""
+    try:
+        return model_spec_from_hf(load_hf_config(folder))
+    except UnsupportedModelError as error:
+        raise ModelFolderError(f"{folder / CONFIG_FILE}: {error}") from None
+
+
 def model_spec_for_plan(config: DAPOConfig) -> tuple[ModelSpec, str]:
     """(the model's spec, where its shape came from) for ``dapo-megatron plan``: ``model.hf_path``'s
     ``config.json`` when that folder is here, else the published shape its folder is named after
@@ -102,10 +110,10 @@ def model_spec_for_plan(config: DAPOConfig) -> tuple[ModelSpec, str]:
         if not (folder / "config.json").is_file():
             raise ConfigError(f"model.source: the tiny model's vocabulary comes from its tokenizer; run "
                               f"`dapo-megatron prepare-tiny` first (no {folder / 'config.json'})")
-        return model_spec_from_hf(load_hf_config(folder)), str(folder / "config.json")
+        return _folder_spec(folder), str(folder / "config.json")
     folder = Path(config.model.hf_path)
     if (folder / "config.json").is_file():
-        return model_spec_from_hf(load_hf_config(folder)), str(folder / "config.json")
+        return _folder_spec(folder), str(folder / "config.json")
     name = published_name(folder)
     if name is None:
         raise ConfigError(f"model.hf_path: {folder / 'config.json'} does not exist and the folder name is not one of "

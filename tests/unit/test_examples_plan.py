@@ -59,6 +59,17 @@ def test_what_the_plan_assumes_of_each_example_holds(path):
     assert config.data.val_files, "validation on AIME-2024"
 
 
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=lambda path: path.stem)
+def test_plan_without_the_flag_plans_for_the_gpu_the_example_names(path, capsys, monkeypatch):
+    """Issue 33.5: `plan examples/dapo_qwen2.5_0.5b_24gb.yaml` answered for an 80 GB GPU unless told 24."""
+    monkeypatch.chdir(REPO)
+    relative, gpu_memory_gb = _plan_command(path)
+    assert main(["plan", relative]) == 0
+    assert f"fits in {gpu_memory_gb} GB per GPU" in capsys.readouterr().out
+    assert main(["plan", relative, "--gpu-memory-gb", "40"]) in (0, 1)  # the flag still wins
+    assert "in 40 GB per GPU" in capsys.readouterr().out
+
+
 def test_a_colocated_example_that_does_not_fit_is_reported_so(capsys, monkeypatch):
     """The control of the fit above: the 1-GPU example without the optimizer offload runs out in the generation
     turn (its trainer table alone still fits)."""
