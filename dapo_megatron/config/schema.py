@@ -313,7 +313,9 @@ class WandbConfig:
     project: str = "dapo-megatron"
     entity: str | None = None
     name: str | None = None  # default: the run directory's name
-    mode: Literal["online", "offline"] = "online"  # offline: files under run_dir/wandb, `wandb sync` them later
+    # offline: files under run_dir/wandb, `wandb sync` them later. Unset: W&B's own setting decides (WANDB_MODE,
+    # `wandb offline`; online when none).
+    mode: Literal["online", "offline"] | None = None
 
 
 @dataclass

@@ -5,7 +5,8 @@
   response with its prompt, ground truth, score and correctness, one JSON object per line;
 * ``trainer.loggers``: ``tensorboard`` (``run_dir/tensorboard``; generations as a text table), ``wandb``
   (``trainer.wandb``: project, entity, name, ``mode: offline`` writes ``run_dir/wandb`` for a later ``wandb sync``;
-  generations as a table), ``mlflow`` (``trainer.mlflow``: tracking URI, default a SQLite file
+  unset, W&B's own ``WANDB_MODE`` / ``wandb offline`` decide; generations as a table; W&B refusing to start, e.g.
+  online without an API key, is a config error), ``mlflow`` (``trainer.mlflow``: tracking URI, default a SQLite file
   ``run_dir/mlflow.db``; metric names with characters MLflow refuses are written with ``@`` → ``_at_`` and any other
   such character → ``_``; see :func:`mlflow_metric_name`).
 
@@ -71,7 +72,18 @@ def build_loggers(config: DAPOConfig, run_dir: str | Path, *, resume: bool) -> l
     makers = {"tensorboard": lambda: TensorBoardLogger(run_dir),
               "wandb": lambda: WandbLogger(config, run_dir, ids),
               "mlflow": lambda: MlflowLogger(config, run_dir, ids)}
-    return [GenerationsFile(run_dir / GENERATIONS_FILE), *(makers[name]() for name in enabled_loggers(config))]
+    names = enabled_loggers(config)
+    made: dict[str, RunLogger] = {}
+    try:
+        # TensorBoard last: its writer makes an events file at once, one more for each start that W&B or MLflow
+        # then failed
+        for name in sorted(names, key=lambda name: name == "tensorboard"):
+            made[name] = makers[name]()
+    except BaseException:
+        for logger in made.values():
+            logger.close()
+        raise
+    return [GenerationsFile(run_dir / GENERATIONS_FILE), *(made[name] for name in names)]
 
 
 def finite(scalars: dict[str, float | None]) -> dict[str, float]:
@@ -158,9 +170,14 @@ class WandbLogger:
 
         w = config.trainer.wandb
         self._wandb = wandb
-        self._run = wandb.init(project=w.project, entity=w.entity, name=w.name or run_dir.resolve().name,
-                               mode=w.mode, dir=str(run_dir), config=config_to_dict(config),
-                               id=ids.get("wandb_run_id"), resume="allow")
+        mode = {} if w.mode is None else {"mode": w.mode}  # unset: WANDB_MODE / `wandb offline` decide, as W&B does
+        try:
+            self._run = wandb.init(project=w.project, entity=w.entity, name=w.name or run_dir.resolve().name,
+                                   dir=str(run_dir), config=config_to_dict(config), id=ids.get("wandb_run_id"),
+                                   resume="allow", **mode)
+        except wandb.errors.UsageError as error:  # no API key (in online mode), a bad entity or project name
+            raise ConfigError(f"trainer.loggers: wandb did not start: {error} (or log offline: WANDB_MODE=offline, "
+                              f"or trainer.wandb.mode=offline)") from None
         ids.set("wandb_run_id", self._run.id)
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:

@@ -14,7 +14,7 @@ import pytest
 from cli_runs import REPO, TINY, cli_env
 from logger_readers import mlflow_history, wandb_offline_history
 
-from dapo_megatron.config import load_config
+from dapo_megatron.config import ConfigError, load_config
 from dapo_megatron.metrics.loggers import IDS_FILE, build_loggers, check_logger_libraries, mlflow_metric_name
 from dapo_megatron.metrics.writer import MetricsWriter, read_metrics
 
@@ -102,3 +102,51 @@ def test_wandb_offline_and_mlflow_hold_the_scalars_of_metrics_jsonl(tmp_path):
     # --resume continues the same runs
     _write_run(tmp_path, "wandb", "mlflow", resume=True)
     assert json.loads((tmp_path / IDS_FILE).read_text()) == ids
+
+
+@pytest.fixture
+def no_wandb_account(tmp_path, monkeypatch):
+    """No W&B API key anywhere this process looks (a fresh home, no WANDB_API_KEY) and no W&B mode set: an online
+    start fails before it reaches the network."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_wandb_mode_from_the_environment_is_kept_when_the_config_sets_none(tmp_path, no_wandb_account):
+    """Issue 33.5: the config's `mode: online` default overrode WANDB_MODE=offline, so a cluster run without an
+    account (or network) failed to start. A fresh process: W&B reads its environment once per process."""
+    start = textwrap.dedent(f"""
+        from dapo_megatron.config import load_config
+        from dapo_megatron.metrics.loggers import build_loggers
+        config = load_config({str(TINY)!r}, ["trainer.loggers=[wandb]"])
+        assert config.trainer.wandb.mode is None
+        for logger in build_loggers(config, {str(tmp_path)!r}, resume=False):
+            logger.log_scalars(1, {{"actor/entropy": 1.0}})
+            logger.close()
+    """)
+    result = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env=cli_env(WANDB_MODE="offline"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "W&B ran online, not as WANDB_MODE says"
+
+
+def test_wandb_without_an_api_key_is_one_config_line_and_leaves_no_tensorboard_file(tmp_path, no_wandb_account):
+    """Issue 33.4/33.5: W&B online without a key was a UsageError traceback, and each failed start left one more
+    TensorBoard events file (TensorBoard was started first)."""
+    config = load_config(TINY, [f"trainer.run_dir={tmp_path}", "trainer.loggers=[tensorboard, wandb]",
+                                "trainer.wandb.mode=online"])
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"^trainer.loggers: wandb did not start: .*API key.* \(or log "
+                                              r"offline: WANDB_MODE=offline, or trainer.wandb.mode=offline\)$"):
+            build_loggers(config, tmp_path, resume=False)
+    assert not list(tmp_path.rglob("events.out.tfevents.*"))
+    offline = load_config(TINY, [f"trainer.run_dir={tmp_path}", "trainer.loggers=[tensorboard, wandb]",
+                                 "trainer.wandb.mode=offline"])
+    for logger in build_loggers(offline, tmp_path, resume=False):  # the control: a start that works makes one
+        logger.close()
+    assert len(list(tmp_path.rglob("events.out.tfevents.*"))) == 1
