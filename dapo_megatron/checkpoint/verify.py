@@ -5,6 +5,8 @@ by a full disk or a broken transfer, a lost ``.metadata``. :func:`checkpoint_pro
 and sizes alone: torch's ``.metadata`` of each distributed checkpoint records, for every stored item, the file,
 offset and length it was written to, so a shard shorter than its last item is truncated. ``--resume`` then takes the
 newest checkpoint without problems (:func:`newest_sound_checkpoint`) and says which newer ones it passed over.
+Garbage of the right size is found only once loaded (:func:`non_finite_weights`): the trainer then sets the
+checkpoint aside the same way and loads the one before it.
 """
 
 from __future__ import annotations
@@ -95,11 +97,31 @@ def checkpoint_to_resume(root: Path, world_size: int) -> Path | None:
     if path is None and passed_over:
         raise no_sound_checkpoint_error(passed_over)
     for damaged, problems in passed_over:
-        aside, n = damaged.with_name(damaged.name + DAMAGED_SUFFIX), 1
-        while aside.exists():
-            n += 1
-            aside = damaged.with_name(f"{damaged.name}{DAMAGED_SUFFIX}-{n}")
-        damaged.rename(aside)
-        logger.warning("--resume: %s is damaged (%s): resuming from %s instead; the damaged one is kept as %s",
-                       damaged, "; ".join(problems), path, aside.name)
+        set_aside(damaged, problems, instead=path)
     return path
+
+
+def set_aside(damaged: Path, problems: list[str], *, instead: Path | None) -> Path:
+    """Rename the damaged checkpoint ``damaged`` to ``step_NNNNNN.damaged`` (kept, out of resume's and retention's
+    way), with a warning naming ``problems`` and the checkpoint resumed from ``instead`` (None: chosen next)."""
+    aside, n = damaged.with_name(damaged.name + DAMAGED_SUFFIX), 1
+    while aside.exists():
+        n += 1
+        aside = damaged.with_name(f"{damaged.name}{DAMAGED_SUFFIX}-{n}")
+    damaged.rename(aside)
+    logger.warning("--resume: %s is damaged (%s): resuming from %s instead; the damaged one is kept as %s",
+                   damaged, "; ".join(problems), instead or "the newest complete one before it", aside.name)
+    return aside
+
+
+def non_finite_weights(model_chunks: list) -> list[str]:
+    """The names of this rank's loaded weight tensors that hold a NaN or an infinity: what a checkpoint whose
+    shards were overwritten with same-size garbage loads as (its files' sizes and structure are whole, so
+    :func:`checkpoint_problems` cannot see it)."""
+    names = []
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        for name, tensor in module.state_dict().items():
+            if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                names.append(name)
+    return names

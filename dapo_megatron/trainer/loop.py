@@ -39,16 +39,18 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from dapo_megatron import checkpoint as ckpt
+from dapo_megatron.checkpoint.verify import non_finite_weights, set_aside
 from dapo_megatron.backend import Backend
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.platform import seed_everything
 from dapo_megatron.policy.actor import build_actor
 from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
-from dapo_megatron.rank_zero import run_on_rank0
+from dapo_megatron.rank_zero import run_on_rank0, waiting_group
 from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.factory import build_rollout_engine
 from dapo_megatron.collectors.asynchronous import AsyncRolloutCollector
@@ -237,6 +239,16 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ state
 
+    @staticmethod
+    def _agreed_count(count: int) -> int:
+        """``count`` summed over the ranks (each holds only its shards of the weights)."""
+        group = waiting_group()
+        if group is None:
+            return count
+        total = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(total, group=group)
+        return int(total.item())
+
     def _trainer_state(self, step: int) -> dict:
         return {"step": step, "scheduler": self.actor.scheduler.state_dict(),
                 "collector": self.collector.state_dict() if self.collector else None,
@@ -253,12 +265,23 @@ class DAPOTrainer:
 
     def restore(self) -> int:
         world_size = dist.get_world_size()
-        path = run_on_rank0(lambda: ckpt.checkpoint_to_resume(self.ckpt_dir, world_size),
-                            what="choosing the checkpoint to resume from")
-        if path is None:
-            logger.info("no checkpoint under %s: starting from step 0", self.ckpt_dir)
-            return 0
-        state = ckpt.load_checkpoint(path, model_chunks=[self.actor.model], optimizer=self.actor.optimizer)
+        garbage: list[str] = []  # what was set aside, each with its problem
+        while True:  # until a checkpoint loads whole: one of same-size garbage is set aside, the one before tried
+            path = run_on_rank0(lambda: ckpt.checkpoint_to_resume(self.ckpt_dir, world_size),
+                                what="choosing the checkpoint to resume from")
+            if path is None and garbage:  # the policy holds the garbage now: no fresh start from it
+                raise ckpt.CheckpointError(f"--resume: {garbage[0]}, and no complete checkpoint is left before it")
+            if path is None:
+                logger.info("no checkpoint under %s: starting from step 0", self.ckpt_dir)
+                return 0
+            state = ckpt.load_checkpoint(path, model_chunks=[self.actor.model], optimizer=self.actor.optimizer)
+            non_finite = self._agreed_count(len(non_finite_weights([self.actor.model])))
+            if not non_finite:
+                break
+            problem = f"{non_finite} weight tensors hold NaN or infinite values once loaded"
+            garbage.append(f"{path} is damaged ({problem})")
+            run_on_rank0(lambda: set_aside(path, [problem], instead=None), what="setting a damaged checkpoint aside",
+                         broadcast_result=False)
         self.actor.scheduler.load_state_dict(state["scheduler"])
         if self.collector is not None:
             self.collector.load_state_dict(state["collector"])
