@@ -7,6 +7,7 @@ import threading
 from typing import Callable
 
 from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.user_errors import UserError
 
 
 class DriverThread:
@@ -37,7 +38,9 @@ class DriverThread:
             self._thread.join(timeout=timeout_s)
 
     def check(self) -> None:
-        """Raise :class:`RolloutError` if the thread failed or died."""
+        """Raise :class:`RolloutError` if the thread failed or died (a UserError as it is)."""
+        if isinstance(self._error, UserError):  # bad input keeps its kind and exit code (a failing reward: 8)
+            raise self._error
         if self._error is not None:
             raise RolloutError(f"the async rollout driver failed: {self._error}") from self._error
         if self._thread is not None and not self._thread.is_alive() and not self._stop:

@@ -139,3 +139,24 @@ def test_the_end_of_run_diagnosis_names_failed_rewards_before_the_response_lengt
     assert "the reward failed on 64 responses (reward/errors, reward/timeouts" in failing.nothing_trained()
     assert "max_response_length" not in failing.nothing_trained()
     assert "max_response_length" in short.nothing_trained()  # the control: no failure, the old diagnosis
+
+
+def test_in_async_mode_the_reward_error_reaches_the_trainer_as_itself():
+    """The async collector scores in its driver thread, whose errors reached the trainer as a RolloutError (a bug,
+    exit 1). The control: any other failure still does."""
+    from dapo_megatron.collectors.async_driver import DriverThread
+    from dapo_megatron.rollout.engine import RolloutError
+
+    for raised, expected in ((RewardError("the reward failed on 32 of 32 responses"), RewardError),
+                             (ZeroDivisionError("a bug"), RolloutError)):
+        def tick(raised=raised):
+            raise raised
+
+        driver = DriverThread(tick, threading.Condition(), name="test-driver")
+        driver.start()
+        deadline = time.monotonic() + 10
+        with pytest.raises(expected):
+            while time.monotonic() < deadline:  # until the thread's error is there to raise
+                driver.check()
+                time.sleep(0.01)
+        driver.stop()

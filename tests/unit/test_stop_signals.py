@@ -21,7 +21,7 @@ def _send(signum: int) -> None:
 
 
 def test_in_the_loop_sigterm_and_sigusr1_ask_to_stop_after_the_step_and_a_second_one_stops_at_once():
-    for first in (signal.SIGTERM, signal.SIGUSR1):
+    for first in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # SIGHUP: a closed terminal (issue 33.1)
         with StopSignals() as stop, stop.training_loop():
             assert stop.agreed_stop() is None
             _send(first)
