@@ -81,7 +81,8 @@ def test_what_each_backend_supplies():
 # ------------------------------------------------------------------------------------------------ the seam
 
 
-SEAM_FOLDERS = ("policy", "rollout", "handoff", "trainer", "collectors", "run", "metrics", "reward", "algorithm", "data")
+SEAM_FOLDERS = ("policy", "rollout", "handoff", "trainer", "collectors", "run", "metrics", "reward", "algorithm",
+                "data")
 
 
 def cpu_imports(source: str) -> list[str]:

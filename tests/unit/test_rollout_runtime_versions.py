@@ -1,4 +1,4 @@
-"""The torch/NCCL check before the distributed weight-update group forms (dapo_megatron/rollout/sglang/runtime_versions.py)."""
+"""The torch/NCCL check before the distributed weight-update group forms (rollout/sglang/runtime_versions.py)."""
 
 import stat
 import sys

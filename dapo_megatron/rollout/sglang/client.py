@@ -46,7 +46,7 @@ def tensor_update_body(serialized_per_tp_rank: Sequence[str | bytes], **fields: 
     """``/update_weights_from_tensor``'s body, ``{"serialized_named_tensors": [...], **fields}``, as pieces that
     reference the serialized entries instead of copying them.
 
-    An entry is base64 (:mod:`dapo_megatron.rollout.sglang.tensor_payloads`), which JSON carries as it is. By value, every TP
+    An entry is base64 (:mod:`.tensor_payloads`), which JSON carries as it is. By value, every TP
     rank's entry is the same bucket: one object repeated, so a TP-4 server's body costs no copy of the bucket where
     ``json.dumps`` + ``encode`` made eight (two per rank), and servers posted to at once share it too."""
     entries = [entry if isinstance(entry, bytes) else entry.encode("ascii") for entry in serialized_per_tp_rank]
