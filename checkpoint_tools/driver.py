@@ -30,7 +30,7 @@ from checkpoint_tools.launch import (
     run_ranks,
     shared_staging_dir,
 )
-from dapo_megatron.config.schema import Kernels
+from dapo_megatron.config.model import Kernels
 from dapo_megatron.hf_format import CONFIG_FILE, HFFormatError, discard, load_hf_config, publish, staging_dir
 
 

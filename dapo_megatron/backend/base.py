@@ -6,7 +6,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
 from dapo_megatron.backend.megatron_fixes import apply_megatron_fixes
-from dapo_megatron.config.schema import Recompute
+from dapo_megatron.config.model import Recompute
 from dapo_megatron.handoff.tp_gather import ProcessGroupGather, TensorParallelGather
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.policy.packing import RowPacker, ThdPacker

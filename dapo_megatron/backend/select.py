@@ -11,7 +11,7 @@ import torch
 from dapo_megatron.backend.base import Backend
 from dapo_megatron.backend.cuda import CudaLocalBackend, TransformerEngineBackend
 from dapo_megatron.config import ConfigError
-from dapo_megatron.config.schema import Kernels
+from dapo_megatron.config.model import Kernels
 from dapo_megatron.cpu.backend import CpuBackend
 
 TRANSFORMER_ENGINE_PACKAGE = "transformer-engine[pytorch]"

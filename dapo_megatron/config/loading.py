@@ -12,7 +12,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from dapo_megatron.config.schema import ConfigError, DAPOConfig
+from dapo_megatron.config.errors import ConfigError
+from dapo_megatron.config.schema import DAPOConfig
 
 
 # Checked by hand, not with pydantic or OmegaConf: these ~65 lines keep the schema plain dataclasses, refuse "1" and

@@ -7,7 +7,7 @@ import os
 from contextlib import AbstractContextManager
 
 from dapo_megatron.backend.base import Backend
-from dapo_megatron.config.schema import Recompute
+from dapo_megatron.config.model import Recompute
 from dapo_megatron.cpu import megatron_compat
 from dapo_megatron.cpu.attention import RotarySettings
 from dapo_megatron.cpu.layers import local_layer_spec

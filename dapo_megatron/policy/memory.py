@@ -68,7 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.config.schema import Precision, Recompute
+from dapo_megatron.config.model import Precision, Recompute
 from dapo_megatron.policy.logprobs import DEFAULT_CHUNK_ELEMENTS
 from dapo_megatron.policy.model import sequence_parallel_enabled
 from dapo_megatron.policy.model_spec import ModelSpec, check_parallel_layout, padded_vocab_size

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from dapo_megatron.config.schema import Precision, Recompute
+from dapo_megatron.config.model import Precision, Recompute
 from dapo_megatron.policy.model_spec import (
     ModelSpec,
     ParallelLayoutError,
