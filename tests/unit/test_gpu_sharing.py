@@ -13,6 +13,7 @@ from dapo_megatron.policy.gpu_sharing import (
     SERVER_CONTEXT_BYTES,
     kv_bytes_per_token,
     model_parameters,
+    sglang_cuda_graph_bytes,
     sglang_runtime_reserve_bytes,
     shared_gpus,
     sharing_report,
@@ -76,6 +77,21 @@ def test_the_server_takes_its_fraction_of_what_is_free_when_it_starts():
     bucket = max(512 * MIB, model.vocab_size * model.hidden_size * 2)  # a bucket, or the embedding alone
     assert gpu.handoff == (trainer_generating + stage.optimizer_bytes + bucket, SERVER_CONTEXT_BYTES + weights)
     assert gpu.fits(80 * GB)
+
+
+def test_cuda_graphs_the_server_keeps_are_counted_in_the_training_and_handoff_turns(monkeypatch):
+    config, model, stages, (released,) = _shared([])
+    (kept,) = shared_gpus(config, model, stages, data_parallel=1, gpu_memory_gb=80, cuda_graphs_released=False)
+    graphs = sglang_cuda_graph_bytes(80 * GB, 1)
+    assert graphs == 2 * 256 * MIB  # SGLang 0.5.23's decode graph batch on an 80 GB GPU at TP 1
+    assert kept.training[1] - released.training[1] == graphs and kept.handoff[1] - released.handoff[1] == graphs
+    assert kept.generation == released.generation  # the graphs are in the runtime reserve while generating either way
+    monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "0")  # plan reads what the launched servers will get
+    lines, _ = sharing_report(config, model, stages, data_parallel=1, gpu_memory_gb=80)
+    assert "CUDA graphs resident in every turn" in lines[0]
+    monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH")
+    lines, _ = sharing_report(config, model, stages, data_parallel=1, gpu_memory_gb=80)
+    assert "CUDA graphs released with the rest" in lines[0]
 
 
 def test_without_the_offload_adams_moments_eat_the_servers_runtime_share():

@@ -79,6 +79,16 @@ CPU_KV_CACHE_TOKENS = 16384
 # Makes /release_memory_occupation and /resume_memory_occupation free and map GPU memory (colocated placement,
 # dapo_megatron/rollout/placement.py); without it both answer 200 and change nothing.
 MEMORY_SAVER_FLAG = "--enable-memory-saver"
+# SGLang 0.5.23 allocates CUDA-graph memory inside a memory-saver region (tag "cuda_graph") only with this variable
+# set (runner_backend/full_cuda_graph_backend.py; environ.py defaults it to False): without it, releasing the tag
+# frees nothing and the graph pools stay on the GPU while the trainer trains.
+MEMORY_SAVER_CUDA_GRAPH_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"
+
+
+def cuda_graphs_released(environment: dict[str, str] | os._Environ) -> bool:
+    """Whether a memory-saver server started from ``environment`` puts its CUDA graphs where a release frees them:
+    the server sets the variable unless the user did (SGLang reads it as a boolean)."""
+    return environment.get(MEMORY_SAVER_CUDA_GRAPH_ENV, "1").strip().lower() in ("1", "true", "yes", "on")
 
 # model.precision -> the dtype the servers compute in: FP8 training keeps BF16 weights for the handoff.
 _SERVED_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -220,6 +230,8 @@ class SGLangServerProcess:
         env["PYTHONUNBUFFERED"] = "1"
         if nccl_carries_weights(self.config.transport, self.device):
             env.update(NCCL_CUMEM_OFF)
+        if self.memory_saver:
+            env.setdefault(MEMORY_SAVER_CUDA_GRAPH_ENV, "1")
         return self.platform_environment(env)
 
     def start(self) -> None:
