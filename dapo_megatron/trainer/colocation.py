@@ -26,8 +26,10 @@ from typing import Callable, Iterator
 import torch
 
 from dapo_megatron.config import DAPOConfig
+from dapo_megatron.launch_env import local_world_size
 from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.rollout.engine import RolloutEngine
+from dapo_megatron.rollout.placement import colocated_gpu_ranges, require_one_stage_per_server
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,17 @@ class Colocation:
             logger.info("rollout.offload_optimizer: the optimizer state is in host memory already (no GPU)")
         self.optimizer = optimizer
         self.engine = engine
+        self.config = config
+
+    def check_server_layout(self) -> None:
+        """Before the servers launch: each colocated server's GPUs in one pipeline stage (on GPUs; every rank checks,
+        so every rank stops with the same error)."""
+        if self.colocated and self.on_gpu:
+            r, pipeline = self.config.rollout, self.config.parallel.pipeline
+            ranges = colocated_gpu_ranges(r.sglang, trainer_local_ranks=local_world_size(),
+                                          visible_gpus=torch.cuda.device_count())
+            ranks_per_stage = torch.distributed.get_world_size() // pipeline
+            require_one_stage_per_server(r.sglang, ranges, ranks_per_stage=ranks_per_stage, pipeline=pipeline)
 
     @contextmanager
     def generating(self) -> Iterator[None]:

@@ -24,6 +24,7 @@ from dapo_megatron.rollout.placement import (
     ServerMemoryError,
     check_attached_server,
     colocated_gpu_ranges,
+    require_one_stage_per_server,
     uses_memory_saver,
 )
 from dapo_megatron.rollout.sglang.client import SGLangServerError
@@ -78,6 +79,19 @@ def test_a_colocated_server_beyond_the_trainers_gpus_is_refused():
                                           r"from GPU 0 reach GPU 5, and the trainer's 4 rank\(s\) on this node use "
                                           r"GPUs 0\.\.3"):
         colocated_gpu_ranges(config, trainer_local_ranks=4, visible_gpus=8)
+
+
+def test_a_colocated_server_spanning_two_pipeline_stages_is_refused():
+    # 8 GPUs, TP 2 x DP 2 x PP 2: GPUs 0-3 hold stage 0, GPUs 4-7 stage 1
+    wide = SGLangConfig(num_servers=2, tp_per_server=4, base_gpu_id=2, transport="tensor")
+    with pytest.raises(ConfigError, match=r"SGLang server 0 \(rollout\.sglang\.tp_per_server=4\) spans GPUs 2\.\.5, "
+                                          r"which hold pipeline stages 0\.\.1"):
+        require_one_stage_per_server(wide, [range(2, 6)], ranks_per_stage=4, pipeline=2)
+    # controls: the same servers from GPU 0 lie within a stage each; and without pipeline stages nothing differs
+    aligned = SGLangConfig(num_servers=2, tp_per_server=4, transport="tensor")
+    ranges = colocated_gpu_ranges(aligned, trainer_local_ranks=8, visible_gpus=8)
+    require_one_stage_per_server(aligned, ranges, ranks_per_stage=4, pipeline=2)
+    require_one_stage_per_server(wide, [range(2, 6)], ranks_per_stage=8, pipeline=1)
 
 
 def test_the_memory_saver_is_for_colocated_servers_on_gpus():
