@@ -48,6 +48,22 @@ def sequence_parallel_enabled(requested: bool, *, tensor_parallel: int, use_tran
     return requested and tensor_parallel > 1 and use_transformer_engine
 
 
+def require_sequence_parallel_for_moe_training(spec: ModelSpec, *, tensor_parallel: int,
+                                               sequence_parallel: bool, use_transformer_engine: bool) -> None:
+    """megatron-core 0.16.1's MoE layer raises in training when TP > 1 runs without sequence parallelism
+    (``moe_layer.py``, ``forward``); the first update would crash after a whole rollout. Refuse the layout up front,
+    naming what to change (:class:`ParallelLayoutError`)."""
+    if spec.moe is None or tensor_parallel < 2 or sequence_parallel:
+        return
+    why = ("parallel.sequence_parallel is false" if use_transformer_engine else
+           "sequence parallelism needs Transformer Engine's layer spec, and this run uses megatron's local layers "
+           "(no Transformer Engine, or model.kernels: local)")
+    raise ParallelLayoutError(
+        f"a mixture-of-experts model trains at parallel.tensor={tensor_parallel} only with sequence parallelism "
+        f"(megatron-core's MoE layer refuses it otherwise), and {why}: set parallel.sequence_parallel: true with "
+        f"Transformer Engine, or parallel.tensor: 1 and split the experts with parallel.expert")
+
+
 def recompute_settings(recompute: Recompute) -> dict[str, Any]:
     """``TransformerConfig`` fields for activation recomputation (megatron-core 0.16.1's names).
 

@@ -227,3 +227,33 @@ def test_embedded_engine_takes_one_stream_on_rank0():
     assert engine.stage_stream_receiver() is None
     with pytest.raises(NotImplementedError):
         engine.commit_stage_streams(1)
+
+
+# ---------------------------------------------------- MoE at TP > 1 trains only with sequence parallelism
+
+
+def test_moe_training_at_tp_above_one_without_sequence_parallelism_is_refused_up_front():
+    import inspect
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from dapo_megatron.policy.model import require_sequence_parallel_for_moe_training
+    from dapo_megatron.policy.model_spec import MoESpec, ParallelLayoutError
+
+    # the upstream refusal this guards against is still there (when it goes, so can the guard)
+    assert "without also enabling sequence parallelism" in inspect.getsource(MoELayer.forward)
+    moe = spec(arch="qwen3_moe", moe=MoESpec(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=True))
+    with pytest.raises(ParallelLayoutError, match=r"parallel\.tensor=2 only with sequence parallelism.*"
+                                                  r"parallel\.sequence_parallel is false"):
+        require_sequence_parallel_for_moe_training(moe, tensor_parallel=2, sequence_parallel=False,
+                                                   use_transformer_engine=True)
+    with pytest.raises(ParallelLayoutError, match="megatron's local layers"):
+        require_sequence_parallel_for_moe_training(moe, tensor_parallel=2, sequence_parallel=False,
+                                                   use_transformer_engine=False)
+    # controls: with sequence parallelism, at TP 1, or for a dense model nothing is refused
+    require_sequence_parallel_for_moe_training(moe, tensor_parallel=2, sequence_parallel=True,
+                                               use_transformer_engine=True)
+    require_sequence_parallel_for_moe_training(moe, tensor_parallel=1, sequence_parallel=False,
+                                               use_transformer_engine=False)
+    require_sequence_parallel_for_moe_training(spec(), tensor_parallel=2, sequence_parallel=False,
+                                               use_transformer_engine=False)
