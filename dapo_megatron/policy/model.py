@@ -265,9 +265,10 @@ def moe_arguments(spec: ModelSpec, *, expert_parallel: int, aux_loss_coeff: floa
     )
 
 
-def build_model(spec: ModelSpec, tconfig: "TransformerConfig", backend: "Backend") -> "GPTModel":
+def build_model(spec: ModelSpec, tconfig: "TransformerConfig", backend: "Backend",
+                device: torch.device | None = None) -> "GPTModel":
     """This pipeline stage's ``GPTModel`` (pre/post process from megatron ``parallel_state``) with ``backend``'s layer
-    spec, vocab padded for TP."""
+    spec, vocab padded for TP, on ``device`` (default: the backend's, :func:`model_device`)."""
     from megatron.core import parallel_state  # import cost: see transformer_config
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -284,7 +285,7 @@ def build_model(spec: ModelSpec, tconfig: "TransformerConfig", backend: "Backend
             f"TransformerConfig is for TP={configured[0]}/PP={configured[1]}/EP={configured[2]} "
             f"but parallel_state is initialized with TP={tp}/PP={pp}/EP={ep}"
         )
-    return GPTModel(
+    model = GPTModel(
         config=tconfig,
         transformer_layer_spec=backend.layer_spec(spec, get_num_layers_to_build(tconfig)),
         vocab_size=padded_vocab_size(spec.vocab_size, tp),
@@ -298,3 +299,27 @@ def build_model(spec: ModelSpec, tconfig: "TransformerConfig", backend: "Backend
         rope_scaling=spec.rope_llama3_factor is not None,
         rope_scaling_factor=spec.rope_llama3_factor or 8.0,
     )
+    return place_on_device(model, model_device(backend.device_type) if device is None else device)
+
+
+def model_device(device_type: str) -> torch.device:
+    """Where a model stage lives: the process's current GPU on CUDA (the bare ``cuda`` device means it), else the
+    CPU."""
+    return torch.device("cuda") if device_type == "cuda" else torch.device("cpu")
+
+
+def place_on_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Move every parameter and buffer of ``model`` to ``device``, then check none stayed behind.
+
+    megatron builds most layers on the GPU when ``use_cpu_initialization`` is off, but not all: the MoE router's
+    weight (``TopKRouter``) and the local spec's torch norms (``WrappedTorchNorm``) are created on the CPU, and only the
+    distributed optimizer relocates parameters into GPU buffers; ``Float16OptimizerWithFloat16Params`` raises on a
+    CPU parameter. megatron's own ``get_model`` moves the module to the current device before wrapping it; so do we.
+    """
+    model.to(device)
+    stray = [f"{name} ({parameter.device})" for name, parameter in model.named_parameters()
+             if parameter.device.type != device.type]
+    if stray:
+        raise RuntimeError(f"{len(stray)} parameter(s) are not on {device} after moving the model there: "
+                           + ", ".join(stray[:10]))
+    return model

@@ -257,3 +257,53 @@ def test_moe_training_at_tp_above_one_without_sequence_parallelism_is_refused_up
                                                use_transformer_engine=False)
     require_sequence_parallel_for_moe_training(spec(), tensor_parallel=2, sequence_parallel=False,
                                                use_transformer_engine=False)
+
+
+# ---------------------------------------------------- the model stage is moved to the GPU before it is wrapped
+
+
+def test_a_cuda_model_stage_goes_to_the_current_gpu_and_a_stray_parameter_is_named():
+    from dapo_megatron.policy.model import model_device, place_on_device
+
+    assert model_device("cuda") == torch.device("cuda") and model_device("cpu") == torch.device("cpu")
+    # what megatron leaves on the CPU on a GPU run (the router's weight, a torch norm) is moved with the rest
+    stage = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    assert place_on_device(stage, torch.device("cpu")) is stage
+    meta = torch.device("meta")  # a device this machine has, standing in for the GPU the check must see through to
+    place_on_device(stage, meta)
+    assert {parameter.device for parameter in stage.parameters()} == {meta}
+
+    class Pinned(torch.nn.Module):
+        """A module whose parameter refuses to move (``_apply`` kept from touching it), as a stray one would stay."""
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(2))
+
+        def _apply(self, fn, recurse=True):
+            return self
+
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\) are not on meta .*1\.weight \(cpu\)"):
+        place_on_device(torch.nn.Sequential(torch.nn.Linear(2, 2), Pinned()), meta)
+
+
+def _build_on(device_type_or_device):
+    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.policy.model import build_model, transformer_config
+
+    backend = init_distributed(1, 1).backend
+    tiny = spec(num_layers=2)
+    return build_model(tiny, transformer_config(tiny, backend, tensor_parallel=1, pipeline_parallel=1), backend,
+                       device=device_type_or_device)
+
+
+def _build_devices():
+    return {"on the backend's device": {str(parameter.device) for parameter in _build_on(None).parameters()},
+            "on meta": {str(parameter.device) for parameter in _build_on(torch.device("meta")).parameters()}}
+
+
+def test_build_model_places_every_parameter_on_the_device_it_is_given():
+    from spawn_ranks import run_distributed
+
+    # one gloo rank; "meta" stands in for the GPU: a stage built on the CPU must end up there whole
+    (placed,) = run_distributed(_build_devices, 1)
+    assert placed == {"on the backend's device": {"cpu"}, "on meta": {"meta"}}
