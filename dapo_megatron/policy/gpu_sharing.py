@@ -10,7 +10,8 @@ pipeline stage (their trainer footprints differ), must hold in every turn:
   (weights + KV cache) and the runtime memory ``R`` SGLang keeps for its activations and CUDA graphs;
 * training: the trainer's peak (:func:`.memory.estimate_memory`) and ``C`` (the server released everything else,
   its CUDA graphs too: the server is launched with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` unless the user set it);
-* weight handoff: the trainer without activations plus one handoff bucket; ``C`` and the server's weights.
+* weight handoff: the trainer without activations plus the handoff buckets it holds at once
+  (:func:`handoff_buckets_on_gpu`); ``C`` and the server's weights.
 
 ``S`` is fixed when the server starts. SGLang 0.5.23 (``mem_cache/kv_cache_configurator.py``,
 ``_profile_available_bytes``) gives the KV cache the memory free once its weights are loaded minus ``(1 − f)·B``, ``B``
@@ -35,9 +36,10 @@ import os
 from dataclasses import dataclass
 
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, GB, StageMemory, layer_parameters
+from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, GB, StageMemory, layer_parameters, moe_layer_parameters
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.rollout.sglang.server import MEMORY_SAVER_CUDA_GRAPH_ENV, cuda_graphs_released
+from dapo_megatron.rollout.sglang.transports import IPC_WINDOW_BUCKETS
 
 MIB = 2**20
 GIB = 2**30
@@ -66,10 +68,18 @@ def sglang_runtime_reserve_bytes(gpu_bytes: int, tp: int) -> int:
 
 
 def model_parameters(spec: ModelSpec) -> int:
-    """Parameters of the whole model as SGLang serves it (the unpadded vocabulary)."""
+    """Parameters of the whole model as SGLang serves it (the unpadded vocabulary; a MoE model's experts too)."""
     embedding = spec.vocab_size * spec.hidden_size
-    return (spec.num_layers * layer_parameters(spec, 1) + embedding + (0 if spec.tie_embeddings else embedding)
-            + spec.hidden_size)
+    layer = layer_parameters(spec, 1) + moe_layer_parameters(spec, 1, 1)
+    return spec.num_layers * layer + embedding + (0 if spec.tie_embeddings else embedding) + spec.hidden_size
+
+
+def handoff_buckets_on_gpu(transport: str) -> int:
+    """Buckets of the weight handoff on a trainer GPU at once. ``tensor`` sends GPU buckets as CUDA IPC handles and
+    keeps the last :data:`~dapo_megatron.rollout.sglang.transports.IPC_WINDOW_BUCKETS` referenced after the servers
+    answered, besides the one being sent and the next one the exporter gathers; the other transports hold the bucket
+    being sent and the next."""
+    return IPC_WINDOW_BUCKETS + 2 if transport == "tensor" else 2
 
 
 def kv_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
@@ -107,13 +117,18 @@ def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], 
     dtype_bytes = 4 if config.model.precision == "fp32" else 2
     server_weights = model_parameters(spec) * dtype_bytes // tp
     bucket = max(int(r.handoff_bucket_mb * MIB), spec.vocab_size * spec.hidden_size * dtype_bytes)
+    handoff_buckets = handoff_buckets_on_gpu(s.transport) * bucket
     runtime = sglang_runtime_reserve_bytes(gpu, tp)
     per_token = kv_bytes_per_token(spec, tp, dtype_bytes)
-    moments_share = 8 / (data_parallel if config.parallel.use_distributed_optimizer else 1)
+    distributed = config.parallel.use_distributed_optimizer
+    moments_share = 8 / (data_parallel if distributed else 1)
+    # experts' optimizer state is sharded over their own data-parallel group: DP / EP ranks
+    expert_moments_share = 8 / (data_parallel // config.parallel.expert if distributed else 1)
     resident_graphs = 0 if cuda_graphs_released else sglang_cuda_graph_bytes(gpu, tp)
     result = []
     for stage in stages:
-        moments = int(stage.parameters * moments_share)
+        moments = int((stage.parameters - stage.expert_parameters) * moments_share
+                      + stage.expert_parameters * expert_moments_share)
         main_params = stage.optimizer_bytes - moments
         resident = stage.params_bytes + stage.grads_bytes + FIXED_MARGIN_BYTES
         at_launch = resident + (0 if r.offload_optimizer else main_params)
@@ -125,7 +140,7 @@ def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], 
             stage=stage.stage,
             generation=(generating, SERVER_CONTEXT_BYTES + static + runtime),
             training=(stage.total_bytes, SERVER_CONTEXT_BYTES + resident_graphs),
-            handoff=(resident + stage.optimizer_bytes + bucket,
+            handoff=(resident + stage.optimizer_bytes + handoff_buckets,
                      SERVER_CONTEXT_BYTES + server_weights + resident_graphs),
             kv_cache_bytes=kv_cache, kv_cache_tokens=max(kv_cache, 0) // per_token,
         ))

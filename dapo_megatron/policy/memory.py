@@ -94,6 +94,7 @@ class StageMemory:
     activations_bytes: int
     logits_bytes: int
     margin_bytes: int
+    expert_parameters: int = 0  # of ``parameters``, a MoE model's experts (optimizer state sharded over DP / EP)
 
     @property
     def total_bytes(self) -> int:
@@ -218,6 +219,7 @@ def estimate_memory(
             optimizer_bytes=int((parameters - experts) * optimizer_per_param + experts * expert_optimizer_per_param),
             activations_bytes=activations,
             logits_bytes=logits, margin_bytes=int(FIXED_MARGIN_BYTES + FRAGMENTATION * (activations + logits)),
+            expert_parameters=experts,
         ))
     return stages
 
