@@ -5,8 +5,8 @@ Colocated, every trainer GPU also holds one TP rank of a server, and the two tak
 (:mod:`dapo_megatron.rollout.placement`, :mod:`dapo_megatron.trainer.colocation`). A GPU of ``G`` bytes, on each
 pipeline stage (their trainer footprints differ), must hold in every turn:
 
-* generation: the trainer's weights, gradients and fixed margin (and its optimizer state, unless
-  ``rollout.offload_optimizer`` moved it to host memory); the server's context ``C``, its static memory ``S``
+* generation: the trainer's weights and fixed margin (its gradient buffers are freed, and its optimizer state moved to
+  host memory with ``rollout.offload_optimizer``); the server's context ``C``, its static memory ``S``
   (weights + KV cache) and the runtime memory ``R`` SGLang keeps for its activations and CUDA graphs;
 * training: the trainer's peak (:func:`.memory.estimate_memory`) and ``C`` (the server released everything else,
   its CUDA graphs too: the server is launched with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` unless the user set it);
@@ -131,8 +131,9 @@ def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], 
                       + stage.expert_parameters * expert_moments_share)
         main_params = stage.optimizer_bytes - moments
         resident = stage.params_bytes + stage.grads_bytes + FIXED_MARGIN_BYTES
-        at_launch = resident + (0 if r.offload_optimizer else main_params)
-        generating = resident + (0 if r.offload_optimizer else stage.optimizer_bytes)
+        # while the servers generate the gradient buffers are freed (dapo_megatron/trainer/colocation.py)
+        at_launch = resident - stage.grads_bytes + (0 if r.offload_optimizer else main_params)
+        generating = resident - stage.grads_bytes + (0 if r.offload_optimizer else stage.optimizer_bytes)
         free_at_launch = gpu - SERVER_CONTEXT_BYTES - at_launch
         static = int(fraction * free_at_launch)
         kv_cache = static - server_weights

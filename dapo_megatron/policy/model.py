@@ -239,7 +239,8 @@ def moe_arguments(spec: ModelSpec, *, expert_parallel: int, aux_loss_coeff: floa
     * ``aux_loss_coeff`` > 0 adds megatron's Switch-style load-balancing loss per layer ("aux_loss"); 0 trains on
       the policy loss alone (the load statistics are logged either way: :mod:`dapo_megatron.policy.moe_routing`).
     * ``moe_grouped_gemm`` with Transformer Engine (its grouped GEMM); without it the experts run one after the
-      other (``SequentialMLP``: megatron's other expert module needs the ``grouped_gemm`` CUDA package).
+      other (``SequentialMLP``: megatron's other expert module needs the ``grouped_gemm`` CUDA package). The token
+      permutation around the experts is TE's fused kernel with TE (``moe_permute_fusion``), torch's gather without.
     """
     if spec.moe is None:
         if routing_replay:
@@ -258,7 +259,7 @@ def moe_arguments(spec: ModelSpec, *, expert_parallel: int, aux_loss_coeff: floa
         moe_aux_loss_coeff=aux_loss_coeff,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=use_transformer_engine,
-        moe_permute_fusion=False,
+        moe_permute_fusion=use_transformer_engine,  # TE's fused token permute/unpermute (megatron needs TE >= 2.1)
         moe_router_fusion=False,
         moe_enable_routing_replay=routing_replay,
         expert_model_parallel_size=expert_parallel,

@@ -108,6 +108,14 @@ def require_one_stage_per_server(config: SGLangConfig, ranges: list[range], *, r
                 f"of it), or rollout.placement: separate")
 
 
+def rank_shares_a_server_gpu(ranges: list[range], *, global_rank: int, local_rank: int, visible_gpus: int) -> bool:
+    """Whether this trainer rank's GPU hosts a colocated server's TP rank. The servers run on rank 0's node, which
+    holds global ranks 0..n-1 (torchrun and SLURM number ranks node by node), so a rank there has
+    ``global_rank == local_rank``; its GPU is ``local_rank % visible_gpus``. Ranks elsewhere have their GPU to
+    themselves and move nothing in the turns."""
+    return global_rank == local_rank and any(local_rank % visible_gpus in gpus for gpus in ranges)
+
+
 class ServerMemoryError(RolloutError):
     """A colocated server was asked to do something its released memory does not allow (a bug in the caller's
     order of turns, caught before the server sees it)."""

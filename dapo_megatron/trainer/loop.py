@@ -85,8 +85,9 @@ class DAPOTrainer:
         self.collector = None
         self.reward: RewardScorer | None = None
         self.eval_prompts: tuple = ()
-        self.colocation = Colocation(config, self.actor.optimizer, lambda: self.engine, device_type=backend.device_type)
-        self.colocation.check_server_layout()
+        self.colocation = Colocation(config, self.actor.optimizer, lambda: self.engine, device_type=backend.device_type,
+                                     model=self.actor.model)
+        self.colocation.locate_servers()
         with self.colocation.generating():
             run_on_rank0(self._start_rollout_side, what="starting the rollout side", broadcast_result=False)
 

@@ -307,3 +307,13 @@ def test_build_model_places_every_parameter_on_the_device_it_is_given():
     # one gloo rank; "meta" stands in for the GPU: a stage built on the CPU must end up there whole
     (placed,) = run_distributed(_build_devices, 1)
     assert placed == {"on the backend's device": {"cpu"}, "on meta": {"meta"}}
+
+
+def test_moe_token_permutation_is_fused_with_transformer_engine_only():
+    from dapo_megatron.policy.model import moe_arguments
+    from dapo_megatron.policy.model_spec import MoESpec
+
+    moe = spec(arch="qwen3_moe", moe=MoESpec(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=True))
+    arguments = dict(expert_parallel=1, aux_loss_coeff=0.0, routing_replay=False)
+    assert moe_arguments(moe, use_transformer_engine=True, **arguments)["moe_permute_fusion"] is True
+    assert moe_arguments(moe, use_transformer_engine=False, **arguments)["moe_permute_fusion"] is False

@@ -67,7 +67,7 @@ def _shared(overrides: list[str]):
 
 def test_the_server_takes_its_fraction_of_what_is_free_when_it_starts():
     config, model, (stage,), (gpu,) = _shared(["rollout.offload_optimizer=true"])
-    trainer_generating = stage.params_bytes + stage.grads_bytes + FIXED_MARGIN_BYTES  # optimizer state on host
+    trainer_generating = stage.params_bytes + FIXED_MARGIN_BYTES  # gradient buffers freed, optimizer state on host
     static = int(0.6 * (80 * GB - SERVER_CONTEXT_BYTES - trainer_generating))
     weights = model_parameters(model) * 2
     assert gpu.generation == (trainer_generating, SERVER_CONTEXT_BYTES + static + sglang_runtime_reserve_bytes(
@@ -78,7 +78,8 @@ def test_the_server_takes_its_fraction_of_what_is_free_when_it_starts():
     bucket = max(512 * MIB, model.vocab_size * model.hidden_size * 2)  # a bucket, or the embedding alone
     # tensor transport: the IPC window's 2 buckets, the one being sent and the next one gathered
     assert handoff_buckets_on_gpu("tensor") == 4 and handoff_buckets_on_gpu("disk") == 2
-    assert gpu.handoff == (trainer_generating + stage.optimizer_bytes + 4 * bucket, SERVER_CONTEXT_BYTES + weights)
+    trainer_resident = trainer_generating + stage.grads_bytes  # the gradient buffers are back for the update
+    assert gpu.handoff == (trainer_resident + stage.optimizer_bytes + 4 * bucket, SERVER_CONTEXT_BYTES + weights)
     assert gpu.fits(80 * GB)
 
 
@@ -116,8 +117,9 @@ def test_a_moe_server_serves_its_experts_and_their_adam_moments_divide_by_dp_ove
     dense_moments = (stage.parameters - stage.expert_parameters) * 8 / 4
     expert_moments = stage.expert_parameters * 8 / (4 // 4)  # the experts' DP group: DP / EP = 1 rank
     main_params = stage.optimizer_bytes - int(dense_moments + expert_moments)
-    # a generation turn without offload holds the whole optimizer state; the launch held only the main parameters
-    resident = stage.params_bytes + stage.grads_bytes + FIXED_MARGIN_BYTES
+    # a generation turn without offload holds the whole optimizer state; the launch held only the main parameters;
+    # both without the gradient buffers
+    resident = stage.params_bytes + FIXED_MARGIN_BYTES
     free_at_launch = 141 * GB - SERVER_CONTEXT_BYTES - resident - main_params
     assert gpu.generation[1] == SERVER_CONTEXT_BYTES + int(0.5 * free_at_launch) + sglang_runtime_reserve_bytes(
         141 * GB, 2)
