@@ -68,7 +68,7 @@ class FunctionToolConfig:
 
 @dataclass
 class ToolsConfig:
-    enabled: bool = False
+    enabled: bool = False  # whether rollouts offer tools at all (the rollout loop's switch; ToolPool ignores it)
     code: bool = True  # offer the built-in python tool (when enabled)
     code_tool_name: str = "python"
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
