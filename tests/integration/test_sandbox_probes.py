@@ -76,6 +76,16 @@ def test_infinite_loop_times_out(sandbox):
     _failed(sandbox.call("python", "while True:\n    pass\n"), "timeout")
 
 
+def test_cpu_time_limit_ends_a_busy_loop_before_the_wall_time():
+    pool = _pool(cpu_s=1, wall_s=20.0)
+    try:
+        result = pool.call("python", "while True:\n    pass\n")
+    finally:
+        pool.close()
+    assert (result.ok, result.kind, result.exit_code) == (False, "timeout", 128 + signal.SIGXCPU), result
+    assert "CPU time limit reached (SIGXCPU)" in result.text and result.wall_s < 20.0
+
+
 def test_fork_bomb_is_bounded_and_leaves_nothing_behind(sandbox):
     if os.geteuid() != 0:
         pytest.skip("counts the sandbox's processes by its uid, which it has only when the tests run as root")
