@@ -43,7 +43,7 @@ def cpu_ms(fn, reps: int) -> float:
 @contextmanager
 def counting_mode_calls(counter: list[int]):
     """Count the calls the installed redirect mode handles (one list cell, incremented per call)."""
-    from dapo_megatron.cpu.megatron_compat import CudaToCpuMode
+    from dapo_megatron.overrides.megatron_core.cpu_compat import CudaToCpuMode
 
     real = CudaToCpuMode.__torch_function__
 
@@ -112,10 +112,10 @@ def main() -> None:
     from baseline_packing import MaskPacker, PaddedPacker
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from dapo_megatron.cpu import megatron_compat
     from dapo_megatron.cpu.segment_packing import SegmentPacker
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
+    from dapo_megatron.overrides.megatron_core import cpu_compat
     from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.batch_plan import PackedBatching
@@ -180,7 +180,7 @@ def main() -> None:
             torch.add(a, b)
 
     with_mode = cpu_ms(adds, reps) / 20
-    with megatron_compat.suspended():
+    with cpu_compat.suspended():
         without = cpu_ms(adds, reps) / 20
     print(f"  one torch.add: {with_mode:.2f} us with the mode, {without:.2f} us without "
           f"({with_mode - without:.2f} us per call)")

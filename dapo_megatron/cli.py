@@ -38,11 +38,9 @@ from dapo_megatron.user_errors import UserError
 def _setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
-    # megatron-core logs every parameter name and its FSDP probing at INFO: keep its warnings only.
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    # Its checkpoint writer logs a writer process's failure as an error line, then raises it: the raised error says it
-    # (a full disk becomes one `checkpoint error:` line, dapo_megatron.checkpoint.save_load).
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async").setLevel(logging.CRITICAL)
+    from dapo_megatron.overrides.megatron_core.log_levels import quiet_megatron_loggers
+
+    quiet_megatron_loggers()
 
 
 def _rank_from_env() -> int:

@@ -22,7 +22,7 @@ whatever ``kernels`` says, except ``transformer_engine``.
 The backend supplies:
 
 * ``prepare_process()`` — anything the process needs before megatron runs (the CPU backend installs
-  :mod:`dapo_megatron.cpu.megatron_compat`);
+  :mod:`dapo_megatron.overrides.megatron_core.cpu_compat`);
 * ``layer_spec(spec, num_layers)`` and ``rope_in_attention`` — what :func:`dapo_megatron.policy.model.build_model`
   builds;
 * ``packer`` — how the actor lays samples out in rows (:class:`dapo_megatron.policy.packing.RowPacker`);

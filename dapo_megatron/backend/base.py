@@ -5,9 +5,9 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
-from dapo_megatron.backend.megatron_fixes import apply_megatron_fixes
 from dapo_megatron.config.model import Recompute
 from dapo_megatron.handoff.tp_gather import ProcessGroupGather, TensorParallelGather
+from dapo_megatron.overrides.megatron_core.process import apply_megatron_core_overrides
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.policy.packing import RowPacker, ThdPacker
 
@@ -27,8 +27,8 @@ class Backend:
 
     def prepare_process(self) -> None:
         """Run once per process before megatron-core does anything (on CUDA: only the megatron-core fixes every
-        backend needs, :mod:`dapo_megatron.backend.megatron_fixes`)."""
-        apply_megatron_fixes()
+        backend needs, :mod:`dapo_megatron.overrides.megatron_core.process`)."""
+        apply_megatron_core_overrides()
 
     def layer_spec(self, spec: ModelSpec, num_layers: int | None):
         """megatron's layer spec for ``spec``; with ``num_layers`` (this pipeline stage's) it may be a block spec."""

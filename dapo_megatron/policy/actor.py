@@ -25,8 +25,9 @@ over micro-batches and DP ranks), with megatron-core 0.16.1's conventions, check
   of sequences the same way.) N needs no communication: every rank holds the whole mini-batch.
 
 The gradient norm is computed once per update (``prepare_grads`` + ``get_grad_norm``): it decides the skip below and
-is the norm :func:`dapo_megatron.policy.optimizer.clip_and_step` clips by. A step whose loss or gradient norm is not
-finite is skipped: no optimizer update, no scheduler advance, gradients zeroed, and ``skipped=1`` in the metrics.
+is the norm :func:`dapo_megatron.overrides.megatron_core.optimizer_step.clip_and_step` clips by. A step whose loss or
+gradient norm is not finite is skipped: no optimizer update, no scheduler advance, gradients zeroed, and ``skipped=1``
+in the metrics.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
 from dapo_megatron.algorithm import policy_loss
+from dapo_megatron.overrides.megatron_core.optimizer_step import clip_and_step
 from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
 from dapo_megatron.policy.model import build_model, config_row_multiple, sequence_parallel_enabled, transformer_config
 from dapo_megatron.policy.moe_routing import RecordedRouting, RouterLoadMonitor, RoutingReplay
-from dapo_megatron.policy.optimizer import clip_and_step, sync_params, wrap_for_training
+from dapo_megatron.policy.optimizer import sync_params, wrap_for_training
 from dapo_megatron.policy.packing import MicroBatch, PolicySample
 
 if TYPE_CHECKING:

@@ -85,8 +85,12 @@ SEAM_FOLDERS = ("policy", "rollout", "handoff", "trainer", "collectors", "run", 
                 "data")
 
 
+# The CPU path outside the CPU folder: megatron-core's CPU compatibility layer sits with the other overrides.
+CPU_MODULES = ("dapo_megatron.cpu", "dapo_megatron.overrides.megatron_core.cpu_compat")
+
+
 def cpu_imports(source: str) -> list[str]:
-    """The imports of ``source`` that name the CPU folder (``dapo_megatron.cpu`` or a module under it)."""
+    """The imports of ``source`` that name the CPU path (:data:`CPU_MODULES` or a module under them)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -95,7 +99,7 @@ def cpu_imports(source: str) -> list[str]:
             names = [alias.name for alias in node.names]
         else:
             continue
-        found += [name for name in names if name == "dapo_megatron.cpu" or name.startswith("dapo_megatron.cpu.")]
+        found += [name for name in names if any(name == cpu or name.startswith(cpu + ".") for cpu in CPU_MODULES)]
     return sorted(set(found))
 
 
@@ -110,6 +114,8 @@ def test_no_production_module_names_the_cpu_path():
     # control: the check sees an import of the CPU folder, in either form
     assert cpu_imports("from dapo_megatron.cpu.attention import X\nfrom dapo_megatron import cpu") == [
         "dapo_megatron.cpu", "dapo_megatron.cpu.attention", "dapo_megatron.cpu.attention.X"]
+    assert cpu_imports("from dapo_megatron.overrides.megatron_core import cpu_compat") == [
+        "dapo_megatron.overrides.megatron_core.cpu_compat"]
     assert cpu_imports((PACKAGE / "backend" / "select.py").read_text()) == [
         "dapo_megatron.cpu.backend", "dapo_megatron.cpu.backend.CpuBackend"]  # the registry may, and does
 

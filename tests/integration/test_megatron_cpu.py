@@ -106,7 +106,7 @@ def test_cpu_layer_is_installed_only_without_cuda():
     result = run_python("""
         import torch
         from dapo_megatron.backend import select_backend
-        from dapo_megatron.cpu import megatron_compat
+        from dapo_megatron.overrides.megatron_core import cpu_compat
         from dapo_megatron.platform import prepare_device
 
         bound = []
@@ -115,14 +115,14 @@ def test_cpu_layer_is_installed_only_without_cuda():
         cuda = select_backend(cuda_available=True, transformer_engine=True)
         info = prepare_device(cuda, 3, device_count=8)
         assert info.collective == "nccl" and info.device == torch.device("cuda", 3), info
-        assert not megatron_compat.is_installed()
+        assert not cpu_compat.is_installed()
         assert bound == [3] and torch.cuda.current_device is current_device
         info = prepare_device(cuda, 3, device_count=1)  # SLURM bound one GPU to this task
         assert info.device == torch.device("cuda", 0) and bound == [3, 0], (info, bound)
 
         info = prepare_device(select_backend(), 0)  # the real answer here: no CUDA
         assert info.collective == "gloo" and info.device == torch.device("cpu")
-        assert megatron_compat.is_installed() and torch.cuda.current_device() == "cpu"
+        assert cpu_compat.is_installed() and torch.cuda.current_device() == "cpu"
         print("ok")
     """)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

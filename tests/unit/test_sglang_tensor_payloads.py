@@ -11,9 +11,13 @@ import base64
 import gc
 import importlib.util
 import json
+import os
 import pickle
 import re
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import tracemalloc
 import weakref
@@ -22,15 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from dapo_megatron.overrides.sglang.ipc_handles import DEVICE_ARGUMENT, with_device_uuid
 from dapo_megatron.rollout.sglang import tensor_payloads
 from dapo_megatron.rollout.sglang.client import SGLangClient, tensor_update_body
+from dapo_megatron.rollout.sglang.tensor_payloads import BucketPayloads, serialize_by_reference
 from dapo_megatron.rollout.sglang.transports import IPC_WINDOW_BUCKETS, ServerTarget, TensorTransport
-from dapo_megatron.rollout.sglang.tensor_payloads import (
-    DEVICE_ARGUMENT,
-    BucketPayloads,
-    serialize_by_reference,
-    with_device_uuid,
-)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 torch.set_num_threads(1)
 
@@ -137,6 +139,41 @@ def test_the_uuid_goes_where_torch_and_sglang_expect_the_device():
     patch = Path(spec.origin).parent / "srt" / "utils" / "patch_torch.py"  # read, not imported: importing is slow
     (sglang_index,) = re.findall(r"^_REDUCE_TENSOR_ARG_DEVICE_INDEX = (\d+)$", patch.read_text(), re.MULTILINE)
     assert int(sglang_index) == DEVICE_ARGUMENT
+
+
+def test_can_the_uuid_handles_go():
+    """dapo_megatron.overrides.sglang.ipc_handles, "can it go?": SGLang 0.5.23's TP worker still patches torch's
+    reducers to read a handle's GPU as a UUID (pytorch/pytorch#149248 unfixed); when it stops, torch names GPUs the
+    way the server reads them and the trainer's UUID pickler can go."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("SGLang is not installed in this interpreter")
+    srt = Path(spec.origin).parent / "srt"
+    worker = (srt / "managers" / "tp_worker.py").read_text()  # read, not imported: importing is slow
+    assert re.search(r"^\s+monkey_patch_torch_reductions\(\)$", worker, re.MULTILINE), (
+        "SGLang's TP worker no longer patches torch's reductions: reduce_naming_uuid (and DEVICE_ARGUMENT) can go")
+
+
+def test_torch_reducers_are_torchs_own_where_sglangs_patch_is_active():
+    """SGLang's patch replaces torch's reducers for the whole process; ipc_handles builds on torch's own even then
+    (control: the patched ``reductions.reduce_tensor`` is not torch's)."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed in this interpreter")
+    code = textwrap.dedent("""
+        from torch.multiprocessing import reductions
+        torch_reduce, torch_rebuild = reductions.reduce_tensor, reductions.rebuild_cuda_tensor
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        monkey_patch_torch_reductions()
+        assert reductions.reduce_tensor is not torch_reduce  # the control: SGLang's patch is in force
+        from dapo_megatron.overrides.sglang import ipc_handles
+        assert ipc_handles.torch_reduce_tensor is torch_reduce
+        assert ipc_handles.torch_rebuild_cuda_tensor is torch_rebuild
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                          env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_cpu_tensors_never_travel_as_handles():

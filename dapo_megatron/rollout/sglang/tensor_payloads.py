@@ -10,10 +10,11 @@ SGLang 0.5.23 (``TpModelWorker.deserialize_own_rank``) has TP rank ``r`` of a se
   serialization, and a rank opening another rank's entry would upset that count. The handle names its GPU by
   UUID rather than by index, which is how SGLang's ``monkey_patch_torch_reductions`` (applied by the server before it
   deserializes) finds the GPU when the server's ``CUDA_VISIBLE_DEVICES`` differs from the trainer's. The UUID is put
-  in by this module's own pickler for these payloads only; torch's reducers stay untouched in the trainer, where a
-  global patch would also rewrite CPU tensors' reductions. Servers load (enqueue their copies from) that memory before
-  they answer, and torch keeps a block a consumer still holds in its IPC limbo when this process drops it, so the
-  transport drops :attr:`BucketPayloads.tensors` a few buckets after the answers
+  in by this module's own pickler for these payloads only
+  (:func:`dapo_megatron.overrides.sglang.ipc_handles.reduce_naming_uuid`); torch's reducers stay untouched in the
+  trainer, where a global patch would also rewrite CPU tensors' reductions. Servers load (enqueue their copies from)
+  that memory before they answer, and torch keeps a block a consumer still holds in its IPC limbo when this process
+  drops it, so the transport drops :attr:`BucketPayloads.tensors` a few buckets after the answers
   (:class:`dapo_megatron.rollout.sglang.transports.HandleWindow`).
 
 CPU tensors are never sent as shared-memory handles: with torch's default ``file_descriptor`` strategy the server
@@ -25,22 +26,15 @@ and can leave files in ``/dev/shm``. The by-reference path has not run on a GPU 
 from __future__ import annotations
 
 import base64
-import inspect
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
-from torch.multiprocessing import reductions
 
 from dapo_megatron.hf_format import Bucket
-
-# torch's reducers, even if SGLang's patch replaced them in this process (then they already write UUIDs).
-_reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
-_rebuild_cuda_tensor = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
-# Where the GPU index sits in the arguments torch's reducer gives ``rebuild_cuda_tensor``.
-DEVICE_ARGUMENT = list(inspect.signature(_rebuild_cuda_tensor).parameters).index("storage_device")
+from dapo_megatron.overrides.sglang.ipc_handles import reduce_naming_uuid
 
 
 def serialize_by_value(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
@@ -56,28 +50,9 @@ def serialize_by_reference(named_tensors: Sequence[tuple[str, torch.Tensor]]) ->
     """Base64 (ASCII bytes) of a ``ForkingPickler`` pickle of CUDA tensors: IPC handles whose GPU is named by UUID."""
     buffer = io.BytesIO()
     pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table[torch.Tensor] = _reduce_cuda_tensor
+    pickler.dispatch_table[torch.Tensor] = reduce_naming_uuid
     pickler.dump(list(named_tensors))
     return base64.b64encode(buffer.getvalue())
-
-
-def _reduce_cuda_tensor(tensor: torch.Tensor):
-    if not tensor.is_cuda:
-        raise ValueError("serialize_by_reference: only CUDA tensors travel as handles (CPU ones go by value)")
-    rebuild, arguments = _reduce_tensor(tensor)
-    return rebuild, with_device_uuid(arguments, _device_uuid)
-
-
-def with_device_uuid(arguments: tuple, uuid_of: Callable[[int], str]) -> tuple:
-    """torch's ``rebuild_cuda_tensor`` arguments with the GPU index replaced by ``uuid_of(index)``."""
-    index = arguments[DEVICE_ARGUMENT]
-    if isinstance(index, str):  # already a UUID (SGLang's patch is active in this process)
-        return arguments
-    return (*arguments[:DEVICE_ARGUMENT], uuid_of(index), *arguments[DEVICE_ARGUMENT + 1:])
-
-
-def _device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def bucket_on_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
