@@ -102,7 +102,7 @@ def test_a_reset_during_a_broadcast_leaves_the_group_to_the_push(monkeypatch):
 
 class Slot:
     def __init__(self, index: int, client: Client) -> None:
-        self.index, self.client, self.tp_size, self.same_host = index, client, 1, True
+        self.index, self.client, self.tp_size, self.same_host, self.process = index, client, 1, True, None
         self.generation, self.available = 0, True
 
 

@@ -380,4 +380,5 @@ class SGLangEngine(RolloutEngine):
 
 
 def _targets(slots: Sequence[ServerSlot]) -> list[ServerTarget]:
-    return [ServerTarget(client=slot.client, tp_size=slot.tp_size, same_host=slot.same_host) for slot in slots]
+    return [ServerTarget(client=slot.client, tp_size=slot.tp_size, same_host=slot.same_host,
+                         gpus=slot.process.gpus if slot.process is not None else None) for slot in slots]
