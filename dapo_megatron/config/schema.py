@@ -212,6 +212,10 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # The objective, by registry name (dapo_megatron/algorithm/objectives.py): the policy loss ("dapo") and the
+    # advantage estimator ("grpo"). eps_low/eps_high/clip_ratio_c are dapo's.
+    policy_loss: str = "dapo"
+    advantage_estimator: str = "grpo"
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher; = eps_low gives GRPO's symmetric clip
     clip_ratio_c: float | None = 10.0  # dual clip for negative advantages
@@ -384,6 +388,9 @@ class DAPOConfig:
         _require(a.eps_high >= 0, "algorithm.eps_high", f"must be >= 0, got {a.eps_high}")
         _require(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c",
                  f"must be > 1 (or null), got {a.clip_ratio_c}")
+        from dapo_megatron.algorithm.objectives import check_names  # the registry imports this module
+
+        check_names(a)
         _require(0 < a.overlong_buffer_len <= r.max_response_length or not a.overlong_penalty,
                  "algorithm.overlong_buffer_len",
                  f"must be in (0, rollout.max_response_length={r.max_response_length}], got {a.overlong_buffer_len}")
