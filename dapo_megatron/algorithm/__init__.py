@@ -4,6 +4,7 @@
 - ``advantages.py``: group-normalized advantages (R − mean) / (std + eps)
 - ``objectives.py``: the policy loss and advantage estimator of a run, by name from the ``algorithm`` section
 - ``loss.py``: decoupled-clip (Clip-Higher) policy loss, token-mean aggregation, optional dual clip ("dapo")
+- ``gspo.py``: sequence-level ratio and clip (GSPO, GSPO-token); ``cispo.py``: clipped stop-gradient IS weight
 - ``staleness.py``: weight versions per token; staleness counted against the policy's version
 - ``rollout_correction.py``: token-level truncated / sequence-level masked importance sampling of tokens the policy
   did not sample itself (engine numerics, older weights)

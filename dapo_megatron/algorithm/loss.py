@@ -37,8 +37,9 @@ this call's masked tokens unless noted:
     num_active_sequences    int, sequences here with at least one masked token
 ``merge_micro_batch_metrics`` combines several calls' metrics with those weights.
 
-The input checks, the masking, the aggregation and the metrics below are meant for every objective of
-:mod:`dapo_megatron.algorithm.objectives`: only ℓ_{i,t} and what the clip fractions count differ.
+The input checks, the masking, the aggregation and the metrics are the same for every objective of
+:mod:`dapo_megatron.algorithm.objectives` (``gspo.py`` and ``cispo.py`` use the helpers below); only ℓ_{i,t}
+and what the clip fractions count differ.
 """
 
 from __future__ import annotations

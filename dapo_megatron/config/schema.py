@@ -211,11 +211,32 @@ class RolloutConfig:
 
 
 @dataclass
+class GSPOConfig:
+    """``algorithm.policy_loss: gspo / gspo_token``: the sequence-ratio clip range (dapo_megatron/algorithm/gspo.py).
+    The paper's: a sequence ratio moves far less than a token ratio, so DAPO's 0.2 / 0.28 would hardly ever clip."""
+
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+
+
+@dataclass
+class CISPOConfig:
+    """``algorithm.policy_loss: cispo``: the range of the stop-gradient IS weight (dapo_megatron/algorithm/cispo.py).
+    eps_low_is = 1: no lower bound, as MiniMax-M1; eps_high_is = 3: a weight cap of 4 (the paper leaves it
+    unpublished; 4 is Tinker's documented CISPO default)."""
+
+    eps_low_is: float = 1.0
+    eps_high_is: float = 3.0
+
+
+@dataclass
 class AlgorithmConfig:
-    # The objective, by registry name (dapo_megatron/algorithm/objectives.py): the policy loss ("dapo") and the
-    # advantage estimator ("grpo"). eps_low/eps_high/clip_ratio_c are dapo's.
+    # The objective, by registry name (dapo_megatron/algorithm/objectives.py): the policy loss ("dapo", "gspo",
+    # "gspo_token", "cispo") and the advantage estimator ("grpo"). eps_low/eps_high/clip_ratio_c are dapo's.
     policy_loss: str = "dapo"
     advantage_estimator: str = "grpo"
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)
+    cispo: CISPOConfig = field(default_factory=CISPOConfig)
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher; = eps_low gives GRPO's symmetric clip
     clip_ratio_c: float | None = 10.0  # dual clip for negative advantages
@@ -391,6 +412,11 @@ class DAPOConfig:
         from dapo_megatron.algorithm.objectives import check_names  # the registry imports this module
 
         check_names(a)
+        _require(0 <= a.gspo.eps_low < 1, "algorithm.gspo.eps_low", f"must be in [0, 1), got {a.gspo.eps_low}")
+        _require(a.gspo.eps_high >= 0, "algorithm.gspo.eps_high", f"must be >= 0, got {a.gspo.eps_high}")
+        _require(a.cispo.eps_low_is >= 0, "algorithm.cispo.eps_low_is",
+                 f"must be >= 0 (1 or more: no lower bound), got {a.cispo.eps_low_is}")
+        _require(a.cispo.eps_high_is >= 0, "algorithm.cispo.eps_high_is", f"must be >= 0, got {a.cispo.eps_high_is}")
         _require(0 < a.overlong_buffer_len <= r.max_response_length or not a.overlong_penalty,
                  "algorithm.overlong_buffer_len",
                  f"must be in (0, rollout.max_response_length={r.max_response_length}], got {a.overlong_buffer_len}")
