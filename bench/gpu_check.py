@@ -152,18 +152,26 @@ def build_check_actor(spec, precision: str, token_budget: int, hf_dir: Path | No
     """The actor a run builds (``build_actor``) at this precision, with the distributed optimizer, on the backend
     ``model.kernels`` selects here."""
     from dapo_megatron.backend import select_backend
-    from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+    from dapo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights
 
     actor = build_actor(spec, backend=select_backend(kernels),
                         model=ModelConfig(precision=precision, kernels=kernels), parallel=ParallelConfig(),
-                        optim=OptimConfig(lr=lr, warmup_steps=0), algorithm=AlgorithmConfig(),
+                        optim=OptimConfig(lr=lr, warmup_steps=0), routing_replay=False,
                         micro_batch_tokens=token_budget, temperature=1.0)
     if hf_dir is not None:
         load_hf_weights(actor.model, spec, hf_dir)
         actor.optimizer.reload_model_params()
     return actor
+
+
+def dapo_loss():
+    """The schema's default objective, as a run builds it."""
+    from dapo_megatron.algorithm import build_policy_loss
+    from dapo_megatron.config import AlgorithmConfig
+
+    return build_policy_loss(AlgorithmConfig())
 
 
 def _abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float, int]:
@@ -209,7 +217,7 @@ def parity_and_updates(shapes: CheckShapes, workdir: Path, device: torch.device)
     train = [PolicySample(s.prompt_ids, s.response_ids, s.advantage, old_logprobs=lp)
              for s, lp in zip(samples, logprobs)]
     before = [p.detach().clone() for p in actor.model.parameters()]
-    updates = [actor.train_minibatch(train) for _ in range(3)]
+    updates = [actor.train_minibatch(train, dapo_loss()) for _ in range(3)]
     changed = max(float((p.detach().float() - b.float()).abs().max()) for p, b in zip(actor.model.parameters(), before))
     norms = [u["grad_norm"] for u in updates]
     skipped = sum(u["skipped"] for u in updates)
@@ -314,7 +322,7 @@ def colocated_row(shapes: CheckShapes, actor, spec, device: torch.device) -> Row
     samples = random_samples(shapes.samples, spec.vocab_size, shapes.prompt_tokens, shapes.response_tokens, seed=3)
     logprobs = actor.compute_logprobs(samples).logprobs
     update = actor.train_minibatch([PolicySample(s.prompt_ids, s.response_ids, s.advantage, old_logprobs=lp)
-                                    for s, lp in zip(samples, logprobs)])
+                                    for s, lp in zip(samples, logprobs)], dapo_loss())
     (stage,) = estimate_memory(spec, tensor_parallel=1, pipeline_parallel=1, data_parallel=1,
                                micro_batch_tokens=shapes.token_budget)
     freed = allocated - generating
@@ -360,7 +368,7 @@ def mfu_row(shapes: CheckShapes, label: str, shape: dict, peak_tflops: float, ke
     actor = build_check_actor(spec, "bf16", shapes.token_budget, lr=1e-6, kernels=kernels)
     path = actor.backend.name
     metrics = []
-    seconds = _timed(lambda: metrics.append(actor.train_minibatch(samples)), shapes.timed_updates)
+    seconds = _timed(lambda: metrics.append(actor.train_minibatch(samples, dapo_loss())), shapes.timed_updates)
     tokens = sum(s.length for s in samples)
     flops = model_flops(spec, [s.length for s in samples])
     achieved = flops / seconds / 1e12

@@ -72,7 +72,8 @@ class DAPOTrainer:
         self.spec = load_model_spec(self.model_dir)
         c = config
         self.actor = build_actor(self.spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim,
-                                 algorithm=c.algorithm, micro_batch_tokens=c.trainer.micro_batch_tokens,
+                                 routing_replay=c.algorithm.moe_routing_replay == "replay_old",
+                                 micro_batch_tokens=c.trainer.micro_batch_tokens,
                                  temperature=c.rollout.temperature)
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
         self.actor.optimizer.reload_model_params()

@@ -157,7 +157,7 @@ def sdpa_backend_job(hf_dir: str, tensor_parallel: int):
                                         temperature=0.8)
         results[name] = dict(result, micro_batches=len(result["micro_batches"]))
     backend.packer = ThdPacker()
-    (mb, *_) = actor._plan(samples, PackedBatching(token_budget=4096)).micro_batches
+    (mb, *_) = actor.plan(samples, PackedBatching(token_budget=4096)).micro_batches
     row = mb.packed_seq_params
     total = sum(row.segment_lengths)
     one_segment = replace(row, cu_seqlens_q=torch.tensor([0, total], dtype=torch.int32),
@@ -165,7 +165,7 @@ def sdpa_backend_job(hf_dir: str, tensor_parallel: int):
                           max_seqlen_kv=total, segment_lengths=(total,))
     with torch.no_grad():
         logits = actor.model(mb.tokens, mb.position_ids, None, packed_seq_params=one_segment)
-        rows, _ = actor._response_logprobs(mb, logits, temperature=0.8)
+        rows, _ = actor.response_logprobs(mb, logits, temperature=0.8)
     results["leaky"] = {index: rows[r, :samples[index].response_length] for r, index in enumerate(mb.sample_indices)}
     results["reporter"] = parallel_state.get_tensor_model_parallel_rank() == 0
     return results

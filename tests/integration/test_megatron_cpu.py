@@ -39,7 +39,7 @@ def tiny_spec():
 
 def train_job(tensor_parallel: int, pipeline_parallel: int, distributed_optimizer: bool):
     import torch
-    from actor_harness import actor_settings, random_samples
+    from actor_harness import actor_settings, loss_of, random_samples
     from megatron.core import parallel_state
 
     from dapo_megatron.config import OptimConfig, ParallelConfig
@@ -56,7 +56,7 @@ def train_job(tensor_parallel: int, pipeline_parallel: int, distributed_optimize
     old = actor.compute_logprobs(samples).logprobs  # ratio starts at 1; the loss can only fall by learning
     samples = [PolicySample(s.prompt_ids, s.response_ids, advantage=s.advantage, old_logprobs=o)
                for s, o in zip(samples, old)]
-    metrics = [actor.train_minibatch(samples) for _ in range(STEPS)]
+    metrics = [actor.train_minibatch(samples, loss_of()) for _ in range(STEPS)]
     params = torch.cat([p.detach().reshape(-1) for p in actor.model.parameters()]).numpy()
     return dict(
         coords=(parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from actor_harness import actor_settings, build_test_actor, gather_hf_weights, random_samples
+from actor_harness import actor_settings, build_test_actor, gather_hf_weights, loss_of, random_samples
 from sglang_fixtures import SERVER_PYTHON
 from spawn_ranks import run_distributed
 from tiny_models import hf_greedy, load_hf_model, sample_prompts
@@ -35,7 +35,8 @@ def _train_and_hand_off(model_dir: str, tensor_parallel: int, expert_parallel: i
     settings = actor_settings(optim=OptimConfig(lr=0.02, adam_eps=1e-3, grad_clip=1e6, weight_decay=0.0))
     actor, spec = build_test_actor(model_dir, tensor_parallel, 1, settings, expert_parallel=expert_parallel)
     samples = random_samples(8, seed=17, vocab_size=vocab_size)
-    updates = [actor.train_minibatch(samples[:4])["skipped"], actor.train_minibatch(samples[4:])["skipped"]]
+    updates = [actor.train_minibatch(samples[:4], loss_of())["skipped"],
+               actor.train_minibatch(samples[4:], loss_of())["skipped"]]
     return updates, gather_hf_weights(actor, spec)
 
 
