@@ -383,7 +383,7 @@ def format_table(rows: list[Row], header: str) -> str:
 
 def run_check(shapes: CheckShapes) -> list[Row]:
     from dapo_megatron.backend.select import transformer_engine_importable
-    from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
+    from dapo_megatron.backend.platform import destroy_distributed, init_distributed, seed_everything
 
     layout = init_distributed(1, 1)
     seed_everything(0)

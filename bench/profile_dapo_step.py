@@ -116,7 +116,7 @@ def main() -> None:
     from dapo_megatron.cpu.segment_packing import SegmentPacker
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
-    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.backend.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.batch_plan import PackedBatching
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec

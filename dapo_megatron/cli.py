@@ -78,7 +78,7 @@ def _init_distributed(config):
     import torch
 
     from dapo_megatron.backend import select_backend
-    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.backend.platform import init_distributed
     from dapo_megatron.rollout.sglang.gpus import trainer_nccl_env
 
     os.environ.update(trainer_nccl_env(config, cuda_available=torch.cuda.is_available()))  # before any NCCL group
@@ -112,7 +112,7 @@ def cmd_prepare_tiny(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)  # a config error in a blink, before torch and megatron load
 
-    from dapo_megatron.platform import destroy_distributed
+    from dapo_megatron.backend.platform import destroy_distributed
     from dapo_megatron.rank_zero import run_on_rank0
     from dapo_megatron.trainer.loop import DAPOTrainer
     from dapo_megatron.run.model_source import prepare_initial_model
@@ -156,7 +156,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)  # as in cmd_train
 
-    from dapo_megatron.platform import destroy_distributed
+    from dapo_megatron.backend.platform import destroy_distributed
     from dapo_megatron.trainer.evaluate import evaluate_checkpoint
 
     rank = _rank_from_env()
