@@ -107,14 +107,28 @@ class Slot:
 
 
 class Pool:
-    """The engine's pool: two servers; a recovery records which weights the server would be relaunched with."""
+    """The engine's pool: two servers serving ``version``; a recovery records which weights the server would be
+    relaunched with."""
 
-    def __init__(self) -> None:
-        self.slots = [Slot(0, Client("a")), Slot(1, Client("b"))]
+    def __init__(self, version: int = 0) -> None:
+        self.config, self.model_path, self.run_dir = SGLangConfig(), "initial-model", "run"
+        self.device, self.placement = "cpu", "separate"
+        self.version = version
+        self.slots = [Slot(0, Client("a", str(version))), Slot(1, Client("b", str(version)))]
         self.restarts: list[tuple[int, str | None]] = []
+        self.stopped = False
+
+    def start(self) -> int:
+        return self.version
+
+    def capacities(self) -> list[int]:
+        return [1 for _ in self.slots]
 
     def available(self):
         return list(self.slots)
+
+    def stop(self) -> None:
+        self.stopped = True
 
     def recover(self, slot, generation, error, *, version, restart_path):
         self.restarts.append((version, restart_path))
@@ -145,18 +159,24 @@ class Transport:
     def reset(self):
         self.resets += 1
 
+    def close(self, targets):
+        pass
 
-def engine_on(pool: Pool, transport: Transport) -> SGLangEngine:
-    """An SGLangEngine over stand-ins for its pool and transport (see the module docstring)."""
-    engine = object.__new__(SGLangEngine)
-    engine.config = SGLangConfig()
-    engine.model_path = "initial-model"
-    engine.pool, engine.transport = pool, transport
-    engine._weight_version = 0
-    engine._closed = False
-    engine._update_lock, engine._serving_lock = threading.Lock(), threading.Lock()
-    engine.placement, engine._server_memory = "separate", {}
-    return engine
+
+@pytest.fixture
+def engine_on():
+    """``engine_on(pool, transport)``: an SGLangEngine over stand-ins for its pool and transport (see the module
+    docstring), shut down after the test."""
+    engines = []
+
+    def make(pool: Pool, transport: Transport) -> SGLangEngine:
+        engines.append(SGLangEngine(pool, show_progress=False, transport=transport))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+        assert engine.pool.stopped
 
 
 def pushing_version_1(engine: SGLangEngine, transport: Transport) -> threading.Thread:
@@ -167,7 +187,7 @@ def pushing_version_1(engine: SGLangEngine, transport: Transport) -> threading.T
     return update
 
 
-def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights():
+def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights(engine_on):
     pool, transport = Pool(), Transport()
     engine = engine_on(pool, transport)
     update = pushing_version_1(engine, transport)
@@ -184,7 +204,7 @@ def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights():
     assert engine.weight_version == 1
 
 
-def test_a_failure_another_thread_already_handles_does_not_wait_for_a_push():
+def test_a_failure_another_thread_already_handles_does_not_wait_for_a_push(engine_on):
     pool, transport = Pool(), Transport()
     engine = engine_on(pool, transport)
     update = pushing_version_1(engine, transport)
@@ -198,9 +218,10 @@ def test_a_failure_another_thread_already_handles_does_not_wait_for_a_push():
 
 
 @pytest.mark.parametrize("version", [0, 3])
-def test_control_without_a_push_a_restart_uses_the_served_weights(version):
-    pool, transport = Pool(), Transport()
+def test_control_without_a_push_a_restart_uses_the_served_weights(engine_on, version):
+    pool, transport = Pool(version), Transport()
+    transport.latest = version
     engine = engine_on(pool, transport)
-    engine._weight_version, transport.latest = version, version
+    assert engine.weight_version == version  # what the pool's servers serve
     engine.recover_server(pool.slots[0], 0, ServerFailure("connection reset"))
     assert pool.restarts == [(version, "initial-model" if version == 0 else f"snapshot/v{version}")]
