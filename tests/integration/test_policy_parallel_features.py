@@ -289,8 +289,8 @@ def routes_job(hf_dir, out_dir):
     except StageStreamError as exc:
         result["error"] = str(exc)
     if dist.get_rank() == 0:
-        result["gathered"] = {n: p.detach().clone() for n, p in gathered._model.named_parameters()}
-        result["stagewise"] = {n: p.detach().clone() for n, p in stagewise._model.named_parameters()}
+        result["gathered"] = {n: p.detach().clone() for n, p in gathered.model.named_parameters()}
+        result["stagewise"] = {n: p.detach().clone() for n, p in stagewise.model.named_parameters()}
         result["versions"] = (gathered.weight_version, stagewise.weight_version)
         result["writers"] = stagewise.writers
     return result
