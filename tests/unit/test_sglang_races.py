@@ -9,8 +9,9 @@ trainer's thread pushes weights.
   outside the push's targets. Now a restart waits for the push and relaunches from its version.
 
 Both need the restart to start inside a push, a window a real server cannot be made to hit on demand, so the
-transport's group and the engine's pool and transport are stood in for; their real counterparts run in
-tests/integration/test_sglang_server.py and tests/integration/test_sglang_streaming.py."""
+transport's process group (where it is opened, broadcast on and destroyed) and the engine's pool and transport (its
+constructor's arguments) are stood in for; their real counterparts run in tests/integration/test_sglang_server.py and
+tests/integration/test_sglang_streaming.py."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.sglang.client import ServerFailure
+from dapo_megatron.rollout.sglang import transports
 from dapo_megatron.rollout.sglang.engine import SGLangEngine
 from dapo_megatron.rollout.sglang.transports import DistributedTransport, ServerTarget
 
@@ -47,6 +49,9 @@ class Client:
     def set_weight_version(self, version):
         self.version = version
 
+    def init_weights_update_group(self, **_):
+        pass
+
     def update_weights_from_distributed(self, **_):
         pass
 
@@ -64,24 +69,39 @@ def _bucket():
     return [[("w", torch.ones(2))]]
 
 
+class Broadcast:
+    """A broadcast in flight (torch's async work), complete once the test releases it."""
+
+    def __init__(self, release: threading.Event, broadcasting: threading.Event) -> None:
+        self.release, self.broadcasting = release, broadcasting
+
+    def is_completed(self) -> bool:
+        if self.release.is_set():
+            self.broadcasting.clear()
+        return self.release.is_set()
+
+    def wait(self) -> None:
+        pass
+
+
 def test_a_reset_during_a_broadcast_leaves_the_group_to_the_push(monkeypatch):
     transport = DistributedTransport()
     servers = [ServerTarget(Client("a"), tp_size=1)]
     groups, destroyed, broadcasting = [], [], threading.Event()
     started, release = threading.Event(), threading.Event()
 
-    def connect(targets):
+    def open_group(**_):
         groups.append(object())
-        transport._group, transport._group_servers = groups[-1], list(targets)
+        return groups[-1]
 
-    def broadcast(bucket, announcements):
+    def broadcast(tensor, src, group, async_op):
         broadcasting.set()
         started.set()
-        assert release.wait(WAIT_S)
-        broadcasting.clear()
+        return Broadcast(release, broadcasting)
 
-    monkeypatch.setattr(transport, "connect", connect)
-    monkeypatch.setattr(transport, "_broadcast", broadcast)
+    # the process group stood in for where the transport opens, uses and destroys it
+    monkeypatch.setattr(transports, "open_sender_group", open_group)
+    monkeypatch.setattr(torch.distributed, "broadcast", broadcast)
     monkeypatch.setattr(torch.distributed, "destroy_process_group",
                         lambda group: destroyed.append((group, broadcasting.is_set())))
     push = threading.Thread(target=transport.push, args=(servers, iter(_bucket()), 1))
