@@ -53,8 +53,9 @@ __all__ = ["Backend", "Kernels", "select_backend"]
 
 
 def __getattr__(name: str):
-    # On first use, not at import: the policy and the handoff import the interfaces below this package while the
-    # concrete backends (which the registry imports) import them, so an eager import here would be a circle.
+    # On first use, not at import: the implementations import backend.interfaces, which runs this file first, and
+    # the registry imports the backends that import those implementations — eagerly, a circle (importing
+    # dapo_megatron.cpu.shm_gather first failed with it).
     if name == "Backend":
         from dapo_megatron.backend.base import Backend
 
