@@ -327,7 +327,7 @@ def run_check(shapes: CheckShapes) -> list[Row]:
     from gpu_check_colocated import colocated_moe_row, colocated_row
 
     from dapo_megatron.backend.select import transformer_engine_importable
-    from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
+    from dapo_megatron.backend.platform import destroy_distributed, init_distributed, seed_everything
 
     layout = init_distributed(1, 1)
     seed_everything(0)

@@ -131,7 +131,7 @@ def sdpa_backend_job(hf_dir: str, tensor_parallel: int):
 
     from megatron.core import parallel_state
 
-    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.backend.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.batch_plan import PackedBatching
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec

@@ -92,8 +92,8 @@ def test_sglang_server_serves_the_trained_weights(handed_off, tmp_path):
         pytest.skip(f"SGLang is not importable by {SERVER_PYTHON}: {error}")
     config = SGLangConfig(python=SERVER_PYTHON, base_port=0, launch_timeout_s=600, request_timeout_s=60,
                           extra_server_args=["--dtype", "float32", "--max-total-tokens", "4096"])
-    engine = SGLangEngine(config, model_path=Path(handed_off["model_dir"]), show_progress=False,
-                          run_dir=tmp_path / "sglang")
+    engine = SGLangEngine.launch(config, model_path=Path(handed_off["model_dir"]), show_progress=False,
+                                 run_dir=tmp_path / "sglang")
     try:
         before = greedy(engine.generate, handed_off["prompts"])
         engine.update_weights([list(handed_off["trained"].items())], version=1)

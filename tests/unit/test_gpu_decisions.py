@@ -172,20 +172,20 @@ def test_config_schema_has_the_new_keys():
 
 @pytest.mark.parametrize("local_rank, count, expected", [(0, 8, 0), (5, 8, 5), (9, 8, 1), (5, 1, 0), (3, 2, 1)])
 def test_device_is_local_rank_modulo_visible_gpus(local_rank, count, expected):
-    from dapo_megatron.platform import cuda_device_index
+    from dapo_megatron.backend.platform import cuda_device_index
 
     assert cuda_device_index(local_rank, count) == expected
 
 
 def test_no_visible_gpu_is_an_error():
-    from dapo_megatron.platform import LaunchError, cuda_device_index
+    from dapo_megatron.backend.platform import LaunchError, cuda_device_index
 
     with pytest.raises(LaunchError, match="no visible GPU"):
         cuda_device_index(0, 0)
 
 
 def test_cuda_device_max_connections_only_on_gpu_with_tp():
-    from dapo_megatron.platform import apply_cuda_connections, cuda_connections_setting
+    from dapo_megatron.backend.platform import apply_cuda_connections, cuda_connections_setting
 
     assert cuda_connections_setting(2, cuda_available=True) == "1"
     assert cuda_connections_setting(1, cuda_available=True) is None
@@ -287,7 +287,7 @@ def test_a_cuda_model_stage_goes_to_the_current_gpu_and_a_stray_parameter_is_nam
 
 
 def _build_on(device_type_or_device):
-    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.backend.platform import init_distributed
     from dapo_megatron.policy.model import build_model, transformer_config
 
     backend = init_distributed(1, 1).backend
