@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dapo_megatron.config.schema import ConfigError
+from dapo_megatron.config.errors import ConfigError
 
 # "none_i_accept_the_risk" is spelled out so that running model-written code without isolation is a decision
 # someone typed, never a default or a typo.
