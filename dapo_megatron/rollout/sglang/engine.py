@@ -80,6 +80,11 @@ from dapo_megatron.rollout.sglang.transports import (
 logger = logging.getLogger(__name__)
 
 
+# How long a colocated server may take to finish its last batch before it releases memory (its scheduler's overlap
+# loop clears one batch after the last reply): seconds, not minutes, on a server that is done generating.
+IDLE_WAIT_S = 60.0
+
+
 class SGLangEngine(RolloutEngine):
     """Rollouts on SGLang servers. See the module docstring for dispatch, failure handling and weight updates.
 
@@ -334,6 +339,12 @@ class SGLangEngine(RolloutEngine):
             if not tags:
                 continue
             if release:
+                try:
+                    slot.client.wait_until_idle(IDLE_WAIT_S)
+                except RolloutError as error:
+                    raise RolloutError(f"SGLang server {slot.index} did not become idle within {IDLE_WAIT_S:g} s, "
+                                       f"so its memory was not released (releasing it busy would end the server): "
+                                       f"{error}") from error
                 slot.client.release_memory_occupation(tags)
                 memory = memory.released(tags)
             else:
