@@ -101,6 +101,11 @@ class SharedMemoryGather:
         self._same_host: dict[tuple, bool] = {}
         self._fallback = ProcessGroupGather()
 
+
+    @property
+    def mapped_regions(self) -> int:
+        """Shared-memory regions this gather holds (one per TP group it has served)."""
+        return len(self._mappings)
     def open(self, group, shards: Sequence[torch.Tensor]) -> ShardGather:
         world = dist.get_world_size(group)
         # Every TP rank of a job decides alike: all on CPU over gloo, or not.

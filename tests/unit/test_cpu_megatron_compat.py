@@ -109,7 +109,7 @@ def test_suspended_takes_the_mode_off_and_puts_it_back():
                 raise KeyError("inside")
         except KeyError:
             pass
-        assert redirected() and _get_current_function_mode() is cpu_compat._installed_mode
+        assert redirected() and _get_current_function_mode() is cpu_compat.installed_mode()
 
         class Passthrough(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):

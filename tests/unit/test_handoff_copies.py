@@ -45,9 +45,9 @@ def _exports_job(model_dir: str) -> dict:
                 for name, tensor in bucket}
 
     over_gloo = export(ProcessGroupGather())
-    mapped_without = len(shared_memory._mappings)
+    mapped_without = shared_memory.mapped_regions
     first = export(shared_memory)
-    mapped_with = len(shared_memory._mappings)
+    mapped_with = shared_memory.mapped_regions
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(2.0)

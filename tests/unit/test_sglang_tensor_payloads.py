@@ -323,7 +323,7 @@ def test_a_by_value_body_is_sent_without_copies_of_the_bucket(tmp_path):
         tracemalloc.stop()
         # Control: the same request with a body made by json.dumps, as before, crosses the bound by far.
         tracemalloc.start()
-        client._call("POST", "/update_weights_from_tensor", {
+        client.request("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": [entry.decode() for entry in entries], "weight_version": None,
             "flush_cache": False})
         _, control_peak = tracemalloc.get_traced_memory()

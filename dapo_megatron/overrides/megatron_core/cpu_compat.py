@@ -228,6 +228,12 @@ def is_installed() -> bool:
     return _installed_mode is not None
 
 
+def installed_mode() -> "CudaToCpuMode | None":
+    """The redirect mode this process entered at :func:`install` (None before): the one that must be current outside
+    a :func:`suspended` block."""
+    return _installed_mode
+
+
 @contextmanager
 def suspended() -> Iterator[None]:
     """Run the block without the device redirect (point 1), for code that never names CUDA.
