@@ -24,6 +24,7 @@ fi
 python scripts/check_installs.py
 # Integration prerequisites. A failure here fails the run: CI must not silently skip what it is meant to test.
 bash scripts/install_sglang_cpu.sh "$VENV/bin/python"
+bash scripts/install_sandbox.sh  # bubblewrap, for the code sandbox probes (tests/integration/test_sandbox_probes.py)
 # A cluster already up with this layout is reused and left running; one started here is torn down at the end.
 if ! bash scripts/slurm_cluster.sh status >/dev/null 2>&1; then
   trap 'bash scripts/slurm_cluster.sh stop >/dev/null 2>&1 || true' EXIT

@@ -12,7 +12,8 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from dapo_megatron.config.schema import ConfigError, DAPOConfig
+from dapo_megatron.config.errors import ConfigError
+from dapo_megatron.config.schema import DAPOConfig
 from dapo_megatron.reward.function import RewardFunctionError, check_reward_source
 
 

@@ -5,11 +5,13 @@ Colocated, every trainer GPU also holds one TP rank of a server, and the two tak
 (:mod:`dapo_megatron.rollout.placement`, :mod:`dapo_megatron.trainer.colocation`). A GPU of ``G`` bytes, on each
 pipeline stage (their trainer footprints differ), must hold in every turn:
 
-* generation: the trainer's weights, gradients and fixed margin (and its optimizer state, unless
-  ``rollout.offload_optimizer`` moved it to host memory); the server's context ``C``, its static memory ``S``
+* generation: the trainer's weights and fixed margin (its gradient buffers are freed, and its optimizer state moved to
+  host memory with ``rollout.offload_optimizer``); the server's context ``C``, its static memory ``S``
   (weights + KV cache) and the runtime memory ``R`` SGLang keeps for its activations and CUDA graphs;
-* training: the trainer's peak (:func:`.memory.estimate_memory`) and ``C`` (the server released everything else);
-* weight handoff: the trainer without activations plus one handoff bucket; ``C`` and the server's weights.
+* training: the trainer's peak (:func:`.memory.estimate_memory`) and ``C`` (the server released everything else,
+  its CUDA graphs too: the server is launched with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` unless the user set it);
+* weight handoff: the trainer without activations plus the handoff buckets it holds at once
+  (:func:`handoff_buckets_on_gpu`); ``C`` and the server's weights.
 
 ``S`` is fixed when the server starts. SGLang 0.5.23 (``mem_cache/kv_cache_configurator.py``,
 ``_profile_available_bytes``) gives the KV cache the memory free once its weights are loaded minus ``(1 − f)·B``, ``B``
@@ -30,11 +32,14 @@ CUDA graphs, a few tens of MiB, are left out). Prefill sizes set in ``extra_serv
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, GB, StageMemory, layer_parameters
+from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, GB, StageMemory, layer_parameters, moe_layer_parameters
 from dapo_megatron.policy.model_spec import ModelSpec
+from dapo_megatron.rollout.sglang.server import MEMORY_SAVER_CUDA_GRAPH_ENV, cuda_graphs_released
+from dapo_megatron.rollout.sglang.transports import IPC_WINDOW_BUCKETS
 
 MIB = 2**20
 GIB = 2**30
@@ -45,19 +50,36 @@ _SGLANG_GPU_DEFAULTS = ((20, 2048, 8, 8), (35, 4096, 48, 160), (60, 4096, 32, 16
                         (160, 8192, 256, 512), (float("inf"), 16384, 512, 512))
 
 
+def _sglang_defaults(gpu_bytes: int, tp: int) -> tuple[int, int]:
+    """SGLang 0.5.23's chunked-prefill size and decode CUDA-graph batch for a GPU of ``gpu_bytes`` at TP ``tp``."""
+    _, prefill, small_tp_graph, large_tp_graph = next(row for row in _SGLANG_GPU_DEFAULTS if gpu_bytes / GIB < row[0])
+    return prefill, small_tp_graph if tp < 4 else large_tp_graph
+
+
+def sglang_cuda_graph_bytes(gpu_bytes: int, tp: int) -> int:
+    """The decode CUDA graphs' share of :func:`sglang_runtime_reserve_bytes`: 2 MiB per graph batch slot."""
+    return 2 * _sglang_defaults(gpu_bytes, tp)[1] * MIB
+
+
 def sglang_runtime_reserve_bytes(gpu_bytes: int, tp: int) -> int:
     """The memory SGLang 0.5.23 keeps for activations and CUDA graphs on a GPU of ``gpu_bytes`` at TP ``tp``."""
-    gib = gpu_bytes / GIB
-    _, prefill, small_tp_graph, large_tp_graph = next(row for row in _SGLANG_GPU_DEFAULTS if gib < row[0])
-    reserve_mib = 512 + 1.5 * max(prefill, 2048) + tp / 8 * 1024 + 2 * (small_tp_graph if tp < 4 else large_tp_graph)
-    return int(reserve_mib * MIB)
+    prefill, _ = _sglang_defaults(gpu_bytes, tp)
+    return int((512 + 1.5 * max(prefill, 2048) + tp / 8 * 1024) * MIB) + sglang_cuda_graph_bytes(gpu_bytes, tp)
 
 
 def model_parameters(spec: ModelSpec) -> int:
-    """Parameters of the whole model as SGLang serves it (the unpadded vocabulary)."""
+    """Parameters of the whole model as SGLang serves it (the unpadded vocabulary; a MoE model's experts too)."""
     embedding = spec.vocab_size * spec.hidden_size
-    return (spec.num_layers * layer_parameters(spec, 1) + embedding + (0 if spec.tie_embeddings else embedding)
-            + spec.hidden_size)
+    layer = layer_parameters(spec, 1) + moe_layer_parameters(spec, 1, 1)
+    return spec.num_layers * layer + embedding + (0 if spec.tie_embeddings else embedding) + spec.hidden_size
+
+
+def handoff_buckets_on_gpu(transport: str) -> int:
+    """Buckets of the weight handoff on a trainer GPU at once. ``tensor`` sends GPU buckets as CUDA IPC handles and
+    keeps the last :data:`~dapo_megatron.rollout.sglang.transports.IPC_WINDOW_BUCKETS` referenced after the servers
+    answered, besides the one being sent and the next one the exporter gathers; the other transports hold the bucket
+    being sent and the next."""
+    return IPC_WINDOW_BUCKETS + 2 if transport == "tensor" else 2
 
 
 def kv_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
@@ -82,32 +104,45 @@ class SharedGpu:
 
 
 def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], *, data_parallel: int,
-                gpu_memory_gb: float) -> list[SharedGpu]:
-    """Each stage's GPU under colocated placement (see the module docstring for the model)."""
+                gpu_memory_gb: float, cuda_graphs_released: bool = True) -> list[SharedGpu]:
+    """Each stage's GPU under colocated placement (see the module docstring for the model).
+
+    ``cuda_graphs_released``: the servers' CUDA graphs live in a memory-saver region, so the training turn leaves the
+    server only ``C`` (the launch environment decides:
+    :func:`dapo_megatron.rollout.sglang.server.cuda_graphs_released`); otherwise the graph pools stay resident through
+    the training and handoff turns."""
     r, s = config.rollout, config.rollout.sglang
     gpu = int(gpu_memory_gb * GB)
     tp, fraction = s.tp_per_server, s.mem_fraction_static
     dtype_bytes = 4 if config.model.precision == "fp32" else 2
     server_weights = model_parameters(spec) * dtype_bytes // tp
     bucket = max(int(r.handoff_bucket_mb * MIB), spec.vocab_size * spec.hidden_size * dtype_bytes)
+    handoff_buckets = handoff_buckets_on_gpu(s.transport) * bucket
     runtime = sglang_runtime_reserve_bytes(gpu, tp)
     per_token = kv_bytes_per_token(spec, tp, dtype_bytes)
-    moments_share = 8 / (data_parallel if config.parallel.use_distributed_optimizer else 1)
+    distributed = config.parallel.use_distributed_optimizer
+    moments_share = 8 / (data_parallel if distributed else 1)
+    # experts' optimizer state is sharded over their own data-parallel group: DP / EP ranks
+    expert_moments_share = 8 / (data_parallel // config.parallel.expert if distributed else 1)
+    resident_graphs = 0 if cuda_graphs_released else sglang_cuda_graph_bytes(gpu, tp)
     result = []
     for stage in stages:
-        moments = int(stage.parameters * moments_share)
+        moments = int((stage.parameters - stage.expert_parameters) * moments_share
+                      + stage.expert_parameters * expert_moments_share)
         main_params = stage.optimizer_bytes - moments
         resident = stage.params_bytes + stage.grads_bytes + FIXED_MARGIN_BYTES
-        at_launch = resident + (0 if r.offload_optimizer else main_params)
-        generating = resident + (0 if r.offload_optimizer else stage.optimizer_bytes)
+        # while the servers generate the gradient buffers are freed (dapo_megatron/trainer/colocation.py)
+        at_launch = resident - stage.grads_bytes + (0 if r.offload_optimizer else main_params)
+        generating = resident - stage.grads_bytes + (0 if r.offload_optimizer else stage.optimizer_bytes)
         free_at_launch = gpu - SERVER_CONTEXT_BYTES - at_launch
         static = int(fraction * free_at_launch)
         kv_cache = static - server_weights
         result.append(SharedGpu(
             stage=stage.stage,
             generation=(generating, SERVER_CONTEXT_BYTES + static + runtime),
-            training=(stage.total_bytes, SERVER_CONTEXT_BYTES),
-            handoff=(resident + stage.optimizer_bytes + bucket, SERVER_CONTEXT_BYTES + server_weights),
+            training=(stage.total_bytes, SERVER_CONTEXT_BYTES + resident_graphs),
+            handoff=(resident + stage.optimizer_bytes + handoff_buckets,
+                     SERVER_CONTEXT_BYTES + server_weights + resident_graphs),
             kv_cache_bytes=kv_cache, kv_cache_tokens=max(kv_cache, 0) // per_token,
         ))
     return result
@@ -123,13 +158,17 @@ def sharing_report(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory
         return ["SGLang servers: on GPUs of their own (rollout.placement: separate); the trainer has its GPUs to "
                 "itself"], True
     s = r.sglang
-    gpus = shared_gpus(config, spec, stages, data_parallel=data_parallel, gpu_memory_gb=gpu_memory_gb)
+    graphs_released = cuda_graphs_released(os.environ)  # what the launched servers will get (their environment)
+    gpus = shared_gpus(config, spec, stages, data_parallel=data_parallel, gpu_memory_gb=gpu_memory_gb,
+                       cuda_graphs_released=graphs_released)
     header = f"{'stage':>5} {'turn':<11} {'trainer':>9} {'server':>9} {'total':>9}  fits"
     lines = [f"SGLang servers on the trainer's GPUs (rollout.placement: colocated): TP {s.tp_per_server}, "
              f"mem_fraction_static {s.mem_fraction_static:g}, optimizer state "
              f"{'in host memory' if r.offload_optimizer else 'on the GPU'} while they generate; server context "
              f"{SERVER_CONTEXT_BYTES / GB:g} GB (assumed), SGLang's runtime reserve "
-             f"{sglang_runtime_reserve_bytes(int(gpu_memory_gb * GB), s.tp_per_server) / GB:.1f} GB",
+             f"{sglang_runtime_reserve_bytes(int(gpu_memory_gb * GB), s.tp_per_server) / GB:.1f} GB; CUDA graphs "
+             + ("released with the rest" if graphs_released else
+                f"resident in every turn ({MEMORY_SAVER_CUDA_GRAPH_ENV}=0)"),
              header, "-" * len(header)]
     for shared in gpus:
         for turn, (trainer, server) in (("generation", shared.generation), ("training", shared.training),

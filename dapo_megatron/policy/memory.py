@@ -68,7 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.config.schema import Precision, Recompute
+from dapo_megatron.config.model import Precision, Recompute
 from dapo_megatron.policy.logprobs import DEFAULT_CHUNK_ELEMENTS
 from dapo_megatron.policy.model import sequence_parallel_enabled
 from dapo_megatron.policy.model_spec import ModelSpec, check_parallel_layout, padded_vocab_size
@@ -94,6 +94,7 @@ class StageMemory:
     activations_bytes: int
     logits_bytes: int
     margin_bytes: int
+    expert_parameters: int = 0  # of ``parameters``, a MoE model's experts (optimizer state sharded over DP / EP)
 
     @property
     def total_bytes(self) -> int:
@@ -218,6 +219,7 @@ def estimate_memory(
             optimizer_bytes=int((parameters - experts) * optimizer_per_param + experts * expert_optimizer_per_param),
             activations_bytes=activations,
             logits_bytes=logits, margin_bytes=int(FIXED_MARGIN_BYTES + FRAGMENTATION * (activations + logits)),
+            expert_parameters=experts,
         ))
     return stages
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from dapo_megatron.config.schema import Precision, Recompute
+from dapo_megatron.config.model import Precision, Recompute
 from dapo_megatron.policy.model_spec import (
     ModelSpec,
     ParallelLayoutError,
@@ -46,6 +46,22 @@ def sequence_parallel_enabled(requested: bool, *, tensor_parallel: int, use_tran
     on the CPU backend's spec (``transformer_config(..., sequence_parallel=True)``), whose norms carry the mark.
     """
     return requested and tensor_parallel > 1 and use_transformer_engine
+
+
+def require_sequence_parallel_for_moe_training(spec: ModelSpec, *, tensor_parallel: int,
+                                               sequence_parallel: bool, use_transformer_engine: bool) -> None:
+    """megatron-core 0.16.1's MoE layer raises in training when TP > 1 runs without sequence parallelism
+    (``moe_layer.py``, ``forward``); the first update would crash after a whole rollout. Refuse the layout up front,
+    naming what to change (:class:`ParallelLayoutError`)."""
+    if spec.moe is None or tensor_parallel < 2 or sequence_parallel:
+        return
+    why = ("parallel.sequence_parallel is false" if use_transformer_engine else
+           "sequence parallelism needs Transformer Engine's layer spec, and this run uses megatron's local layers "
+           "(no Transformer Engine, or model.kernels: local)")
+    raise ParallelLayoutError(
+        f"a mixture-of-experts model trains at parallel.tensor={tensor_parallel} only with sequence parallelism "
+        f"(megatron-core's MoE layer refuses it otherwise), and {why}: set parallel.sequence_parallel: true with "
+        f"Transformer Engine, or parallel.tensor: 1 and split the experts with parallel.expert")
 
 
 def recompute_settings(recompute: Recompute) -> dict[str, Any]:
@@ -223,7 +239,8 @@ def moe_arguments(spec: ModelSpec, *, expert_parallel: int, aux_loss_coeff: floa
     * ``aux_loss_coeff`` > 0 adds megatron's Switch-style load-balancing loss per layer ("aux_loss"); 0 trains on
       the policy loss alone (the load statistics are logged either way: :mod:`dapo_megatron.policy.moe_routing`).
     * ``moe_grouped_gemm`` with Transformer Engine (its grouped GEMM); without it the experts run one after the
-      other (``SequentialMLP``: megatron's other expert module needs the ``grouped_gemm`` CUDA package).
+      other (``SequentialMLP``: megatron's other expert module needs the ``grouped_gemm`` CUDA package). The token
+      permutation around the experts is TE's fused kernel with TE (``moe_permute_fusion``), torch's gather without.
     """
     if spec.moe is None:
         if routing_replay:
@@ -242,16 +259,17 @@ def moe_arguments(spec: ModelSpec, *, expert_parallel: int, aux_loss_coeff: floa
         moe_aux_loss_coeff=aux_loss_coeff,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=use_transformer_engine,
-        moe_permute_fusion=False,
+        moe_permute_fusion=use_transformer_engine,  # TE's fused token permute/unpermute (megatron needs TE >= 2.1)
         moe_router_fusion=False,
         moe_enable_routing_replay=routing_replay,
         expert_model_parallel_size=expert_parallel,
     )
 
 
-def build_model(spec: ModelSpec, tconfig: "TransformerConfig", backend: "Backend") -> "GPTModel":
+def build_model(spec: ModelSpec, tconfig: "TransformerConfig", backend: "Backend",
+                device: torch.device | None = None) -> "GPTModel":
     """This pipeline stage's ``GPTModel`` (pre/post process from megatron ``parallel_state``) with ``backend``'s layer
-    spec, vocab padded for TP."""
+    spec, vocab padded for TP, on ``device`` (default: the backend's, :func:`model_device`)."""
     from megatron.core import parallel_state  # import cost: see transformer_config
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -268,7 +286,7 @@ def build_model(spec: ModelSpec, tconfig: "TransformerConfig", backend: "Backend
             f"TransformerConfig is for TP={configured[0]}/PP={configured[1]}/EP={configured[2]} "
             f"but parallel_state is initialized with TP={tp}/PP={pp}/EP={ep}"
         )
-    return GPTModel(
+    model = GPTModel(
         config=tconfig,
         transformer_layer_spec=backend.layer_spec(spec, get_num_layers_to_build(tconfig)),
         vocab_size=padded_vocab_size(spec.vocab_size, tp),
@@ -282,3 +300,27 @@ def build_model(spec: ModelSpec, tconfig: "TransformerConfig", backend: "Backend
         rope_scaling=spec.rope_llama3_factor is not None,
         rope_scaling_factor=spec.rope_llama3_factor or 8.0,
     )
+    return place_on_device(model, model_device(backend.device_type) if device is None else device)
+
+
+def model_device(device_type: str) -> torch.device:
+    """Where a model stage lives: the process's current GPU on CUDA (the bare ``cuda`` device means it), else the
+    CPU."""
+    return torch.device("cuda") if device_type == "cuda" else torch.device("cpu")
+
+
+def place_on_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Move every parameter and buffer of ``model`` to ``device``, then check none stayed behind.
+
+    megatron builds most layers on the GPU when ``use_cpu_initialization`` is off, but not all: the MoE router's
+    weight (``TopKRouter``) and the local spec's torch norms (``WrappedTorchNorm``) are created on the CPU, and only the
+    distributed optimizer relocates parameters into GPU buffers; ``Float16OptimizerWithFloat16Params`` raises on a
+    CPU parameter. megatron's own ``get_model`` moves the module to the current device before wrapping it; so do we.
+    """
+    model.to(device)
+    stray = [f"{name} ({parameter.device})" for name, parameter in model.named_parameters()
+             if parameter.device.type != device.type]
+    if stray:
+        raise RuntimeError(f"{len(stray)} parameter(s) are not on {device} after moving the model there: "
+                           + ", ".join(stray[:10]))
+    return model

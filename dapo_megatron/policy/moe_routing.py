@@ -112,10 +112,26 @@ class RouterLoadMonitor:
         return metrics
 
 
+ROUTING_INDEX_BYTES = 2  # int16: expert indices < 32768
+
+
+def host_copy(indices: Tensor) -> Tensor:
+    """``indices`` as int16 in host memory, pinned when they come from the GPU (so the replay's copy back runs
+    asynchronously). A step's recorded routing lives from π_old's pass to the last update: on the GPU that is
+    ``layers · k · 2`` bytes a token (768 B for Qwen3-30B-A3B) for every token of the rank's share of the step."""
+    host = indices.to(device="cpu", dtype=torch.int16)
+    return host.pin_memory() if indices.is_cuda else host
+
+
+def recorded_routing_bytes(*, tokens: int, layers: int, topk: int) -> int:
+    """Host bytes of the routing one rank records for ``tokens`` tokens through ``layers`` MoE layers."""
+    return tokens * layers * topk * ROUTING_INDEX_BYTES
+
+
 @dataclass
 class RecordedRouting:
     """The top-k indices every router of this stage chose in one pass: ``per_router[r][m]`` is router ``r``'s
-    ``[tokens, k]`` for the pass's ``m``-th micro-batch (int16: expert indices < 32768)."""
+    ``[tokens, k]`` for the pass's ``m``-th micro-batch, int16 in host memory (:func:`host_copy`)."""
 
     per_router: list[list[Tensor]] = field(default_factory=list)
 
@@ -139,7 +155,7 @@ class RoutingReplay:
 
         def keep(index: int):
             def hook(router: TopKRouter, args, output) -> None:
-                recorded.per_router[index].append(router.router_replay.get_recorded_indices().to(torch.int16))
+                recorded.per_router[index].append(host_copy(router.router_replay.get_recorded_indices()))
             return hook
 
         with self._action(RouterReplayAction.RECORD, [r.register_forward_hook(keep(i))

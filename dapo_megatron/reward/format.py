@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from dapo_megatron.config.schema import FormatRewardConfig
+from dapo_megatron.config.reward import FormatRewardConfig
 
 
 class FormatReward:

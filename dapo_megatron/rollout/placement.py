@@ -84,6 +84,38 @@ def colocated_gpu_ranges(config: SGLangConfig, *, trainer_local_ranks: int, visi
     return ranges
 
 
+def require_one_stage_per_server(config: SGLangConfig, ranges: list[range], *, ranks_per_stage: int,
+                                 pipeline: int) -> None:
+    """Each colocated server's GPUs must belong to one pipeline stage of the trainer, or :class:`ConfigError`.
+
+    A server's TP ranks start only when each finds at least 0.9x the free memory of the least free one (SGLang 0.5.23
+    ``distributed/bootstrap.py``, ``_check_tp_memory_balance``; on by default), and at launch every GPU holds its
+    trainer rank's weights, gradients and optimizer state: the same on GPUs of one stage, different across stages
+    (the first holds the embedding, the last the output layer, and their layer counts may differ). Rank 0's node
+    holds global ranks 0..n-1 in order, GPU ``g`` driving rank ``g``, and megatron lays ranks out TP, then DP, then
+    PP (``tp-cp-ep-dp-pp``): GPU ``g`` is in stage ``g // ranks_per_stage``, ``ranks_per_stage`` = TP x DP."""
+    if pipeline <= 1:
+        return
+    for index, gpus in enumerate(ranges):
+        stages = sorted({gpu // ranks_per_stage for gpu in gpus})
+        if len(stages) > 1:
+            raise ConfigError(
+                f"rollout.placement: colocated, but SGLang server {index} (rollout.sglang.tp_per_server="
+                f"{config.tp_per_server}) spans GPUs {gpus.start}..{gpus.stop - 1}, which hold pipeline stages "
+                f"{stages[0]}..{stages[-1]} of the trainer (parallel.pipeline={pipeline}, {ranks_per_stage} GPUs a "
+                f"stage): the stages' memory differs, and SGLang refuses to start TP ranks with unbalanced free "
+                f"memory. Use a tp_per_server that divides {ranks_per_stage} (and a base_gpu_id that is a multiple "
+                f"of it), or rollout.placement: separate")
+
+
+def rank_shares_a_server_gpu(ranges: list[range], *, global_rank: int, local_rank: int, visible_gpus: int) -> bool:
+    """Whether this trainer rank's GPU hosts a colocated server's TP rank. The servers run on rank 0's node, which
+    holds global ranks 0..n-1 (torchrun and SLURM number ranks node by node), so a rank there has
+    ``global_rank == local_rank``; its GPU is ``local_rank % visible_gpus``. Ranks elsewhere have their GPU to
+    themselves and move nothing in the turns."""
+    return global_rank == local_rank and any(local_rank % visible_gpus in gpus for gpus in ranges)
+
+
 class ServerMemoryError(RolloutError):
     """A colocated server was asked to do something its released memory does not allow (a bug in the caller's
     order of turns, caught before the server sees it)."""

@@ -5,16 +5,19 @@ shares, so every rank also waits there until the servers have moved their memory
 (:mod:`dapo_megatron.rollout.placement` has the servers' side and the SGLang facts):
 
 * :meth:`Colocation.generating`, around every generation (a step's rollouts, validation, the servers' launch): on
-  entry each rank moves its optimizer state to host memory (``rollout.offload_optimizer``, on GPUs) and returns its
-  allocator's cached blocks to the driver, then the servers take their KV cache back; on exit the servers release
-  it, then the optimizer state comes back;
+  entry each rank whose GPU hosts a server frees its gradient buffers, moves its optimizer state to host memory
+  (``rollout.offload_optimizer``) and returns its allocator's cached blocks to the driver, then the servers take
+  their KV cache back; on exit the servers release it, then the optimizer state and the gradient buffers come back;
 * :meth:`Colocation.before_policy_update`: the servers release their weights;
 * :meth:`Colocation.before_handoff`: each rank returns its allocator's cached blocks (the update's activations),
   so that the handoff can map the servers' weights again and fill them.
 
 Under separate placement every turn does nothing. The optimizer state moves with megatron-core's facility for RL,
 ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (0.16.1: the fp32 main parameters and Adam's moments;
-megatron's own RL loop calls them around inference the same way); the bf16 weights and the gradient buffers stay.
+megatron's own RL loop calls them around inference the same way), the gradient buffers with
+``DistributedDataParallel.offload_grad_buffers`` / ``restore_grad_buffers`` (their storage freed and reallocated
+zeroed: between steps they hold nothing); the bf16 weights stay. Ranks on other nodes, or on GPUs without a server,
+move nothing (:func:`~dapo_megatron.rollout.placement.rank_shares_a_server_gpu`).
 """
 
 from __future__ import annotations
@@ -26,25 +29,59 @@ from typing import Callable, Iterator
 import torch
 
 from dapo_megatron.config import DAPOConfig
+from dapo_megatron.launch_env import launch_env, local_world_size
 from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.rollout.engine import RolloutEngine
+from dapo_megatron.rollout.placement import (
+    colocated_gpu_ranges,
+    rank_shares_a_server_gpu,
+    require_one_stage_per_server,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class Colocation:
-    """``engine`` gives the rollout engine when it exists (rank 0), else None; ``device_type``: the backend's."""
+    """``engine`` gives the rollout engine when it exists (rank 0), else None; ``device_type``: the backend's;
+    ``model``: the DDP-wrapped stage, whose gradient buffers wait freed while the servers generate (None: they stay).
+    """
 
     def __init__(self, config: DAPOConfig, optimizer, engine: Callable[[], RolloutEngine | None], *,
-                 device_type: str) -> None:
+                 device_type: str, model=None) -> None:
         r = config.rollout
         self.colocated = r.placement == "colocated"
         self.on_gpu = device_type == "cuda"
-        self.offload_optimizer = self.colocated and r.offload_optimizer and self.on_gpu
         if self.colocated and r.offload_optimizer and not self.on_gpu:
             logger.info("rollout.offload_optimizer: the optimizer state is in host memory already (no GPU)")
         self.optimizer = optimizer
+        self.model = model
         self.engine = engine
+        self.config = config
+        self.shares_a_server_gpu = True  # until locate_servers() knows this rank's GPU
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.colocated and self.on_gpu and self.shares_a_server_gpu and self.config.rollout.offload_optimizer
+
+    @property
+    def offload_gradients(self) -> bool:
+        """The gradient buffers hold nothing between steps (the next update zeroes them first): while the servers
+        generate they are freed (megatron-core's ``offload_grad_buffers``), leaving the KV cache that much more."""
+        return self.colocated and self.on_gpu and self.shares_a_server_gpu and self.model is not None
+
+    def locate_servers(self) -> None:
+        """Before the servers launch (on GPUs; every rank, so every rank stops with the same error): each colocated
+        server's GPUs lie in one pipeline stage, and a rank whose GPU hosts no server moves nothing in the turns."""
+        if not (self.colocated and self.on_gpu):
+            return
+        r, pipeline = self.config.rollout, self.config.parallel.pipeline
+        visible_gpus = torch.cuda.device_count()
+        ranges = colocated_gpu_ranges(r.sglang, trainer_local_ranks=local_world_size(), visible_gpus=visible_gpus)
+        ranks_per_stage = torch.distributed.get_world_size() // pipeline
+        require_one_stage_per_server(r.sglang, ranges, ranks_per_stage=ranks_per_stage, pipeline=pipeline)
+        here = launch_env()
+        self.shares_a_server_gpu = rank_shares_a_server_gpu(ranges, global_rank=here.rank, local_rank=here.local_rank,
+                                                            visible_gpus=visible_gpus)
 
     @contextmanager
     def generating(self) -> Iterator[None]:
@@ -53,6 +90,8 @@ class Colocation:
         if not self.colocated:
             yield
             return
+        if self.offload_gradients:
+            self.model.offload_grad_buffers()
         if self.offload_optimizer:
             self.optimizer.offload_to_cpu()
         self._return_cached_blocks()
@@ -61,6 +100,8 @@ class Colocation:
         self._engine_turn("after_generation", "colocated servers releasing their KV cache")
         if self.offload_optimizer:
             self.optimizer.restore_from_cpu()
+        if self.offload_gradients:
+            self.model.restore_grad_buffers()
 
     def before_policy_update(self) -> None:
         if self.colocated:

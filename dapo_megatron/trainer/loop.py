@@ -1,35 +1,6 @@
-"""The DAPO training loop: :meth:`DAPOTrainer.train_step` is one step of the paper's algorithm, top to bottom.
-
-Every rank runs the trainer. Global rank 0 also drives the rollout engine (the embedded engine lives in its process;
-SGLang servers are called from it); the other ranks wait for its batch in a broadcast. One step:
-
-1. sample a batch of prompts (:mod:`dapo_megatron.data.sampler`), on rank 0;
-2. generate G responses per prompt (:mod:`dapo_megatron.rollout`);
-3. reward them: exact-match ±1 (:mod:`dapo_megatron.reward.rule`) or your reward (:mod:`dapo_megatron.reward`),
-   plus the soft overlong punishment (``reward/overlong.py``) and, when on, the soft format bonus;
-4. filter and buffer: keep groups with mixed outcomes until the batch is full or the generation-round cap is hit
-   (:mod:`dapo_megatron.algorithm.dynamic_sampling`; 1–4 are :mod:`.rollout_collector`); the batch goes to every rank
-   as packed tensors (:mod:`.rollout_batch`);
-5. group-normalized advantages, overlong-filtering masks (:mod:`dapo_megatron.algorithm.advantages`);
-6. π_old's log-probs of the sampled tokens, recomputed by the policy, forward only — except for the first
-   mini-batch's samples of the current weights, whose π_old the first update's own forward gives; then the rollout
-   correction of tokens the policy did not sample itself — importance-weighted, masked, or (sync
-   ``surplus_policy: keep``) trained as they are (:mod:`dapo_megatron.algorithm.rollout_correction`);
-7. ``train_batch_size / mini_batch_size`` optimizer updates on shuffled mini-batches with the DAPO loss
-   (:meth:`dapo_megatron.policy.actor.Actor.train_minibatch`, :mod:`dapo_megatron.algorithm.loss`);
-   5–7 are one stage, :class:`.policy_update.PolicyUpdate`;
-8. the new weights go to the engine (Megatron shards → HF tensors → ``engine.update_weights``; :mod:`.weight_sync`);
-9. validation on schedule, metrics (TensorBoard + metrics.jsonl; :mod:`.step_metrics`), a checkpoint on schedule.
-
-The trainer starts from an HF folder (:mod:`.model_source`); making the CPU demo's model is a step of its own
-(:mod:`dapo_megatron.tiny_model`).
-
-``rollout.mode: async`` changes only where steps 1–4 come from: :mod:`.async_collector` generates in a background
-thread during the other steps, so ``collect`` mostly hands over groups sampled by the previous weights; the weight
-version is the policy's step count, and staleness is counted against it (:mod:`dapo_megatron.algorithm.staleness`).
-
-``rollout.placement: colocated`` puts the SGLang servers on the trainer's GPUs: generation, the update and the handoff
-then take turns with the servers' memory (:mod:`.colocation`).
+"""The DAPO training loop: :meth:`DAPOTrainer.train_step` is one step of the paper's algorithm, top to bottom, on
+every rank (global rank 0 also drives the rollout engine). Which folder and module each stage lives in: the step map,
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -47,7 +18,7 @@ from dapo_megatron import checkpoint as ckpt
 from dapo_megatron.checkpoint.verify import non_finite_weights, set_aside
 from dapo_megatron.backend import Backend
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.platform import seed_everything
+from dapo_megatron.backend.platform import seed_everything
 from dapo_megatron.policy.actor import build_actor
 from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 from dapo_megatron.rank_zero import run_on_rank0, waiting_group
@@ -105,7 +76,8 @@ class DAPOTrainer:
         self.spec = load_model_spec(self.model_dir)
         c = config
         self.actor = build_actor(self.spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim,
-                                 algorithm=c.algorithm, micro_batch_tokens=c.trainer.micro_batch_tokens,
+                                 routing_replay=c.algorithm.moe_routing_replay == "replay_old",
+                                 micro_batch_tokens=c.trainer.micro_batch_tokens,
                                  temperature=c.rollout.temperature)
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
         self.actor.optimizer.reload_model_params()
@@ -118,7 +90,9 @@ class DAPOTrainer:
         self.collector = None
         self.reward: RewardScorer | None = None
         self.eval_prompts: tuple = ()
-        self.colocation = Colocation(config, self.actor.optimizer, lambda: self.engine, device_type=backend.device_type)
+        self.colocation = Colocation(config, self.actor.optimizer, lambda: self.engine, device_type=backend.device_type,
+                                     model=self.actor.model)
+        self.colocation.locate_servers()
         with self.colocation.generating():
             run_on_rank0(self._start_rollout_side, what="starting the rollout side", broadcast_result=False)
 

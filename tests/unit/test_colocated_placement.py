@@ -24,6 +24,8 @@ from dapo_megatron.rollout.placement import (
     ServerMemoryError,
     check_attached_server,
     colocated_gpu_ranges,
+    rank_shares_a_server_gpu,
+    require_one_stage_per_server,
     uses_memory_saver,
 )
 from dapo_megatron.rollout.sglang.client import SGLangServerError
@@ -78,6 +80,19 @@ def test_a_colocated_server_beyond_the_trainers_gpus_is_refused():
                                           r"from GPU 0 reach GPU 5, and the trainer's 4 rank\(s\) on this node use "
                                           r"GPUs 0\.\.3"):
         colocated_gpu_ranges(config, trainer_local_ranks=4, visible_gpus=8)
+
+
+def test_a_colocated_server_spanning_two_pipeline_stages_is_refused():
+    # 8 GPUs, TP 2 x DP 2 x PP 2: GPUs 0-3 hold stage 0, GPUs 4-7 stage 1
+    wide = SGLangConfig(num_servers=2, tp_per_server=4, base_gpu_id=2, transport="tensor")
+    with pytest.raises(ConfigError, match=r"SGLang server 0 \(rollout\.sglang\.tp_per_server=4\) spans GPUs 2\.\.5, "
+                                          r"which hold pipeline stages 0\.\.1"):
+        require_one_stage_per_server(wide, [range(2, 6)], ranks_per_stage=4, pipeline=2)
+    # controls: the same servers from GPU 0 lie within a stage each; and without pipeline stages nothing differs
+    aligned = SGLangConfig(num_servers=2, tp_per_server=4, transport="tensor")
+    ranges = colocated_gpu_ranges(aligned, trainer_local_ranks=8, visible_gpus=8)
+    require_one_stage_per_server(aligned, ranges, ranks_per_stage=4, pipeline=2)
+    require_one_stage_per_server(wide, [range(2, 6)], ranks_per_stage=8, pipeline=1)
 
 
 def test_the_memory_saver_is_for_colocated_servers_on_gpus():
@@ -185,13 +200,30 @@ def test_the_trainer_moves_its_optimizer_out_before_the_servers_take_memory_and_
     log: list[str] = []
     engine = _Recorder(log, "engine")
     colocation = Colocation(load_config(None, COLOCATED + ["rollout.offload_optimizer=true"]), _Recorder(log, "opt"),
-                            lambda: engine, device_type="cuda")
+                            lambda: engine, device_type="cuda", model=_Recorder(log, "ddp"))
     with colocation.generating():
         log.append("generate")
     colocation.before_policy_update()
     log.append("update")
-    assert log == ["opt.offload_to_cpu", "engine.before_generation", "generate", "engine.after_generation",
-                   "opt.restore_from_cpu", "engine.before_policy_update", "update"]
+    assert log == ["ddp.offload_grad_buffers", "opt.offload_to_cpu", "engine.before_generation", "generate",
+                   "engine.after_generation", "opt.restore_from_cpu", "ddp.restore_grad_buffers",
+                   "engine.before_policy_update", "update"]
+
+
+def test_a_rank_whose_gpu_hosts_no_server_moves_nothing():
+    # 8 GPUs a node, two servers of TP 2 on GPUs 0-3 of rank 0's node
+    ranges = [range(0, 2), range(2, 4)]
+    assert rank_shares_a_server_gpu(ranges, global_rank=3, local_rank=3, visible_gpus=8)
+    assert not rank_shares_a_server_gpu(ranges, global_rank=5, local_rank=5, visible_gpus=8)  # GPU 5: no server
+    assert not rank_shares_a_server_gpu(ranges, global_rank=11, local_rank=3, visible_gpus=8)  # another node
+    assert rank_shares_a_server_gpu(ranges, global_rank=0, local_rank=0, visible_gpus=1)  # SLURM: one GPU bound
+    log: list[str] = []
+    elsewhere = Colocation(load_config(None, COLOCATED + ["rollout.offload_optimizer=true"]), _Recorder(log, "opt"),
+                           lambda: _Recorder(log, "engine"), device_type="cuda", model=_Recorder(log, "ddp"))
+    elsewhere.shares_a_server_gpu = False  # what locate_servers() sets on such a rank
+    with elsewhere.generating():
+        pass
+    assert log == ["engine.before_generation", "engine.after_generation"]  # the servers' turns still run
 
 
 def test_separate_placement_and_cpu_move_nothing():

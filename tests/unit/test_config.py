@@ -1,10 +1,31 @@
 """The config schema: paper defaults, YAML + dotted overrides, errors that name the key, the examples load."""
 
+import dataclasses
+import math
+import re
 from pathlib import Path
 
 import pytest
 
-from dapo_megatron.config import ConfigError, DAPOConfig, load_config, save_config
+from dapo_megatron.config import (
+    AlgorithmConfig,
+    ConfigError,
+    DAPOConfig,
+    DataConfig,
+    EvalConfig,
+    FormatRewardConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    ParallelConfig,
+    RewardConfig,
+    RolloutConfig,
+    SGLangConfig,
+    TrainerConfig,
+    WarmStartConfig,
+    load_config,
+    save_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL = ["model.hf_path=/models/x", "data.train_files=[a.parquet]"]
@@ -145,3 +166,68 @@ def test_base_chain_loop_is_an_error(tmp_path):
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     with pytest.raises(ConfigError, match="loops"):
         load_config(tmp_path / "a.yaml")
+
+
+# One bad value per section of DAPOConfig, each caught by that section's own check: (the section as it must be for a
+# run to start, the section with the bad value, the message). Nested sections are reached through their parent.
+SECTION_CASES = {
+    "model": (ModelConfig(hf_path="/m"), ModelConfig(hf_path="/m", moe=MoEConfig(aux_loss_coeff=-0.5)),
+              "model.moe.aux_loss_coeff: must be >= 0, got -0.5"),
+    "parallel": (ParallelConfig(), ParallelConfig(expert=0), "parallel.expert: must be >= 1, got 0"),
+    "data": (DataConfig(train_files=["a"]), DataConfig(train_files=["a"], max_prompt_length=0),
+             "data.max_prompt_length: must be >= 1, got 0"),
+    "rollout": (RolloutConfig(), RolloutConfig(sglang=SGLangConfig(tp_per_server=0)),
+                "rollout.sglang.tp_per_server: must be >= 1"),
+    "algorithm": (AlgorithmConfig(), AlgorithmConfig(eps_low=1.5), "algorithm.eps_low: must be in [0, 1), got 1.5"),
+    "reward": (RewardConfig(), RewardConfig(format=FormatRewardConfig(pattern="(")),
+               "reward.format.pattern: not a regular expression"),
+    "optim": (OptimConfig(), OptimConfig(lr=math.inf), "optim.lr: must be a finite number, got inf"),
+    "warm_start": (WarmStartConfig(), WarmStartConfig(stop_at_accuracy=math.nan),
+                   "warm_start.stop_at_accuracy: must be a finite number, got nan"),
+    "trainer": (TrainerConfig(), TrainerConfig(mini_batch_size=5),
+                "trainer.mini_batch_size: must divide trainer.train_batch_size (512), got 5"),
+    "eval": (EvalConfig(), EvalConfig(log_generations=-1), "eval.log_generations: must be >= 0"),
+}
+
+
+def _runnable() -> DAPOConfig:
+    return DAPOConfig(**{name: good for name, (good, _, _) in SECTION_CASES.items()})
+
+
+@pytest.mark.parametrize("name", sorted(SECTION_CASES))
+def test_each_section_checks_itself_and_names_the_full_key(name):
+    good, bad, message = SECTION_CASES[name]
+    good.validate()  # control: the same section without the bad value passes its own check
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        bad.validate()
+
+
+@pytest.mark.parametrize("name", sorted(SECTION_CASES))
+def test_the_whole_config_runs_every_sections_check(name):
+    _, bad, message = SECTION_CASES[name]
+    assert _runnable().validate() is not None  # control: every good section together passes
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        dataclasses.replace(_runnable(), **{name: bad}).validate()
+
+
+def test_every_section_has_a_check_and_a_case_above():
+    """A section added to DAPOConfig without a ``validate`` of its own (or without a bad value tried above) fails
+    here rather than going unchecked."""
+    sections = {item.name: item for item in dataclasses.fields(DAPOConfig)}
+    assert set(SECTION_CASES) == set(sections)
+    for name, item in sections.items():
+        assert callable(getattr(item.default_factory, "validate", None)), f"{name} has no validate()"
+
+
+def test_cross_section_rules_are_the_whole_configs():
+    """overlong_buffer_len is bounded by rollout.max_response_length: the algorithm section alone cannot know it."""
+    algorithm = AlgorithmConfig(overlong_buffer_len=30_000)
+    algorithm.validate()
+    with pytest.raises(ConfigError, match="^algorithm.overlong_buffer_len: must be in "
+                                          r"\(0, rollout.max_response_length=20480\], got 30000"):
+        dataclasses.replace(_runnable(), algorithm=algorithm).validate()
+    dataclasses.replace(_runnable(), algorithm=algorithm, rollout=RolloutConfig(max_response_length=30_000)).validate()
+    with pytest.raises(ConfigError, match="^warm_start.enabled: needs reference solutions"):
+        dataclasses.replace(_runnable(), warm_start=WarmStartConfig(enabled=True)).validate()
+    dataclasses.replace(_runnable(), warm_start=WarmStartConfig(enabled=True),
+                        data=DataConfig(source="synthetic")).validate()  # control

@@ -172,20 +172,20 @@ def test_config_schema_has_the_new_keys():
 
 @pytest.mark.parametrize("local_rank, count, expected", [(0, 8, 0), (5, 8, 5), (9, 8, 1), (5, 1, 0), (3, 2, 1)])
 def test_device_is_local_rank_modulo_visible_gpus(local_rank, count, expected):
-    from dapo_megatron.platform import cuda_device_index
+    from dapo_megatron.backend.platform import cuda_device_index
 
     assert cuda_device_index(local_rank, count) == expected
 
 
 def test_no_visible_gpu_is_an_error():
-    from dapo_megatron.platform import LaunchError, cuda_device_index
+    from dapo_megatron.backend.platform import LaunchError, cuda_device_index
 
     with pytest.raises(LaunchError, match="no visible GPU"):
         cuda_device_index(0, 0)
 
 
 def test_cuda_device_max_connections_only_on_gpu_with_tp():
-    from dapo_megatron.platform import apply_cuda_connections, cuda_connections_setting
+    from dapo_megatron.backend.platform import apply_cuda_connections, cuda_connections_setting
 
     assert cuda_connections_setting(2, cuda_available=True) == "1"
     assert cuda_connections_setting(1, cuda_available=True) is None
@@ -227,3 +227,137 @@ def test_embedded_engine_takes_one_stream_on_rank0():
     assert engine.stage_stream_receiver() is None
     with pytest.raises(NotImplementedError):
         engine.commit_stage_streams(1)
+
+
+# ---------------------------------------------------- MoE at TP > 1 trains only with sequence parallelism
+
+
+def test_moe_training_at_tp_above_one_without_sequence_parallelism_is_refused_up_front():
+    import inspect
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from dapo_megatron.policy.model import require_sequence_parallel_for_moe_training
+    from dapo_megatron.policy.model_spec import MoESpec, ParallelLayoutError
+
+    # the upstream refusal this guards against is still there (when it goes, so can the guard)
+    assert "without also enabling sequence parallelism" in inspect.getsource(MoELayer.forward)
+    moe = spec(arch="qwen3_moe", moe=MoESpec(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=True))
+    with pytest.raises(ParallelLayoutError, match=r"parallel\.tensor=2 only with sequence parallelism.*"
+                                                  r"parallel\.sequence_parallel is false"):
+        require_sequence_parallel_for_moe_training(moe, tensor_parallel=2, sequence_parallel=False,
+                                                   use_transformer_engine=True)
+    with pytest.raises(ParallelLayoutError, match="megatron's local layers"):
+        require_sequence_parallel_for_moe_training(moe, tensor_parallel=2, sequence_parallel=False,
+                                                   use_transformer_engine=False)
+    # controls: with sequence parallelism, at TP 1, or for a dense model nothing is refused
+    require_sequence_parallel_for_moe_training(moe, tensor_parallel=2, sequence_parallel=True,
+                                               use_transformer_engine=True)
+    require_sequence_parallel_for_moe_training(moe, tensor_parallel=1, sequence_parallel=False,
+                                               use_transformer_engine=False)
+    require_sequence_parallel_for_moe_training(spec(), tensor_parallel=2, sequence_parallel=False,
+                                               use_transformer_engine=False)
+
+
+# ---------------------------------------------------- the model stage is moved to the GPU before it is wrapped
+
+
+def test_a_cuda_model_stage_goes_to_the_current_gpu_and_a_stray_parameter_is_named():
+    from dapo_megatron.policy.model import model_device, place_on_device
+
+    assert model_device("cuda") == torch.device("cuda") and model_device("cpu") == torch.device("cpu")
+    # what megatron leaves on the CPU on a GPU run (the router's weight, a torch norm) is moved with the rest
+    stage = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    assert place_on_device(stage, torch.device("cpu")) is stage
+    meta = torch.device("meta")  # a device this machine has, standing in for the GPU the check must see through to
+    place_on_device(stage, meta)
+    assert {parameter.device for parameter in stage.parameters()} == {meta}
+
+    class Pinned(torch.nn.Module):
+        """A module whose parameter refuses to move (``_apply`` kept from touching it), as a stray one would stay."""
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(2))
+
+        def _apply(self, fn, recurse=True):
+            return self
+
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\) are not on meta .*1\.weight \(cpu\)"):
+        place_on_device(torch.nn.Sequential(torch.nn.Linear(2, 2), Pinned()), meta)
+
+
+def _build_on(device_type_or_device):
+    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.policy.model import build_model, transformer_config
+
+    backend = init_distributed(1, 1).backend
+    tiny = spec(num_layers=2)
+    return build_model(tiny, transformer_config(tiny, backend, tensor_parallel=1, pipeline_parallel=1), backend,
+                       device=device_type_or_device)
+
+
+def _build_devices():
+    return {"on the backend's device": {str(parameter.device) for parameter in _build_on(None).parameters()},
+            "on meta": {str(parameter.device) for parameter in _build_on(torch.device("meta")).parameters()}}
+
+
+def test_build_model_places_every_parameter_on_the_device_it_is_given():
+    from spawn_ranks import run_distributed
+
+    # one gloo rank; "meta" stands in for the GPU: a stage built on the CPU must end up there whole
+    (placed,) = run_distributed(_build_devices, 1)
+    assert placed == {"on the backend's device": {"cpu"}, "on meta": {"meta"}}
+
+
+def test_moe_token_permutation_is_fused_with_transformer_engine_only():
+    from dapo_megatron.policy.model import moe_arguments
+    from dapo_megatron.policy.model_spec import MoESpec
+
+    moe = spec(arch="qwen3_moe", moe=MoESpec(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=True))
+    arguments = dict(expert_parallel=1, aux_loss_coeff=0.0, routing_replay=False)
+    assert moe_arguments(moe, use_transformer_engine=True, **arguments)["moe_permute_fusion"] is True
+    assert moe_arguments(moe, use_transformer_engine=False, **arguments)["moe_permute_fusion"] is False
+
+
+# ---------------------------------------------------- a Transformer Engine whose PyTorch layers do not import
+
+
+@pytest.fixture
+def broken_transformer_engine(tmp_path, monkeypatch):
+    """A ``transformer_engine`` meta package that imports while its ``pytorch`` extension does not (as the real one
+    does when, e.g., cuDNN is missing: the meta package swallows that error)."""
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("try:\n    from . import pytorch\nexcept ImportError:\n    pass\n")
+    (package / "pytorch.py").write_text("raise ImportError('libcudnn.so.9: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sys
+
+    yield
+    for name in [name for name in sys.modules if name.split(".")[0] == "transformer_engine"]:
+        del sys.modules[name]
+
+
+def test_a_broken_transformer_engine_is_not_taken_for_a_working_one(broken_transformer_engine, caplog):
+    import importlib.util
+    import logging
+
+    from dapo_megatron.backend.cuda import CudaLocalBackend
+    from dapo_megatron.backend.select import select_backend, transformer_engine_problem
+    from dapo_megatron.config import ConfigError
+
+    assert importlib.util.find_spec("transformer_engine") is not None  # what the old check looked at: "installed"
+    problem = transformer_engine_problem()
+    assert "transformer_engine.pytorch does not import" in problem and "libcudnn.so.9" in problem
+    with pytest.raises(ConfigError, match=r"model.kernels=transformer_engine needs Transformer Engine on CUDA, and "
+                                          r"transformer_engine.pytorch does not import .*libcudnn"):
+        select_backend("transformer_engine", cuda_available=True)
+    with caplog.at_level(logging.WARNING, logger="dapo_megatron.backend.select"):
+        fallback = select_backend("auto", cuda_available=True)
+    assert isinstance(fallback, CudaLocalBackend) and "libcudnn.so.9" in caplog.text
+
+
+def test_a_missing_transformer_engine_is_named_as_missing():
+    from dapo_megatron.backend.select import transformer_engine_problem
+
+    assert "is not installed" in transformer_engine_problem()  # this machine has none (control for the test above)

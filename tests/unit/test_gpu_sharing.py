@@ -10,9 +10,11 @@ from dapo_megatron.config import load_config
 from dapo_megatron.policy.gpu_sharing import (
     GB,
     MIB,
+    handoff_buckets_on_gpu,
     SERVER_CONTEXT_BYTES,
     kv_bytes_per_token,
     model_parameters,
+    sglang_cuda_graph_bytes,
     sglang_runtime_reserve_bytes,
     shared_gpus,
     sharing_report,
@@ -65,7 +67,7 @@ def _shared(overrides: list[str]):
 
 def test_the_server_takes_its_fraction_of_what_is_free_when_it_starts():
     config, model, (stage,), (gpu,) = _shared(["rollout.offload_optimizer=true"])
-    trainer_generating = stage.params_bytes + stage.grads_bytes + FIXED_MARGIN_BYTES  # optimizer state on host
+    trainer_generating = stage.params_bytes + FIXED_MARGIN_BYTES  # gradient buffers freed, optimizer state on host
     static = int(0.6 * (80 * GB - SERVER_CONTEXT_BYTES - trainer_generating))
     weights = model_parameters(model) * 2
     assert gpu.generation == (trainer_generating, SERVER_CONTEXT_BYTES + static + sglang_runtime_reserve_bytes(
@@ -74,8 +76,53 @@ def test_the_server_takes_its_fraction_of_what_is_free_when_it_starts():
     assert gpu.kv_cache_tokens == (static - weights) // (2 * 28 * 2 * 128 * 2)
     assert gpu.training == (stage.total_bytes, SERVER_CONTEXT_BYTES)  # the server released all but its context
     bucket = max(512 * MIB, model.vocab_size * model.hidden_size * 2)  # a bucket, or the embedding alone
-    assert gpu.handoff == (trainer_generating + stage.optimizer_bytes + bucket, SERVER_CONTEXT_BYTES + weights)
+    # tensor transport: the IPC window's 2 buckets, the one being sent and the next one gathered
+    assert handoff_buckets_on_gpu("tensor") == 4 and handoff_buckets_on_gpu("disk") == 2
+    trainer_resident = trainer_generating + stage.grads_bytes  # the gradient buffers are back for the update
+    assert gpu.handoff == (trainer_resident + stage.optimizer_bytes + 4 * bucket, SERVER_CONTEXT_BYTES + weights)
     assert gpu.fits(80 * GB)
+
+
+def test_cuda_graphs_the_server_keeps_are_counted_in_the_training_and_handoff_turns(monkeypatch):
+    config, model, stages, (released,) = _shared([])
+    (kept,) = shared_gpus(config, model, stages, data_parallel=1, gpu_memory_gb=80, cuda_graphs_released=False)
+    graphs = sglang_cuda_graph_bytes(80 * GB, 1)
+    assert graphs == 2 * 256 * MIB  # SGLang 0.5.23's decode graph batch on an 80 GB GPU at TP 1
+    assert kept.training[1] - released.training[1] == graphs and kept.handoff[1] - released.handoff[1] == graphs
+    assert kept.generation == released.generation  # the graphs are in the runtime reserve while generating either way
+    monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "0")  # plan reads what the launched servers will get
+    lines, _ = sharing_report(config, model, stages, data_parallel=1, gpu_memory_gb=80)
+    assert "CUDA graphs resident in every turn" in lines[0]
+    monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH")
+    lines, _ = sharing_report(config, model, stages, data_parallel=1, gpu_memory_gb=80)
+    assert "CUDA graphs released with the rest" in lines[0]
+
+
+def test_a_moe_server_serves_its_experts_and_their_adam_moments_divide_by_dp_over_ep():
+    from dapo_megatron.policy.memory import moe_layer_parameters
+
+    moe = spec("Qwen3-30B-A3B")
+    experts = moe.num_layers * moe_layer_parameters(moe, 1, 1)
+    assert experts > 28e9  # Qwen3-30B-A3B: 128 experts x 48 layers of 3 x 768 x 2048
+    assert model_parameters(moe) == pytest.approx(30.5e9, rel=0.01)  # the published 30.5B, experts included
+    config = load_config(None, ["model.source=hf", "model.hf_path=/nowhere/Qwen3-30B-A3B", "data.source=synthetic",
+                                "rollout.engine=sglang", "rollout.placement=colocated",
+                                "rollout.sglang.transport=tensor", "rollout.sglang.mem_fraction_static=0.5",
+                                "rollout.sglang.tp_per_server=2", "parallel.tensor=2", "parallel.expert=4",
+                                "parallel.use_distributed_optimizer=true", "trainer.micro_batch_tokens=4096"])
+    stages, _ = plan_stages(config, moe, data_parallel=4)
+    (stage,) = stages
+    assert 0 < stage.expert_parameters < stage.parameters
+    (gpu,) = shared_gpus(config, moe, stages, data_parallel=4, gpu_memory_gb=141)
+    dense_moments = (stage.parameters - stage.expert_parameters) * 8 / 4
+    expert_moments = stage.expert_parameters * 8 / (4 // 4)  # the experts' DP group: DP / EP = 1 rank
+    main_params = stage.optimizer_bytes - int(dense_moments + expert_moments)
+    # a generation turn without offload holds the whole optimizer state; the launch held only the main parameters;
+    # both without the gradient buffers
+    resident = stage.params_bytes + FIXED_MARGIN_BYTES
+    free_at_launch = 141 * GB - SERVER_CONTEXT_BYTES - resident - main_params
+    assert gpu.generation[1] == SERVER_CONTEXT_BYTES + int(0.5 * free_at_launch) + sglang_runtime_reserve_bytes(
+        141 * GB, 2)
 
 
 def test_without_the_offload_adams_moments_eat_the_servers_runtime_share():

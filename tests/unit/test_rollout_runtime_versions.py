@@ -1,6 +1,7 @@
-"""The torch/NCCL check before the distributed weight-update group forms (dapo_megatron/rollout/sglang/runtime_versions.py)."""
+"""The torch/NCCL check before the distributed weight-update group forms (rollout/sglang/runtime_versions.py)."""
 
 import stat
+import subprocess
 import sys
 
 import pytest
@@ -33,10 +34,74 @@ def fake_python(tmp_path, stdout: str, exit_code: int = 0):
 def test_local_report_is_this_torch():
     versions = local_versions()
     assert versions.torch == torch.__version__
-    if torch.distributed.is_nccl_available():
-        assert versions.nccl == ".".join(map(str, torch.cuda.nccl.version()))
-    else:
+    if not torch.distributed.is_nccl_available():
         assert versions.nccl is None
+
+
+FAKE_TORCH = """
+__version__ = "2.14.1+cu130"
+class distributed:
+    is_available = staticmethod(lambda: True)
+    is_nccl_available = staticmethod(lambda: True)
+class cuda:
+    class nccl:
+        version = staticmethod(lambda: (2, 29, 7))  # what the wheel was compiled against
+"""
+
+
+@pytest.fixture
+def nccl_torch(tmp_path, monkeypatch):
+    """A server interpreter whose torch says it was compiled against NCCL 2.29.7 (a stand-in ``torch`` package on
+    PYTHONPATH: the probe needs nothing of torch but these names). Returns a function that makes the process load a
+    real shared library answering ``ncclGetVersion`` with ``code`` (built here with the C compiler, preloaded)."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+    def load_nccl(code: int):
+        source = tmp_path / "nccl.c"
+        source.write_text(f"int ncclGetVersion(int *version) {{ *version = {code}; return 0; }}\n")
+        library = tmp_path / "libnccl.so.2"
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+        monkeypatch.setenv("LD_PRELOAD", str(library))
+        return library
+
+    def install_distribution(name: str, version: str):
+        info = tmp_path / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+    return load_nccl, install_distribution
+
+
+def test_the_loaded_nccl_is_reported_not_the_one_torch_was_compiled_with(nccl_torch):
+    load_nccl, install_distribution = nccl_torch
+    install_distribution("nvidia-nccl-cu13", "2.28.9")  # the loaded library wins over the package metadata too
+    library = load_nccl(23007)
+    versions = python_versions(sys.executable)
+    assert versions.nccl == "2.30.7" and versions.nccl_source == str(library)
+    assert "2.30.7" in versions.describe() and str(library) in versions.describe()
+    # the trainer on the compiled-in 2.29.7 is refused against it: the mismatch the compile-time number hid
+    with pytest.raises(RuntimeMismatchError, match="NCCL 2.29.7.*NCCL 2.30.7"):
+        require_same_runtime(RuntimeVersions("2.14.1+cu130", "2.29.7"), versions, server_python="p", backend="nccl")
+
+
+def test_without_a_loaded_library_the_installed_nccl_distribution_is_reported(nccl_torch):
+    _, install_distribution = nccl_torch
+    install_distribution("nvidia-nccl-cu13", "2.30.7")
+    versions = python_versions(sys.executable)
+    assert (versions.nccl, versions.nccl_source) == ("2.30.7", "the installed nvidia-nccl-cu13")
+
+
+def test_the_compiled_in_nccl_is_the_last_resort_and_says_so(nccl_torch):
+    versions = python_versions(sys.executable)  # control for the two above: nothing loaded, nothing installed
+    assert (versions.nccl, versions.nccl_source) == ("2.29.7", "torch's compile-time NCCL")
+
+
+def test_old_nccl_version_codes_decode_too(nccl_torch):
+    load_nccl, _ = nccl_torch
+    load_nccl(2804)  # NCCL_VERSION(2, 8, 4) before 2.9 was X*1000 + Y*100 + Z
+    assert python_versions(sys.executable).nccl == "2.8.4"
 
 
 def test_subprocess_report_of_this_interpreter_equals_the_local_one():

@@ -21,7 +21,12 @@ from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang.client import SGLangServerError
 from dapo_megatron.rollout.sglang.gpus import nccl_carries_weights, server_gpu_ranges, trainer_nccl_env
 from dapo_megatron.rollout.sglang.pool import ServerPool
-from dapo_megatron.rollout.sglang.server import SGLangServerProcess, served_dtype
+from dapo_megatron.rollout.sglang.server import (
+    MEMORY_SAVER_CUDA_GRAPH_ENV,
+    SGLangServerProcess,
+    cuda_graphs_released,
+    served_dtype,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -161,18 +166,18 @@ def test_nccl_cumem_is_turned_off_in_the_trainer_only_when_nccl_carries_weights(
 
 
 def test_the_cli_sets_it_before_the_process_groups_exist(monkeypatch):
-    from dapo_megatron import cli, platform
+    from dapo_megatron.commands import process_layout
 
     seen = {}
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(platform, "init_distributed",
+    monkeypatch.setattr(process_layout, "init_distributed",
                         lambda *a, **k: seen.setdefault("env", os.environ.get("NCCL_CUMEM_ENABLE")))
-    cli._init_distributed(_run_config("sglang", "distributed"))
+    process_layout.init_process_layout(_run_config("sglang", "distributed"))
     assert seen["env"] == "0"
     monkeypatch.delenv("NCCL_CUMEM_ENABLE")
     seen.clear()
-    cli._init_distributed(_run_config("sglang", "disk"))  # control: nothing set without NCCL weights
+    process_layout.init_process_layout(_run_config("sglang", "disk"))  # control: nothing set without NCCL weights
     assert seen["env"] is None
 
 
@@ -187,6 +192,22 @@ def test_servers_get_it_in_their_launch_environment(tmp_path, monkeypatch):
     assert environment("distributed", "cuda")["NCCL_CUMEM_ENABLE"] == "0"
     assert environment("tensor", "cuda")["NCCL_CUMEM_ENABLE"] == "1"  # control: left alone without NCCL weights
     assert environment("distributed", "cpu")["NCCL_CUMEM_ENABLE"] == "1"
+
+
+def test_memory_saver_servers_put_their_cuda_graphs_in_a_released_region(tmp_path, monkeypatch):
+    monkeypatch.delenv(MEMORY_SAVER_CUDA_GRAPH_ENV, raising=False)
+
+    def environment(memory_saver: bool) -> dict[str, str]:
+        return SGLangServerProcess(SGLangConfig(transport="tensor"), model_path=tmp_path, index=0, run_dir=tmp_path,
+                                   weight_version="0", device="cuda", gpus=range(0, 1),
+                                   memory_saver=memory_saver).environment()
+
+    assert environment(True)[MEMORY_SAVER_CUDA_GRAPH_ENV] == "1"
+    assert MEMORY_SAVER_CUDA_GRAPH_ENV not in environment(False)  # control: a separate server keeps SGLang's default
+    assert cuda_graphs_released(environment(True)) and cuda_graphs_released({})
+    monkeypatch.setenv(MEMORY_SAVER_CUDA_GRAPH_ENV, "0")  # the user's own choice is kept, and plan counts the graphs
+    assert environment(True)[MEMORY_SAVER_CUDA_GRAPH_ENV] == "0"
+    assert not cuda_graphs_released(environment(True))
 
 
 # --------------------------------------------------------------- requests in flight (issue 26, item 7)

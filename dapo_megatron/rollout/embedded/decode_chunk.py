@@ -1,9 +1,9 @@
 """One chunk of the embedded engine's rows being decoded, one named step per job.
 
-The engine (:meth:`dapo_megatron.rollout.embedded.engine.EmbeddedEngine._decode_chunk`) runs the steps in this order, each
+The engine (:meth:`.engine.EmbeddedEngine._decode_chunk`) runs the steps in this order, each
 decode step inside its weight gate:
 
-1. :meth:`DecodingChunk.prefill` — the prompts (layout, masks and cache: :mod:`dapo_megatron.rollout.embedded.decode_batch`);
+1. :meth:`DecodingChunk.prefill` — the prompts (layout, masks and cache: :mod:`.decode_batch`);
 2. then per step ``t``: :meth:`~DecodingChunk.stop_aborted_rows` (streaming: rows whose request was aborted end
    with the tokens they have), :meth:`~DecodingChunk.re_prefill` when the weights changed since the last step,
    :meth:`~DecodingChunk.sample`, :meth:`~DecodingChunk.stop_at_stop_tokens`,
@@ -30,7 +30,7 @@ from dapo_megatron.rollout.sampling import TokenSampler, per_sample_uniforms
 
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Cache], torch.Tensor]
 """``(tokens [B], key mask [B, 1, 1, S], positions [B, 1], cache) -> next logits [B, V]``
-(:class:`dapo_megatron.rollout.embedded.lean_decode.LeanDecoder`)."""
+(:class:`.lean_decode.LeanDecoder`)."""
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,16 @@ Generation (:meth:`EmbeddedEngine.generate`) is a custom decode loop rather than
 
 * every sample of a call is one row (all ``n`` copies of a prompt included); rows are sorted by prompt length and
   cut into chunks bounded by a row count and a KV-cache byte budget;
-* a chunk is left-padded, masked and cached as :mod:`dapo_megatron.rollout.embedded.decode_batch` describes (positions that
+* a chunk is left-padded, masked and cached as :mod:`.decode_batch` describes (positions that
   ignore the padding, masks that keep pad slots finite, a KV cache preallocated for the whole decode);
 * the prompt goes through the HF model, once per distinct prompt (its ``n`` rows copy the cache and logits); every
-  decode step after it through :mod:`dapo_megatron.rollout.embedded.lean_decode` (dense models: the model's operations
+  decode step after it through :mod:`.lean_decode` (dense models: the model's operations
   without transformers' per-call machinery, and an attention written for one query per row; logits equal up to
   rounding; mixture-of-experts models: the model's own forward);
 * a row finishes on a stop token (kept in its ``token_ids``, reason ``"stop"``) or after ``max_new_tokens``
   (``"length"``); finished rows are dropped from the batch once they are a large enough share of it, which
   shrinks every later forward at the cost of one copy of the cache. The steps of one chunk's decode:
-  :mod:`dapo_megatron.rollout.embedded.decode_chunk`.
+  :mod:`.decode_chunk`.
 
 How it batches (rows per chunk, the KV-cache budget, when finished rows leave) is the run config's
 ``rollout.embedded`` section (:class:`dapo_megatron.config.EmbeddedConfig`).
@@ -27,8 +27,8 @@ Log-probs and the sampling rule are documented in :mod:`dapo_megatron.rollout.sa
 ``T == 0``, i.e. greedy).
 
 Streaming (:meth:`EmbeddedEngine.submit` / ``poll`` / ``abort``) runs the same decode loop in a background thread
-(:mod:`dapo_megatron.rollout.embedded.stream`); a weight update waits for the decode step in progress
-(:mod:`dapo_megatron.rollout.embedded.weight_gate`), and the loops re-prefill with the new weights before their next step
+(:mod:`.stream`); a weight update waits for the decode step in progress
+(:mod:`.weight_gate`), and the loops re-prefill with the new weights before their next step
 (per-token versions in ``Sample.token_versions``).
 """
 
@@ -191,7 +191,7 @@ class EmbeddedEngine(RolloutEngine):
         return results
 
     def _decode_chunk(self, model: torch.nn.Module, chunk: DecodingChunk) -> list[GeneratedRow]:
-        """Run ``chunk``'s decode steps (:mod:`dapo_megatron.rollout.embedded.decode_chunk`), each inside the weight gate; a
+        """Run ``chunk``'s decode steps (:mod:`.decode_chunk`), each inside the weight gate; a
         step that finds new weights re-prefills the prompts and the tokens so far with them first."""
         with torch.inference_mode():
             with self._gate.step():

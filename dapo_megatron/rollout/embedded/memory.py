@@ -1,6 +1,6 @@
 """What the embedded engine (``rollout.engine: embedded``) holds in rank 0's host memory, counted before it is built.
 
-:class:`dapo_megatron.rollout.embedded.engine.EmbeddedEngine` keeps an fp32 HF copy of the whole policy on the host and
+:class:`.engine.EmbeddedEngine` keeps an fp32 HF copy of the whole policy on the host and
 decodes there, on CPU, whatever device the policy trains on: on a GPU run that is 4 bytes per parameter of host
 memory (~131 GB for Qwen2.5-32B), next to the trainer ranks of that host. ``dapo-megatron train`` and ``eval`` check
 it (:func:`dapo_megatron.run.input_checks.check_embedded_engine_memory`) before anything is built.

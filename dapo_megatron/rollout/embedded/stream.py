@@ -5,10 +5,10 @@ back as soon as its samples are done.
   together (rows sorted by prompt length and cut into chunks as :meth:`EmbeddedEngine.generate` does), then the
   next queued set. It is given the engine's row decoder and served version, nothing else of the engine.
 * :class:`StreamedRows` maps a chunk's rows back to requests; its :class:`ChunkListener` (the decode loop's
-  :class:`~dapo_megatron.rollout.embedded.decode_chunk.RowListener`) stops the rows of aborted requests at their next step
+  :class:`~.decode_chunk.RowListener`) stops the rows of aborted requests at their next step
   and finishes a request in the book when its last sample is done.
 
-Weight updates while requests are in flight: :mod:`dapo_megatron.rollout.embedded.weight_gate`.
+Weight updates while requests are in flight: :mod:`.weight_gate`.
 """
 
 from __future__ import annotations

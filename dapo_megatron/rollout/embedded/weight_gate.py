@@ -3,7 +3,7 @@
 Every decode step (forward + sampling) runs inside ``gate.step()``; ``update_weights`` runs inside
 ``gate.exclusive()``, which waits for the steps in progress to end and holds new ones back until the weights are
 swapped. A decode loop that finds the version changed when it enters its next step re-prefills its prompt and tokens
-so far with the new weights (:meth:`dapo_megatron.rollout.embedded.decode_chunk.DecodingChunk.re_prefill`), so every later
+so far with the new weights (:meth:`.decode_chunk.DecodingChunk.re_prefill`), so every later
 token is sampled by the new weights alone.
 
 The engine takes its gate as a constructor argument: a test passes a subclass whose ``step`` holds the loop at a

@@ -46,7 +46,7 @@ def tensor_update_body(serialized_per_tp_rank: Sequence[str | bytes], **fields: 
     """``/update_weights_from_tensor``'s body, ``{"serialized_named_tensors": [...], **fields}``, as pieces that
     reference the serialized entries instead of copying them.
 
-    An entry is base64 (:mod:`dapo_megatron.rollout.sglang.tensor_payloads`), which JSON carries as it is. By value, every TP
+    An entry is base64 (:mod:`.tensor_payloads`), which JSON carries as it is. By value, every TP
     rank's entry is the same bucket: one object repeated, so a TP-4 server's body costs no copy of the bucket where
     ``json.dumps`` + ``encode`` made eight (two per rank), and servers posted to at once share it too."""
     entries = [entry if isinstance(entry, bytes) else entry.encode("ascii") for entry in serialized_per_tp_rank]
@@ -159,6 +159,15 @@ class SGLangClient:
 
     def flush_cache(self) -> None:
         self._call("POST", "/flush_cache")
+
+    def wait_until_idle(self, timeout_s: float) -> None:
+        """Return once the scheduler is fully idle, or raise :class:`ServerReplyError` after ``timeout_s``.
+
+        A release of memory needs SGLang 0.5.23's ``is_fully_idle()``, which also waits for the overlap scheduler's
+        last batch and result queue to clear: the client has every reply one batch before that. ``/flush_cache``
+        with a ``timeout`` answers only once that holds (``SchedulerFlushWrapper``), 400 when it timed out. Its side
+        effect, an empty prefix cache, is what a release leaves anyway."""
+        self._call("POST", f"/flush_cache?timeout={timeout_s:g}", timeout_s=timeout_s + self.timeout_s)
 
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})

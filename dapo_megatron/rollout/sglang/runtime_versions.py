@@ -14,24 +14,66 @@ other nodes are taken to run the same interpreter path on a shared filesystem, a
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, field
 
 from dapo_megatron.rollout.sglang.client import SGLangServerError
 
 PROBE_TIMEOUT_S = 120.0  # importing a CUDA torch from a cold network filesystem can take a minute
+NCCL_DISTRIBUTIONS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12")  # the pip packages CUDA torch wheels load NCCL from
 
-# Runs in the servers' interpreter, which need not have dapo_megatron installed: torch only, and the same
-# expressions as local_versions().
-_PROBE = """
-import json
-import torch
-nccl = torch.cuda.nccl.version() if torch.distributed.is_available() and torch.distributed.is_nccl_available() else None
-print(json.dumps({"torch": torch.__version__, "nccl": ".".join(map(str, nccl)) if nccl else None}))
-"""
+
+def runtime_report() -> dict:
+    """This interpreter's torch and the NCCL it has LOADED, as a JSON-able dict.
+
+    ``torch.cuda.nccl.version()`` is the NCCL torch was compiled against (a constant of the wheel); the library that
+    forms communicators is the ``libnccl.so`` the process loaded, which a CUDA wheel takes from the installed
+    ``nvidia-nccl-cu13`` distribution — an environment that upgraded that package alone runs another NCCL than torch
+    reports. So the loaded library is asked (``ncclGetVersion``), then the installed distribution, and only then the
+    compile-time number. Self-contained (stdlib + torch, imports inside): its source is what the servers' interpreter
+    runs, which need not have dapo_megatron installed.
+    """
+    import ctypes
+    import importlib.metadata
+    import torch
+
+    def loaded_library() -> str | None:
+        try:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    path = line.split()[-1] if len(line.split()) >= 6 else ""
+                    if "/libnccl.so" in path:
+                        return path
+        except OSError:
+            pass
+        return None
+
+    def decode(code: int) -> str:
+        # NCCL_VERSION(X, Y, Z): X*1000 + Y*100 + Z before 2.9, X*10000 + Y*100 + Z since
+        major, rest = (code // 10000, code % 10000) if code >= 20900 else (code // 1000, code % 1000)
+        return f"{major}.{rest // 100}.{rest % 100}"
+
+    if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        return {"torch": torch.__version__, "nccl": None, "nccl_source": None}
+    library = loaded_library()
+    if library is not None:
+        version = ctypes.c_int()
+        if ctypes.CDLL(library).ncclGetVersion(ctypes.byref(version)) == 0:
+            return {"torch": torch.__version__, "nccl": decode(version.value), "nccl_source": library}
+    for distribution in NCCL_DISTRIBUTIONS:
+        try:
+            return {"torch": torch.__version__, "nccl": importlib.metadata.version(distribution),
+                    "nccl_source": f"the installed {distribution}"}
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {"torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "nccl_source": "torch's compile-time NCCL"}
+
+
+_PROBE = ("import json\n" + f"NCCL_DISTRIBUTIONS = {NCCL_DISTRIBUTIONS!r}\n" + inspect.getsource(runtime_report)
+          + "print(json.dumps(runtime_report()))\n")
 
 
 class RuntimeMismatchError(SGLangServerError):
@@ -42,16 +84,21 @@ class RuntimeMismatchError(SGLangServerError):
 class RuntimeVersions:
     torch: str
     nccl: str | None  # None: a torch built without NCCL (the CPU build)
+    nccl_source: str | None = field(default=None, compare=False)  # where the NCCL version was read
+
+    @classmethod
+    def from_report(cls, report: dict) -> "RuntimeVersions":
+        return cls(torch=str(report["torch"]), nccl=report["nccl"], nccl_source=report.get("nccl_source"))
 
     def describe(self) -> str:
-        return f"torch {self.torch}, NCCL {self.nccl or 'none (torch built without NCCL)'}"
+        if self.nccl is None:
+            return f"torch {self.torch}, NCCL none (torch built without NCCL)"
+        return f"torch {self.torch}, NCCL {self.nccl}" + (f" ({self.nccl_source})" if self.nccl_source else "")
 
 
 def local_versions() -> RuntimeVersions:
-    """This process's torch and the NCCL it bundles."""
-    nccl_available = torch.distributed.is_available() and torch.distributed.is_nccl_available()
-    nccl = torch.cuda.nccl.version() if nccl_available else None
-    return RuntimeVersions(torch=torch.__version__, nccl=".".join(map(str, nccl)) if nccl else None)
+    """This process's torch and the NCCL it has loaded (:func:`runtime_report`)."""
+    return RuntimeVersions.from_report(runtime_report())
 
 
 def python_versions(python: str) -> RuntimeVersions:
@@ -67,8 +114,7 @@ def python_versions(python: str) -> RuntimeVersions:
         raise SGLangServerError(f"SGLang server python {python!r} could not report its torch version: "
                                 f"{result.stderr.strip()[-2000:]}")
     try:
-        report = json.loads(result.stdout.strip().splitlines()[-1])
-        return RuntimeVersions(torch=str(report["torch"]), nccl=report["nccl"])
+        return RuntimeVersions.from_report(json.loads(result.stdout.strip().splitlines()[-1]))
     except (IndexError, ValueError, KeyError, TypeError):
         raise SGLangServerError(f"SGLang server python {python!r} printed no version report, but: "
                                 f"{result.stdout.strip()[-500:]!r}") from None

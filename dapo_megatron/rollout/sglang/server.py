@@ -64,7 +64,7 @@ INSTALL_HINT = (
 # * SGLANG_RETURN_ORIGINAL_LOGPROB=1 would make returned log-probs ignore the temperature (the engine's documented
 #   semantics);
 # * CUDA_DEVICE_MAX_CONNECTIONS is the trainer's setting for megatron's tensor-parallel overlap
-#   (dapo_megatron/platform.py), not a server's (SGLang 0.5.23 sets its own value at startup);
+#   (dapo_megatron/backend/platform.py), not a server's (SGLang 0.5.23 sets its own value at startup);
 # * torchrun's TORCHELASTIC_* (the prefix below): with TORCHELASTIC_USE_AGENT_STORE=True, torch's tcp:// rendezvous
 #   (torch/distributed/rendezvous.py, _create_c10d_store) makes every rank, rank 0 included, a client of a store it
 #   expects torchrun's agent to host, so a server's own init_process_group waits for a store nobody hosts until
@@ -79,6 +79,16 @@ CPU_KV_CACHE_TOKENS = 16384
 # Makes /release_memory_occupation and /resume_memory_occupation free and map GPU memory (colocated placement,
 # dapo_megatron/rollout/placement.py); without it both answer 200 and change nothing.
 MEMORY_SAVER_FLAG = "--enable-memory-saver"
+# SGLang 0.5.23 allocates CUDA-graph memory inside a memory-saver region (tag "cuda_graph") only with this variable
+# set (runner_backend/full_cuda_graph_backend.py; environ.py defaults it to False): without it, releasing the tag
+# frees nothing and the graph pools stay on the GPU while the trainer trains.
+MEMORY_SAVER_CUDA_GRAPH_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"
+
+
+def cuda_graphs_released(environment: dict[str, str] | os._Environ) -> bool:
+    """Whether a memory-saver server started from ``environment`` puts its CUDA graphs where a release frees them:
+    the server sets the variable unless the user did (SGLang reads it as a boolean)."""
+    return environment.get(MEMORY_SAVER_CUDA_GRAPH_ENV, "1").strip().lower() in ("1", "true", "yes", "on")
 
 # model.precision -> the dtype the servers compute in: FP8 training keeps BF16 weights for the handoff.
 _SERVED_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -220,6 +230,8 @@ class SGLangServerProcess:
         env["PYTHONUNBUFFERED"] = "1"
         if nccl_carries_weights(self.config.transport, self.device):
             env.update(NCCL_CUMEM_OFF)
+        if self.memory_saver:
+            env.setdefault(MEMORY_SAVER_CUDA_GRAPH_ENV, "1")
         return self.platform_environment(env)
 
     def start(self) -> None:

@@ -1,6 +1,6 @@
 """The three ways full HF-named weights reach SGLang servers.
 
-The engine (:class:`dapo_megatron.rollout.sglang.engine.SGLangEngine`) pauses every server and flushes its cache
+The engine (:class:`.engine.SGLangEngine`) pauses every server and flushes its cache
 before calling :meth:`WeightTransport.push`, and continues generation and checks the served ``weight_version``
 after it. A transport consumes the buckets of ``(hf_name, tensor)`` pairs as the exporter made them (it never
 re-buckets) and sends every bucket to every server before pulling the next one, so the trainer never holds more
@@ -11,7 +11,7 @@ than one bucket. Full tensors are sent; SGLang shards them for its own TP degree
   write_hf_folder`, on a filesystem the servers can read), then ``/update_weights_from_disk``.
   Works across hosts and is the one a restarted server can be relaunched from (:meth:`restart_model_path`).
 * :class:`TensorTransport` — ``/update_weights_from_tensor`` with one payload per server TP rank
-  (:mod:`dapo_megatron.rollout.sglang.tensor_payloads`): CUDA IPC handles for GPU buckets going to a server on this host,
+  (:mod:`.tensor_payloads`): CUDA IPC handles for GPU buckets going to a server on this host,
   the last :data:`IPC_WINDOW_BUCKETS` of them kept referenced here (:class:`HandleWindow`); pickled CPU copies
   otherwise (any host, through the HTTP body).
 * :class:`DistributedTransport` — a process group formed by ``/init_weights_update_group`` (rank 0 here, the
@@ -57,6 +57,7 @@ class ServerTarget:
     client: SGLangClient
     tp_size: int
     same_host: bool = False
+    gpus: range | None = None  # its TP ranks' GPUs, when launched here (CUDA handles go only to the bucket's GPU)
 
 
 def on_all_servers(servers: Sequence[ServerTarget], call: Callable[[ServerTarget], None]) -> None:

@@ -1,0 +1,73 @@
+"""``model:``: which policy is trained (an HF folder or a tiny random-init model) and how its layers run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dapo_megatron.config.errors import require, require_finite_numbers
+
+
+@dataclass
+class TinyModelConfig:
+    """A random-init model built locally (the CPU demo and tests); used when ``model.source = tiny``. ``arch``:
+    Qwen2-style (the default), Qwen3 (q/k norms, ``head_dim`` of its own) or Qwen3-MoE (Qwen3 attention, every MLP
+    ``num_experts`` experts of ``moe_intermediate_size``, ``num_experts_per_tok`` per token)."""
+
+    arch: Literal["qwen2", "qwen3", "qwen3_moe"] = "qwen2"
+    hidden_size: int = 128
+    num_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    head_dim: int | None = None  # qwen3 / qwen3_moe; null: hidden_size / num_attention_heads
+    num_experts: int = 8  # qwen3_moe
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True
+
+
+@dataclass
+class MoEConfig:
+    """Training settings of a mixture-of-experts policy (Qwen3-MoE); the model's shape comes from its config.json."""
+
+    # Weight of megatron's Switch load-balancing loss per MoE layer, added to the policy loss. 0: the policy loss
+    # alone (RL steps are small; balance is then only watched: actor/moe_aux_loss and actor/moe_load_imbalance are
+    # logged either way). Qwen3-MoE was pretrained with 0.001 (its config's router_aux_loss_coef).
+    aux_loss_coeff: float = 0.0
+
+    def validate(self) -> None:
+        """Called by :meth:`ModelConfig.validate`, which also checks that the numbers are finite."""
+        require(self.aux_loss_coeff >= 0, "model.moe.aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")
+
+
+Kernels = Literal["auto", "transformer_engine", "local"]
+Recompute = Literal["selective", "full", "none"]
+Precision = Literal["fp32", "bf16", "fp8"]
+
+
+@dataclass
+class ModelConfig:
+    source: Literal["hf", "tiny"] = "hf"
+    hf_path: str | None = None  # HF folder: config.json, safetensors, tokenizer files
+    tokenizer_path: str | None = None  # defaults to hf_path (tiny: a tokenizer trained locally)
+    precision: Precision = "bf16"
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    # Activation recomputation on GPU (policy/model.py): "selective" recomputes the core attention in backward
+    # (megatron's default selective set: the attention scores/softmax are what it would otherwise keep); "full" keeps
+    # only each layer's input and recomputes the whole layer; "none" keeps everything. Without CUDA it is off (memory
+    # is not the limit there, it would only cost time). `dapo-megatron plan CONFIG` shows the memory per GPU.
+    recompute: Recompute = "selective"
+    # The policy's layers on CUDA (dapo_megatron.backend): "auto" takes Transformer Engine when it imports, else
+    # megatron's local layers with torch's SDPA attention, and logs that; "transformer_engine" refuses to start
+    # without it; "local" takes the local layers on purpose. Without CUDA the CPU layers run (dapo_megatron.cpu).
+    kernels: Kernels = "auto"
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def validate(self) -> None:
+        require_finite_numbers(self, "model.")
+        self.moe.validate()
+        require(self.source == "tiny" or bool(self.hf_path), "model.hf_path", "is required when model.source = hf")

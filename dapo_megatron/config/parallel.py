@@ -1,0 +1,38 @@
+"""``parallel:``: how the policy is split over the training ranks (megatron's tensor, pipeline, expert and data
+parallelism) and how their collectives run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dapo_megatron.config.errors import require, require_finite_numbers
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    # A mixture-of-experts model's experts split over this many of the data-parallel ranks (megatron's expert
+    # parallelism, tokens exchanged by all-to-all); must divide the data-parallel size and the number of experts.
+    expert: int = 1
+    data: int | None = None  # derived from the world size; when given, it must agree
+    use_distributed_optimizer: bool = True
+    # Timeout of the training collectives. Ranks waiting for rank 0's rollouts or validation wait in a gloo group
+    # of their own without this limit (dapo_megatron.rank_zero).
+    collective_timeout_s: float = 7200.0
+    # Split the activations between the tensor-parallel collectives over the TP ranks (megatron's sequence
+    # parallelism). Takes effect where megatron supports it: the Transformer Engine layer spec with TP > 1.
+    sequence_parallel: bool = True
+    # Overlap the DP gradient reduce-scatter/all-reduce with the backward pass, and (distributed optimizer only) the
+    # parameter all-gather with the next forward pass. Off by default: on CPU/gloo there is nothing to overlap with.
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # One GPU's memory (10^9 bytes) this layout is meant for: the default of `dapo-megatron plan --gpu-memory-gb`.
+    gpu_memory_gb: float | None = None  # unset: 80
+
+    def validate(self) -> None:
+        require_finite_numbers(self, "parallel.")
+        require(self.expert >= 1, "parallel.expert", f"must be >= 1, got {self.expert}")
+        require(not self.overlap_param_gather or self.use_distributed_optimizer, "parallel.overlap_param_gather",
+                "needs parallel.use_distributed_optimizer: true (only the distributed optimizer all-gathers "
+                "parameters)")
