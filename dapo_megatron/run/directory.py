@@ -12,6 +12,7 @@ it until the process ends:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -60,6 +61,11 @@ def move_run_aside(run_dir: str | Path) -> Path:
     return aside
 
 
+# A full disk or quota, a read-only mount, no permission: the run could write nothing there (other OSErrors are
+# not the directory's state, and keep their traceback)
+UNWRITABLE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def _free_space(run_dir: Path) -> str:
     existing = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
     try:
@@ -79,7 +85,9 @@ def claim_run_directory(run_dir: str | Path, *, resume: bool, overwrite: bool) -
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = RunLock(run_dir).acquire()
-    except OSError as error:  # a full disk, a read-only mount, no permission: the run could write nothing there
+    except OSError as error:
+        if error.errno not in UNWRITABLE:
+            raise
         raise ConfigError(f"trainer.run_dir: cannot write in {run_dir}: {error.strerror or error}"
                           f"{_free_space(run_dir)}") from None
     try:
