@@ -13,9 +13,9 @@ environment; see dapo_megatron.launch_env). ``plan`` prints the training ranks' 
 config (dapo_megatron.policy.memory) and exits 1 when a stage does not fit.
 
 ``train`` holds its run directory's lock while it runs, and refuses a directory that holds a run unless ``--resume``
-continues it or ``--overwrite`` moves it aside (dapo_megatron.run.directory). SIGTERM or SIGUSR1 make it
-save a checkpoint at the end of the step in progress and exit 75; Ctrl-C ends it at once with 130
-(dapo_megatron.run.stop_signals).
+continues it or ``--overwrite`` moves it aside (dapo_megatron.run.directory). SIGTERM, SIGUSR1 or SIGHUP make
+it save a checkpoint at the end of the step in progress and exit 75; Ctrl-C ends it at once with 130
+(dapo_megatron.run.stop_signals); a dead stdout (``| tee`` killed with it) stops nothing (dapo_megatron.run.console).
 
 Bad input (a config key, a data file, a model folder, a checkpoint, a server) ends a command with one line on rank 0,
 ``<kind> error: <message>``, and the kind's exit code on every rank (dapo_megatron.user_errors); ``train`` and
