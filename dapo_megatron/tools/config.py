@@ -11,18 +11,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dapo_megatron.config.errors import ConfigError
-
 # "none_i_accept_the_risk" is spelled out so that running model-written code without isolation is a decision
 # someone typed, never a default or a typo.
 Isolation = Literal["bubblewrap", "none_i_accept_the_risk", "remote"]
 OPT_OUT = "none_i_accept_the_risk"
 PREFIX = "rollout.tools"
 RESERVED_NAMES = ("calls", "failed", "wall_s")  # the metric names tools/<name>/... would collide with
-
-
-class ToolsError(ConfigError):
-    """The tools cannot start as configured (isolation unavailable, a tool that does not load); names the key."""
 
 
 @dataclass
@@ -130,6 +124,15 @@ class ToolsConfig:
                 _fail(f"{key}.name", f"{name!r} names another tool already; give this one a name of its own")
             names.append(name)
         return self
+
+
+# Below the dataclasses: importing dapo_megatron.config runs config/rollout.py, which imports ToolsConfig from this
+# module; defined by then, the cycle resolves whichever package is imported first.
+from dapo_megatron.config.errors import ConfigError  # noqa: E402
+
+
+class ToolsError(ConfigError):
+    """The tools cannot start as configured (isolation unavailable, a tool that does not load); names the key."""
 
 
 def tool_name(tool: FunctionToolConfig) -> str:
