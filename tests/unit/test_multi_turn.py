@@ -143,3 +143,42 @@ def test_sglang_payload_carries_stop_strings_only_when_set():
     assert payload["sampling_params"]["stop"] == [CALL_END] and payload["input_ids"] == [[1, 2]]
     with pytest.raises(ValueError, match="stop_strings"):  # ids alone: SGLang cannot match them
         build_generate_payload([1, 2], 0, SamplingParams(stop_sequences=((5, 6),)), seeded=False)
+
+
+def test_sync_collector_generates_multi_turn_groups_when_tools_are_on(model_dir, engine, tokenizer):
+    from pathlib import Path
+
+    from dapo_megatron.collectors.sync import RolloutCollector
+    from dapo_megatron.config import load_config
+    from dapo_megatron.data.prompts import PromptRecord
+    from dapo_megatron.data.sampler import PromptSampler
+    from dapo_megatron.reward.scorer import RewardScorer
+
+    trace = tool_trace(tokenizer)
+    records = [PromptRecord(prompt_ids=tuple(trace.prompt), ground_truth="42", data_source="math_dapo", index=i,
+                            text="") for i in range(4)]
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+
+    def collect(*overrides):
+        config = load_config(tiny, ["rollout.n_samples=2", "rollout.max_response_length=40",
+                                    "trainer.train_batch_size=2", "trainer.mini_batch_size=1", "algorithm.dynamic_sampling=false",
+                                    "algorithm.overlong_buffer_len=4", "rollout.temperature=0.3", *overrides])
+        reward = RewardScorer(config)
+        collector = RolloutCollector(engine, PromptSampler(records, batch_size=2, seed=0), tokenizer, config, reward)
+        try:
+            return collector.collect(step=0)
+        finally:
+            collector.close()
+            reward.close()
+
+    groups, metrics = collect("rollout.tools.enabled=true")
+    for group in groups:
+        assert [list(m) for m in group.loss_masks] == [trace.loss_mask] * 2
+        assert [list(r) for r in group.responses] == [trace.response] * 2 and group.accs == [True, True]
+    assert metrics["tools/calls"] == 4 and metrics["num_turns/mean"] == 2.0
+    assert metrics["tools/acc/with_tool"] == 1.0 and metrics["tools/calls_per_response"] == 1.0
+    assert metrics["response_length/mean"] == len(trace.call) + len(trace.answer)
+    # control: tools off, the same prompts get single-turn responses and no tool numbers
+    groups, metrics = collect()
+    assert all(group.loss_masks is None for group in groups) and "num_turns/mean" not in metrics
+    assert all(len(r) > len(trace.call) for group in groups for r in group.responses)
