@@ -161,8 +161,9 @@ def test_sync_collector_generates_multi_turn_groups_when_tools_are_on(model_dir,
 
     def collect(*overrides):
         config = load_config(tiny, ["rollout.n_samples=2", "rollout.max_response_length=40",
-                                    "trainer.train_batch_size=2", "trainer.mini_batch_size=1", "algorithm.dynamic_sampling=false",
-                                    "algorithm.overlong_buffer_len=4", "rollout.temperature=0.3", *overrides])
+                                    "trainer.train_batch_size=2", "trainer.mini_batch_size=1",
+                                    "algorithm.dynamic_sampling=false", "algorithm.overlong_buffer_len=4",
+                                    "rollout.temperature=0.3", *overrides])
         reward = RewardScorer(config)
         collector = RolloutCollector(engine, PromptSampler(records, batch_size=2, seed=0), tokenizer, config, reward)
         try:
