@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tiny_models import IM_END, build_tiny_tokenizer
+from tiny_models import IM_END, build_tiny_qwen2, build_tiny_tokenizer
 
 PROMPT = "<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n```python\n"
 CODE = "print(6*7)"
@@ -49,18 +49,14 @@ def tool_trace(tokenizer, output_text: str = "42", max_output_tokens: int | None
 
 
 def build_tool_model(directory: str | Path, steps: int = 400) -> Path:
-    """Write the warm-started model (fp32 safetensors, its tokenizer) to ``directory``."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    """Write the warm-started model (fp32 safetensors, its tokenizer) to ``directory``: the shape and tokenizer of
+    :func:`tiny_models.build_tiny_qwen2`, so its weights also load into the tests' shared SGLang server."""
+    from transformers import Qwen2ForCausalLM
 
-    directory = Path(directory)
+    directory = build_tiny_qwen2(directory)
     tokenizer = build_tiny_tokenizer(0)
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False, eos_token_id=eos, pad_token_id=eos)
-    config.architectures = ["Qwen2ForCausalLM"]
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = Qwen2ForCausalLM.from_pretrained(str(directory), dtype=torch.float32).train()
     trace = tool_trace(tokenizer)
     ids = torch.tensor([trace.prompt + trace.response])
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -70,6 +66,4 @@ def build_tool_model(directory: str | Path, steps: int = 400) -> Path:
         loss.backward()
         optimizer.step()
     model.eval().save_pretrained(directory, safe_serialization=True)
-    GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
     return directory
