@@ -55,6 +55,7 @@ class RolloutCollector:
         # Without dynamic sampling a step generates for exactly one batch of prompts, as GRPO does.
         prompts_per_round = a.gen_batch_size if a.dynamic_sampling else t.train_batch_size
         stats = FilterStats()
+        tool_counts_before = self.tools.counts() if self.tools is not None else {}
         generated: list[RolloutGroup] = []
         rounds = 0
         progress = tqdm(total=self.buffer.target_groups, desc=f"step {step + 1} rollouts", unit="group",
@@ -79,7 +80,7 @@ class RolloutCollector:
         batch = self.buffer.drain() if hit_cap else self.buffer.pop()
         metrics = rollout_metrics(batch, generated, stats, rounds, hit_cap, self.config.rollout.max_response_length)
         if self.tools is not None:
-            metrics.update(self.tools.counts())
+            metrics.update(_step_tool_counts(tool_counts_before, self.tools.counts()))
         return batch, metrics
 
     def close(self) -> None:
@@ -97,6 +98,14 @@ class RolloutCollector:
                              "prompts queued or in flight, which sync mode would lose: resume with rollout.mode=async")
         self.sampler.load_state_dict(state["sampler"])
         self.buffer.load_state_dict(state["buffer"])
+
+
+def _step_tool_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The pool's counts of this step's calls (a resumed run logs what the run it continues would have); their
+    wall time is a clock reading, logged as one (``timing_s/tool_calls``)."""
+    counts = {key: value - before.get(key, 0) for key, value in after.items()}
+    counts["timing_s/tool_calls"] = counts.pop("tools/wall_s")
+    return counts
 
 
 def _tool_metadata(record) -> dict:

@@ -159,6 +159,8 @@ class MultiTurnRollout:
             self.engine.submit(first)
             while in_flight or tool_calls:
                 for finished in self.engine.poll(timeout_s=_POLL_S if in_flight else 0.0):
+                    if finished.request_id not in in_flight:  # aborted by an earlier call that failed
+                        continue
                     for trajectory, sample in zip(in_flight.pop(finished.request_id), finished.samples, strict=True):
                         self._after_turn(trajectory, sample, tool_calls, in_flight, turn_params, call)
                 if tool_calls:

@@ -167,19 +167,21 @@ def test_sync_collector_generates_multi_turn_groups_when_tools_are_on(model_dir,
         reward = RewardScorer(config)
         collector = RolloutCollector(engine, PromptSampler(records, batch_size=2, seed=0), tokenizer, config, reward)
         try:
-            return collector.collect(step=0)
+            return [collector.collect(step=step) for step in range(2)]
         finally:
             collector.close()
             reward.close()
 
-    groups, metrics = collect("rollout.tools.enabled=true")
+    (groups, metrics), (_, second) = collect("rollout.tools.enabled=true")
+    assert second["tools/calls"] == 4  # the step's calls, not the pool's total
     for group in groups:
         assert [list(m) for m in group.loss_masks] == [trace.loss_mask] * 2
         assert [list(r) for r in group.responses] == [trace.response] * 2 and group.accs == [True, True]
-    assert metrics["tools/calls"] == 4 and metrics["num_turns/mean"] == 2.0
+    assert metrics["tools/calls"] == 4 and metrics["num_turns/mean"] == 2.0 and metrics["timing_s/tool_calls"] > 0
+    assert "tools/wall_s" not in metrics  # a clock reading: logged as one
     assert metrics["tools/acc/with_tool"] == 1.0 and metrics["tools/calls_per_response"] == 1.0
     assert metrics["response_length/mean"] == len(trace.call) + len(trace.answer)
     # control: tools off, the same prompts get single-turn responses and no tool numbers
-    groups, metrics = collect()
+    [(groups, metrics), _] = collect()
     assert all(group.loss_masks is None for group in groups) and "num_turns/mean" not in metrics
     assert all(len(r) > len(trace.call) for group in groups for r in group.responses)
