@@ -10,7 +10,7 @@
 * :class:`PaddedPacker` — one sample per row, ``samples_per_micro_batch`` consecutive samples per micro-batch,
   right-padded to the longest; plain causal attention (right padding is never seen by real tokens).
 
-Both are :class:`~dapo_megatron.policy.packing.RowPacker`\\ s: pass one where the backend's packer goes
+Both are :class:`~dapo_megatron.backend.interfaces.RowPacker`\\ s: pass one where the backend's packer goes
 (``plan_data_parallel``, ``pack_micro_batches``, or an ``Actor``'s ``backend.packer``).
 """
 

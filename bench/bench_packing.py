@@ -69,8 +69,9 @@ def main() -> None:
 
     from baseline_packing import PaddedPacker
 
+    from dapo_megatron.algorithm import build_policy_loss
     from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
-    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.backend.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
     from dapo_megatron.policy.model_spec import ModelSpec
@@ -86,8 +87,9 @@ def main() -> None:
     batching = PackedBatching(token_budget=args.token_budget)
     actor = build_actor(spec, backend=backend, model=ModelConfig(precision="fp32"),
                         parallel=ParallelConfig(use_distributed_optimizer=False),
-                        optim=OptimConfig(lr=1e-5, warmup_steps=0), algorithm=AlgorithmConfig(clip_ratio_c=None),
+                        optim=OptimConfig(lr=1e-5, warmup_steps=0), routing_replay=False,
                         micro_batch_tokens=args.token_budget, temperature=1.0)
+    loss = build_policy_loss(AlgorithmConfig(clip_ratio_c=None))
     samples = build_samples(args)
     lengths = [s.response_length for s in samples]
     real_tokens = sum(s.length for s in samples)
@@ -103,7 +105,7 @@ def main() -> None:
         for name, packer in packers.items():
             backend.packer = packer
             start, cpu_start = time.perf_counter(), time.process_time()
-            metrics = actor.train_minibatch(samples, batching=batching)
+            metrics = actor.train_minibatch(samples, loss, batching=batching)
             elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
             if metrics["skipped"]:
                 raise RuntimeError(f"{name} step {step} was skipped (non-finite loss or gradient norm)")

@@ -21,14 +21,11 @@ MFU. Where Transformer Engine is importable the MFU rows time both paths (:func:
 5. ``engine vs policy logprob gap (bf16)`` — that HF model's teacher-forced log-probs of the same samples against
    the BF16 actor's: what the rollout-correction metrics would see from numerics alone (the embedded engine's
    decode loop itself runs on CPU only, so it is not what runs here);
-6. ``colocated turn`` — the trainer's side of a generation turn under ``rollout.placement: colocated``
-   (:class:`dapo_megatron.trainer.colocation.Colocation`, as a run calls it) on the BF16 actor after its updates: the
-   optimizer state (fp32 main parameters, Adam's moments) to host memory and back, in GB/s each way; the GPU memory
-   it frees next to ``dapo-megatron plan``'s optimizer share, and what the trainer keeps allocated while the servers
-   would generate next to the plan's weights + gradients; the state after the round trip bit-equal to before, and an
-   update after it finite and applied. The SGLang side (release/resume with the memory saver, CUDA IPC into resumed
-   weights) needs SGLang on the GPU machine, which this check does not have;
-7. ``training MFU`` — per layer path, tokens/s of DAPO updates on packed micro-batches of a realistic token budget
+6. ``colocated turn`` and 7. ``colocated MoE turn`` — the trainer's side of a generation turn under
+   ``rollout.placement: colocated``, dense and Qwen3-MoE (:mod:`gpu_check_colocated` says what each measures). The
+   SGLang side (release/resume with the memory saver, CUDA IPC into resumed weights) needs SGLang on the GPU machine,
+   which this check does not have;
+8. ``training MFU`` — per layer path, tokens/s of DAPO updates on packed micro-batches of a realistic token budget
    for Qwen2.5-0.5B- and 1.5B-shaped random models, and MFU = model FLOP/s ÷ the H200's dense BF16 spec
    (989 TFLOP/s; row 1 gives the measured GEMM peak to compare with). Model FLOPs = 6 · N · tokens (N = the
    GEMM parameters: every layer's linear weights and the LM head) + causal attention 6 · layers · q_width · Σ s²
@@ -53,6 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -152,18 +150,26 @@ def build_check_actor(spec, precision: str, token_budget: int, hf_dir: Path | No
     """The actor a run builds (``build_actor``) at this precision, with the distributed optimizer, on the backend
     ``model.kernels`` selects here."""
     from dapo_megatron.backend import select_backend
-    from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+    from dapo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights
 
     actor = build_actor(spec, backend=select_backend(kernels),
                         model=ModelConfig(precision=precision, kernels=kernels), parallel=ParallelConfig(),
-                        optim=OptimConfig(lr=lr, warmup_steps=0), algorithm=AlgorithmConfig(),
+                        optim=OptimConfig(lr=lr, warmup_steps=0), routing_replay=False,
                         micro_batch_tokens=token_budget, temperature=1.0)
     if hf_dir is not None:
         load_hf_weights(actor.model, spec, hf_dir)
         actor.optimizer.reload_model_params()
     return actor
+
+
+def dapo_loss():
+    """The schema's default objective, as a run builds it."""
+    from dapo_megatron.algorithm import build_policy_loss
+    from dapo_megatron.config import AlgorithmConfig
+
+    return build_policy_loss(AlgorithmConfig())
 
 
 def _abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float, int]:
@@ -209,7 +215,7 @@ def parity_and_updates(shapes: CheckShapes, workdir: Path, device: torch.device)
     train = [PolicySample(s.prompt_ids, s.response_ids, s.advantage, old_logprobs=lp)
              for s, lp in zip(samples, logprobs)]
     before = [p.detach().clone() for p in actor.model.parameters()]
-    updates = [actor.train_minibatch(train) for _ in range(3)]
+    updates = [actor.train_minibatch(train, dapo_loss()) for _ in range(3)]
     changed = max(float((p.detach().float() - b.float()).abs().max()) for p, b in zip(actor.model.parameters(), before))
     norms = [u["grad_norm"] for u in updates]
     skipped = sum(u["skipped"] for u in updates)
@@ -270,70 +276,6 @@ def handoff_rows(shapes: CheckShapes, actor, spec, samples_seed: int, device: to
     return rows
 
 
-def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    """What megatron's offload_to_cpu moves: every optimizer's parameters (the fp32 main copies) and state tensors."""
-    tensors = []
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = part.optimizer
-        tensors += [p for group in inner.param_groups for p in group["params"]]
-        tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
-
-
-def colocated_row(shapes: CheckShapes, actor, spec, device: torch.device) -> Row:
-    """Row 6: one generation turn of the trainer next to colocated servers (see the module docstring)."""
-    from dapo_megatron.config import load_config
-    from dapo_megatron.policy.memory import estimate_memory
-    from dapo_megatron.policy.packing import PolicySample
-    from dapo_megatron.trainer.colocation import Colocation
-
-    config = load_config(None, ["model.source=tiny", "data.source=synthetic", "rollout.engine=sglang",
-                                "rollout.placement=colocated", "rollout.sglang.transport=tensor",
-                                "rollout.sglang.mem_fraction_static=0.5", "rollout.offload_optimizer=true"])
-    colocation = Colocation(config, actor.optimizer, lambda: None, device_type=device.type)
-    state = _optimizer_tensors(actor.optimizer)
-    before = [t.detach().to("cpu", copy=True) for t in state]
-    devices = [t.device for t in state]
-    moved = sum(t.numel() * t.element_size() for t in state if t.is_cuda)  # on CPU nothing moves
-    del state  # it would keep the moments' GPU storage alive: megatron replaces them in the state dicts
-    _sync()
-    allocated = torch.cuda.memory_allocated()
-    started = time.perf_counter()
-    with colocation.generating():
-        _sync()
-        out_s = time.perf_counter() - started
-        generating = torch.cuda.memory_allocated()
-        back_started = time.perf_counter()
-    _sync()
-    back_s = time.perf_counter() - back_started
-    after = _optimizer_tensors(actor.optimizer)
-    exact = all(torch.equal(a.detach().cpu(), b) for a, b in zip(after, before, strict=True))
-    returned = all(a.device == d for a, d in zip(after, devices) if d.type == "cuda")
-    # megatron's restore_from_cpu moves every non-CUDA tensor to the GPU: torch AdamW's CPU step counters too
-    promoted = sum(d.type == "cpu" and a.device.type == "cuda" for a, d in zip(after, devices))
-    samples = random_samples(shapes.samples, spec.vocab_size, shapes.prompt_tokens, shapes.response_tokens, seed=3)
-    logprobs = actor.compute_logprobs(samples).logprobs
-    update = actor.train_minibatch([PolicySample(s.prompt_ids, s.response_ids, s.advantage, old_logprobs=lp)
-                                    for s, lp in zip(samples, logprobs)])
-    (stage,) = estimate_memory(spec, tensor_parallel=1, pipeline_parallel=1, data_parallel=1,
-                               micro_batch_tokens=shapes.token_budget)
-    freed = allocated - generating
-    out_gbps, back_gbps = moved / max(out_s, 1e-9) / 1e9, moved / max(back_s, 1e-9) / 1e9
-    ok = exact and returned and math.isfinite(update["grad_norm"]) and not update["skipped"]
-    return Row("colocated turn: optimizer state to host and back", "ok" if ok else "FAILED",
-               f"{moved / 1e9:.3g} GB out at {out_gbps:.3g} GB/s, back at {back_gbps:.3g} GB/s; GPU memory freed "
-               f"{freed / 1e9:.3g} GB (plan's optimizer share {stage.optimizer_bytes / 1e9:.3g} GB); allocated while "
-               f"generating {generating / 1e9:.3g} GB (plan's weights + gradients "
-               f"{(stage.params_bytes + stage.grads_bytes) / 1e9:.3g} GB); state round trip "
-               f"{'exact' if exact and returned else 'CHANGED'}, {promoted} CPU tensor(s) came back on the GPU; next "
-               f"update grad norm {update['grad_norm']:.4g}",
-               {"moved_gb": moved / 1e9, "out_gbps": out_gbps, "back_gbps": back_gbps, "freed_gb": freed / 1e9,
-                "planned_optimizer_gb": stage.optimizer_bytes / 1e9, "generating_gb": generating / 1e9,
-                "planned_weights_grads_gb": (stage.params_bytes + stage.grads_bytes) / 1e9,
-                "round_trip_exact": float(exact and returned), "promoted_to_gpu": float(promoted),
-                "grad_norm": update["grad_norm"]})
-
-
 def model_flops(spec, segment_lengths: list[int]) -> float:
     """6 · N · tokens + causal attention 6 · layers · q_width · Σ s² (see the module docstring)."""
     q, k, h = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
@@ -360,7 +302,7 @@ def mfu_row(shapes: CheckShapes, label: str, shape: dict, peak_tflops: float, ke
     actor = build_check_actor(spec, "bf16", shapes.token_budget, lr=1e-6, kernels=kernels)
     path = actor.backend.name
     metrics = []
-    seconds = _timed(lambda: metrics.append(actor.train_minibatch(samples)), shapes.timed_updates)
+    seconds = _timed(lambda: metrics.append(actor.train_minibatch(samples, dapo_loss())), shapes.timed_updates)
     tokens = sum(s.length for s in samples)
     flops = model_flops(spec, [s.length for s in samples])
     achieved = flops / seconds / 1e12
@@ -382,8 +324,10 @@ def format_table(rows: list[Row], header: str) -> str:
 
 
 def run_check(shapes: CheckShapes) -> list[Row]:
+    from gpu_check_colocated import colocated_moe_row, colocated_row
+
     from dapo_megatron.backend.select import transformer_engine_importable
-    from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
+    from dapo_megatron.backend.platform import destroy_distributed, init_distributed, seed_everything
 
     layout = init_distributed(1, 1)
     seed_everything(0)
@@ -396,6 +340,7 @@ def run_check(shapes: CheckShapes) -> list[Row]:
             rows += handoff_rows(shapes, actor, spec, samples_seed=2, device=device)
             rows.append(colocated_row(shapes, actor, spec, device))
             del actor
+        rows.append(colocated_moe_row(shapes, device))
         kernels = mfu_kernels(torch.cuda.is_available(), transformer_engine_importable())
         for label, shape in shapes.mfu_models:
             rows += [mfu_row(shapes, label, shape, H200_BF16_DENSE_TFLOPS, path) for path in kernels]

@@ -43,7 +43,7 @@ def cpu_ms(fn, reps: int) -> float:
 @contextmanager
 def counting_mode_calls(counter: list[int]):
     """Count the calls the installed redirect mode handles (one list cell, incremented per call)."""
-    from dapo_megatron.cpu.megatron_compat import CudaToCpuMode
+    from dapo_megatron.overrides.megatron_core.cpu_compat import CudaToCpuMode
 
     real = CudaToCpuMode.__torch_function__
 
@@ -112,11 +112,12 @@ def main() -> None:
     from baseline_packing import MaskPacker, PaddedPacker
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from dapo_megatron.cpu import megatron_compat
     from dapo_megatron.cpu.segment_packing import SegmentPacker
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
-    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.overrides.megatron_core import cpu_compat
+    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.algorithm import build_policy_loss
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.batch_plan import PackedBatching
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
@@ -139,10 +140,12 @@ def main() -> None:
         spec = load_model_spec(model_dir)
         c = config
         actor = build_actor(spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim,
-                            algorithm=c.algorithm, micro_batch_tokens=c.trainer.micro_batch_tokens,
+                            routing_replay=c.algorithm.moe_routing_replay == "replay_old",
+                            micro_batch_tokens=c.trainer.micro_batch_tokens,
                             temperature=c.rollout.temperature)
         load_hf_weights(actor.model, spec, model_dir)
         actor.optimizer.reload_model_params()
+        loss = build_policy_loss(c.algorithm)
         engine = EmbeddedEngine.from_hf_directory(model_dir)
 
     prompts = [list(r.prompt_ids) for r in records]
@@ -166,7 +169,7 @@ def main() -> None:
         engine.update_weights(gather_hf_buckets_to_rank0(actor.model, spec, tp_gather=backend.tp_gather), version=1)
 
     phases = {"gen": lambda: engine.generate(prompts, params), "forward-only": lambda: actor.compute_logprobs(samples),
-              "update": lambda: actor.train_minibatch(samples), "handoff": hand_off}
+              "update": lambda: actor.train_minibatch(samples, loss), "handoff": hand_off}
     print("\n1. phases now, and the redirect mode's calls in each")
     for name, fn in phases.items():
         counter = [0]
@@ -180,7 +183,7 @@ def main() -> None:
             torch.add(a, b)
 
     with_mode = cpu_ms(adds, reps) / 20
-    with megatron_compat.suspended():
+    with cpu_compat.suspended():
         without = cpu_ms(adds, reps) / 20
     print(f"  one torch.add: {with_mode:.2f} us with the mode, {without:.2f} us without "
           f"({with_mode - without:.2f} us per call)")
@@ -210,7 +213,7 @@ def main() -> None:
         actor.compute_logprobs(samples, batching=batching)
         share = attention[0] / (time.process_time() - start)
         forward = cpu_ms(lambda: actor.compute_logprobs(samples, batching=batching), reps)
-        update = cpu_ms(lambda: actor.train_minibatch(samples, batching=batching), reps)
+        update = cpu_ms(lambda: actor.train_minibatch(samples, loss, batching=batching), reps)
         per_micro_batch[label] = (count, forward, update)
         print(f"  {label:<24}{count:4d} micro-batches  forward {forward:7.1f}  update {update:7.1f}  "
               f"attention {share:4.0%} of the forward")

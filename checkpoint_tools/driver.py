@@ -12,6 +12,7 @@ every rank when one fails.
 from __future__ import annotations
 
 import abc
+import argparse
 import sys
 import time
 from contextlib import contextmanager
@@ -137,7 +138,7 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: ConversionJob, stagi
     from megatron.core import parallel_state
 
     from dapo_megatron.backend import select_backend
-    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.backend.platform import init_distributed
     from dapo_megatron.policy.model import build_model, transformer_config
     from dapo_megatron.policy.model_spec import model_spec_from_hf
 
@@ -196,6 +197,29 @@ def run_conversion(job: ConversionJob) -> Path:
     finally:
         discard(staging)  # already renamed to out on success
     return job.out
+
+
+def conversion_parser(tool: str, doc: str, *, input_arguments: Callable[[argparse.ArgumentParser], None],
+                      out_help: str, dtypes: Mapping[str, torch.dtype], dtype_help: str) -> argparse.ArgumentParser:
+    """The command line of a conversion CLI (``python -m checkpoint_tools.<tool>``, described by the first paragraph
+    of its module ``doc``): what it reads (``input_arguments`` adds those), then what every conversion takes —
+    ``--out``, the ``--tp``/``--pp``/``--ep`` layout, ``--dtype`` (one of ``dtypes``) and ``--force``."""
+    parser = argparse.ArgumentParser(prog=f"python -m checkpoint_tools.{tool}", description=doc.split("\n\n")[0])
+    input_arguments(parser)
+    parser.add_argument("--out", required=True, type=Path, help=out_help)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used for the conversion")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks used for the conversion (MoE models; the world is TP×PP×EP)")
+    parser.add_argument("--dtype", choices=sorted(dtypes), default=None, help=dtype_help)
+    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    return parser
+
+
+def conversion_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments every ``convert_*`` function takes, from :func:`conversion_parser`'s arguments."""
+    return {"tensor_parallel": args.tp, "pipeline_parallel": args.pp, "expert_parallel": args.ep,
+            "dtype": args.dtype, "force": args.force}
 
 
 def run_cli(tool: str, convert: Callable[[], object]) -> int:

@@ -33,7 +33,16 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_tools.driver import ConversionJob, bad_input, check_output_dir, checked_spec, run_cli, run_conversion
+from checkpoint_tools.driver import (
+    ConversionJob,
+    bad_input,
+    check_output_dir,
+    checked_spec,
+    conversion_options,
+    conversion_parser,
+    run_cli,
+    run_conversion,
+)
 from checkpoint_tools.errors import ConversionError
 from dapo_megatron.checkpoint.layout import HF_DIR, MODEL_DIR
 from dapo_megatron.hf_format import CONFIG_FILE, StoredTensor, compare_shapes, copy_side_files, list_tensors
@@ -145,25 +154,19 @@ def convert_hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tensor_parall
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m checkpoint_tools.hf_to_megatron",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hf-dir", required=True, type=Path, help="Hugging Face model folder (safetensors + config)")
-    parser.add_argument("--out", required=True, type=Path, help="output folder (gets model/ and hf/)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used for the conversion")
-    parser.add_argument("--ep", type=int, default=1,
-                        help="expert-parallel ranks used for the conversion (MoE models; the world is TP×PP×EP)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="parameter dtype of the checkpoint (default: the dtype of the HF weights)")
-    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
-    return parser
+    def input_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--hf-dir", required=True, type=Path,
+                            help="Hugging Face model folder (safetensors + config)")
+
+    return conversion_parser(HfToMegatronJob.tool, __doc__, input_arguments=input_arguments,
+                             out_help="output folder (gets model/ and hf/)", dtypes=DTYPES,
+                             dtype_help="parameter dtype of the checkpoint (default: the dtype of the HF weights)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_cli(HfToMegatronJob.tool, lambda: convert_hf_to_megatron(
-        args.hf_dir, args.out, tensor_parallel=args.tp, pipeline_parallel=args.pp, expert_parallel=args.ep,
-        dtype=args.dtype, force=args.force))
+    return run_cli(HfToMegatronJob.tool, lambda: convert_hf_to_megatron(args.hf_dir, args.out,
+                                                                        **conversion_options(args)))
 
 
 if __name__ == "__main__":  # required: dist_checkpointing's writer spawns a Manager that re-imports __main__

@@ -33,7 +33,15 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_tools.driver import ConversionJob, check_output_dir, checked_spec, run_cli, run_conversion
+from checkpoint_tools.driver import (
+    ConversionJob,
+    check_output_dir,
+    checked_spec,
+    conversion_options,
+    conversion_parser,
+    run_cli,
+    run_conversion,
+)
 from checkpoint_tools.errors import ConversionError
 from checkpoint_tools.megatron_source import (
     CheckpointSource,
@@ -179,31 +187,26 @@ def convert_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m checkpoint_tools.megatron_to_hf",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ckpt", required=True, type=Path,
-                        help="checkpoint folder with model/ and hf/, a distributed checkpoint, or a run's checkpoints/")
-    parser.add_argument("--out", required=True, type=Path, help="output Hugging Face folder")
-    parser.add_argument("--hf-config-from", type=Path, default=None,
-                        help="take config.json, generation_config.json and the tokenizer from this folder")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks used for the conversion")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks used for the conversion")
-    parser.add_argument("--ep", type=int, default=1,
-                        help="expert-parallel ranks used for the conversion (MoE models; the world is TP×PP×EP)")
-    parser.add_argument("--dtype", choices=sorted(OUTPUT_DTYPES), default=None,
-                        help="dtype of the written weights (default: the dtype of the checkpoint's weights)")
+    def input_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--ckpt", required=True, type=Path, help="checkpoint folder with model/ and hf/, a "
+                                                                     "distributed checkpoint, or a run's checkpoints/")
+        parser.add_argument("--hf-config-from", type=Path, default=None,
+                            help="take config.json, generation_config.json and the tokenizer from this folder")
+
+    parser = conversion_parser(MegatronToHfJob.tool, __doc__, input_arguments=input_arguments,
+                               out_help="output Hugging Face folder", dtypes=OUTPUT_DTYPES,
+                               dtype_help="dtype of the written weights (default: the dtype of the checkpoint's "
+                                          "weights)")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                         help="largest safetensors file, e.g. 2GB or 500MB (a single larger tensor gets a file alone)")
-    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run_cli(MegatronToHfJob.tool, lambda: convert_megatron_to_hf(
-        args.ckpt, args.out, hf_config_from=args.hf_config_from, tensor_parallel=args.tp, pipeline_parallel=args.pp,
-        expert_parallel=args.ep,
-        dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force))
+        args.ckpt, args.out, hf_config_from=args.hf_config_from, max_shard_size=args.max_shard_size,
+        **conversion_options(args)))
 
 
 if __name__ == "__main__":  # required: dist_checkpointing spawns a Manager that re-imports __main__

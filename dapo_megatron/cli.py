@@ -20,187 +20,35 @@ save a checkpoint at the end of the step in progress and exit 75; Ctrl-C ends it
 Bad input (a config key, a data file, a model folder, a checkpoint, a server) ends a command with one line on rank 0,
 ``<kind> error: <message>``, and the kind's exit code on every rank (dapo_megatron.user_errors); ``train`` and
 ``eval`` check what they read before building anything (dapo_megatron.run.input_checks).
+
+Each command is a module of dapo_megatron.commands, imported only to run it, after its config has loaded: a config
+error is answered before torch and megatron-core load.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import logging
 import sys
 from pathlib import Path
 
 from dapo_megatron.config import load_config
-from dapo_megatron.run.stop_signals import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE, StopNow, StopSignals
+from dapo_megatron.launch_env import launch_env
+from dapo_megatron.run.stop_signals import INTERRUPTED_EXIT_CODE, StopNow
 from dapo_megatron.user_errors import UserError
 
 
 def _setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
-    # megatron-core logs every parameter name and its FSDP probing at INFO: keep its warnings only.
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    # Its checkpoint writer logs a writer process's failure as an error line, then raises it: the raised error says it
-    # (a full disk becomes one `checkpoint error:` line, dapo_megatron.checkpoint.save_load).
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async").setLevel(logging.CRITICAL)
+    from dapo_megatron.overrides.megatron_core.log_levels import quiet_megatron_loggers
+
+    quiet_megatron_loggers()
 
 
 def _rank_from_env() -> int:
-    from dapo_megatron.launch_env import launch_env
-
     return launch_env().rank
-
-
-def _check_inputs(config, backend, **what) -> None:
-    """:func:`~dapo_megatron.run.input_checks.check_run_inputs` on rank 0; its error is raised on every rank."""
-    import torch.distributed as dist
-
-    from dapo_megatron.rank_zero import run_on_rank0
-    from dapo_megatron.run.input_checks import check_run_inputs
-
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    run_on_rank0(lambda: check_run_inputs(config, world_size=world_size, backend=backend, **what),
-                 what="checking the inputs")
-
-
-def _accuracy_line(first: dict, last: dict) -> str | None:
-    keys = sorted(k for k in last if k.startswith("val/all/acc/mean@"))
-    if not keys:
-        return None
-    key = keys[0]
-    return f"held-out accuracy: before={first.get(key, float('nan')):.4f} after={last[key]:.4f}"
-
-
-def _init_distributed(config):
-    """The process layout, with the backend of this platform and ``model.kernels`` chosen once, here."""
-    import os
-
-    import torch
-
-    from dapo_megatron.backend import select_backend
-    from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.sglang.gpus import trainer_nccl_env
-
-    os.environ.update(trainer_nccl_env(config, cuda_available=torch.cuda.is_available()))  # before any NCCL group
-    p = config.parallel
-    backend = select_backend(config.model.kernels)
-    return init_distributed(p.tensor, p.pipeline, p.data, expert_parallel=p.expert, backend=backend,
-                            timeout_s=p.collective_timeout_s)
-
-
-def cmd_prepare_tiny(args: argparse.Namespace) -> int:
-    from dapo_megatron.launch_env import LaunchError, launch_env
-    from dapo_megatron.tiny_model import prepare_tiny_model
-    from dapo_megatron.run.model_source import tiny_model_dir
-    from dapo_megatron.run.lock import RunLock
-
-    config = load_config(args.config, args.overrides)
-    if launch_env().world_size > 1:
-        raise LaunchError("prepare-tiny runs as one process (not under torchrun / srun with several tasks): "
-                          "`train` prepares the model on rank 0 by itself")
-    _setup_logging(0)
-    if args.out is None:  # into the run directory: not while a run there may be making or reading it
-        Path(config.trainer.run_dir).mkdir(parents=True, exist_ok=True)
-        with RunLock(config.trainer.run_dir):
-            out = prepare_tiny_model(config, tiny_model_dir(config))
-    else:
-        out = prepare_tiny_model(config, args.out)
-    print(f"tiny model: {Path(out).resolve()}")
-    return 0
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)  # a config error in a blink, before torch and megatron load
-
-    from dapo_megatron.platform import destroy_distributed
-    from dapo_megatron.rank_zero import run_on_rank0
-    from dapo_megatron.trainer.loop import DAPOTrainer
-    from dapo_megatron.run.model_source import prepare_initial_model
-    from dapo_megatron.run.directory import claim_run_directory
-
-    rank = _rank_from_env()
-    _setup_logging(rank)
-    with StopSignals() as stop:
-        backend = _init_distributed(config).backend
-        lock = None
-        try:
-            lock = run_on_rank0(lambda: claim_run_directory(config.trainer.run_dir, resume=args.resume,
-                                                            overwrite=args.overwrite),
-                                what="claiming the run directory", broadcast_result=False)
-            _check_inputs(config, backend, resume=args.resume)
-            model_dir = prepare_initial_model(config)  # model.source = tiny: rank 0 makes it (once), the others wait
-            trainer = DAPOTrainer(config, model_dir, backend, resume=args.resume, stop=stop)
-            try:
-                result = trainer.run()
-            finally:
-                trainer.shutdown()
-        finally:
-            try:
-                destroy_distributed()
-            finally:
-                if lock is not None:
-                    lock.release()
-    run_dir = Path(config.trainer.run_dir).resolve()
-    if rank == 0:
-        if result["stopped_by"]:
-            print(f"stopped by {result['stopped_by']} after step {result['steps']}; `--resume` continues from its "
-                  f"checkpoint")
-        else:
-            line = _accuracy_line(result["first_eval"], result["last_eval"])
-            if line:
-                print(line)
-        print(f"run directory: {run_dir}")
-    return STOPPED_EXIT_CODE if result["stopped_by"] else 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)  # as in cmd_train
-
-    from dapo_megatron.platform import destroy_distributed
-    from dapo_megatron.trainer.evaluate import evaluate_checkpoint
-
-    rank = _rank_from_env()
-    _setup_logging(rank)
-    backend = _init_distributed(config).backend
-    try:
-        _check_inputs(config, backend, checkpoint=args.ckpt)
-        metrics = evaluate_checkpoint(config, args.ckpt, backend)
-    finally:
-        destroy_distributed()
-    if rank == 0:
-        for key, value in sorted(metrics.items()):
-            print(f"{key}: {value:.4f}")
-        if args.out:
-            _write_json(Path(args.out), metrics)
-    return 0
-
-
-def _write_json(path: Path, data: dict) -> None:
-    """Atomically: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
-
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    from dapo_megatron.metrics.plot import plot_run
-
-    out = plot_run(args.run_dir, args.out)
-    print(f"wrote {out}")
-    return 0
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from dapo_megatron.policy.plan_report import plan_report
-    from dapo_megatron.run.model_source import model_spec_for_plan
-
-    config = load_config(args.config, args.overrides)
-    spec, origin = model_spec_for_plan(config)
-    report, fits = plan_report(config, spec, origin, data_parallel=args.data_parallel,
-                               gpu_memory_gb=args.gpu_memory_gb, local_spec=args.local_spec)
-    print(report)
-    return 0 if fits else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("overrides", nargs="*", help="dotted.key=value")
     prepare.add_argument("--out", default=None, help="folder to write (default: <trainer.run_dir>/initial_model, "
                                                      "where `train` looks for it)")
-    prepare.set_defaults(func=cmd_prepare_tiny)
+    prepare.set_defaults(command_module="prepare_tiny")
     train = sub.add_parser("train", help="run DAPO training")
     train.add_argument("config")
     train.add_argument("overrides", nargs="*", help="dotted.key=value")
@@ -220,17 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true",
                        help="start a new run in a trainer.run_dir that holds one, moving the old run aside to "
                             "<run_dir>.replaced-<time>")
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(command_module="train")
     evaluate = sub.add_parser("eval", help="evaluate a checkpoint (avg@k on the validation data)")
     evaluate.add_argument("config")
     evaluate.add_argument("overrides", nargs="*", help="dotted.key=value")
     evaluate.add_argument("--ckpt", required=True)
     evaluate.add_argument("--out", default=None, help="also write the metrics to this JSON file")
-    evaluate.set_defaults(func=cmd_eval)
+    evaluate.set_defaults(command_module="evaluate")
     plot = sub.add_parser("plot", help="PNG of reward, accuracy, entropy and response length")
     plot.add_argument("run_dir")
     plot.add_argument("--out", default=None)
-    plot.set_defaults(func=cmd_plot)
+    plot.set_defaults(command_module="plot")
     plan = sub.add_parser("plan", help="GPU memory per pipeline stage of the training ranks, before a launch")
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*", help="dotted.key=value")
@@ -239,14 +87,27 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--local-spec", action="store_true",
                       help="plan megatron's local spec (no Transformer Engine: unfused attention, no sequence "
                            "parallelism) instead of the TE path")
-    plan.set_defaults(func=cmd_plan)
+    plan.set_defaults(command_module="plan")
     return parser
+
+
+# The commands that run as processes of a (possibly multi-rank) job and log as their rank.
+LOGGING_COMMANDS = ("prepare-tiny", "train", "eval")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Load the config (when the command takes one), then import the command's module and run it."""
+    config = load_config(args.config, args.overrides) if "config" in args else None
+    command = importlib.import_module(f"dapo_megatron.commands.{args.command_module}")
+    if args.command in LOGGING_COMMANDS:
+        _setup_logging(_rank_from_env())
+    return command.run(args, config)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        return run_command(args)
     except UserError as exc:
         if _rank_for_messages() == 0:
             print(exc.line(), file=sys.stderr, flush=True)
@@ -264,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 def _what_resume_continues(args: argparse.Namespace) -> str:
     if args.command != "train":
         return ""
-    from dapo_megatron.checkpoint import latest_checkpoint
+    from dapo_megatron.checkpoint import latest_checkpoint  # a stopped train run has loaded it: no cost here
 
     try:
         newest = latest_checkpoint(Path(load_config(args.config, args.overrides).trainer.run_dir) / "checkpoints")

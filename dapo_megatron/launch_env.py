@@ -55,7 +55,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
                 return out
         except (subprocess.SubprocessError, OSError):
             pass  # fall back to our own parser
-    return _parse_nodelist(nodelist)
+    return parse_nodelist(nodelist)
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -92,7 +92,9 @@ def _expand_host_pattern(pattern: str) -> list[str]:
     return hosts
 
 
-def _parse_nodelist(nodelist: str) -> list[str]:
+def parse_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list (``n[1-3,5]-ib,x``) expanded without ``scontrol``: what
+    :func:`expand_nodelist` falls back to."""
     if nodelist.count("[") != nodelist.count("]"):
         raise LaunchError(f"unbalanced brackets in SLURM host list {nodelist!r}")
     hosts = []

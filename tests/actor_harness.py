@@ -53,21 +53,29 @@ def random_samples(count: int, *, seed: int, prompt_lengths=(2, 8), response_len
 
 
 def actor_settings(**overrides) -> dict:
-    """:func:`build_actor`'s keyword arguments for the tests: fp32, the plain optimizer, no dual clip (like
-    ``policy_loss``'s default, which the reference computations use), the schema's defaults otherwise."""
-    from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+    """:func:`build_actor`'s keyword arguments for the tests: fp32, the plain optimizer, no routing replay, the
+    schema's defaults otherwise."""
+    from dapo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
 
     settings = dict(model=ModelConfig(precision="fp32"), parallel=ParallelConfig(use_distributed_optimizer=False),
-                    optim=OptimConfig(), algorithm=AlgorithmConfig(clip_ratio_c=None), micro_batch_tokens=4096,
-                    temperature=1.0)
+                    optim=OptimConfig(), routing_replay=False, micro_batch_tokens=4096, temperature=1.0)
     return {**settings, **overrides}
+
+
+def loss_of(**algorithm):
+    """The policy loss the trainer builds from an ``algorithm`` section with these settings, without the dual clip
+    unless given (the tests' reference computations use the plain clipped loss)."""
+    from dapo_megatron.algorithm import build_policy_loss
+    from dapo_megatron.config import AlgorithmConfig
+
+    return build_policy_loss(AlgorithmConfig(**{"clip_ratio_c": None, **algorithm}))
 
 
 def build_test_actor(hf_dir: str | Path, tensor_parallel: int, pipeline_parallel: int, settings: dict,
                      seed: int = 0, expert_parallel: int = 1):
     """Initialize this rank's TP/PP(/EP) layout and build the actor from ``settings`` (:func:`actor_settings`) with
     the HF weights loaded, the way the trainer does."""
-    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.backend.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 
@@ -95,12 +103,12 @@ def gather_hf_weights(actor, spec) -> dict[str, torch.Tensor] | None:
 def logprobs_and_gradients(actor, samples, weights, batching, temperature: float) -> dict:
     """Per-sample response log-probs of ``samples`` laid out by the actor's current packer and ``batching``, and this
     rank's parameter gradients of Σ_i Σ_t weights[i][t]·log p (every micro-batch's forward and backward by hand)."""
-    plan = actor._plan(samples, batching)
+    plan = actor.plan(samples, batching)
     actor.model.zero_grad_buffer()
     logprobs = [None] * len(samples)
     for mb in plan.micro_batches:
         logits = actor.model(mb.tokens, mb.position_ids, mb.attention_mask, packed_seq_params=mb.packed_seq_params)
-        rows, _ = actor._response_logprobs(mb, logits, temperature=temperature)
+        rows, _ = actor.response_logprobs(mb, logits, temperature=temperature)
         loss = logits.sum() * 0.0
         for row, index in enumerate(mb.sample_indices):
             length = samples[index].response_length

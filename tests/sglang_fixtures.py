@@ -58,8 +58,8 @@ class SharedServer:
             config = SGLangConfig(python=SERVER_PYTHON, base_port=0, launch_timeout_s=STARTUP_TIMEOUT_S,
                                   request_timeout_s=REQUEST_TIMEOUT_S, max_restarts=6,
                                   extra_server_args=["--dtype", "float32", "--max-total-tokens", "4096"])
-            self._engine = SGLangEngine(config, model_path=self.model_dir, show_progress=False,
-                                        run_dir=self.run_root / f"launch{self.launches}")
+            self._engine = SGLangEngine.launch(config, model_path=self.model_dir, show_progress=False,
+                                               run_dir=self.run_root / f"launch{self.launches}")
         return self._engine
 
     def close(self) -> None:
@@ -99,7 +99,7 @@ def attached(engine: SGLangEngine, transport: str, request_timeout_s: float = RE
     key_file.write_text(server.api_key)
     config = SGLangConfig(urls=[server.url], api_key_file=str(key_file), transport=transport,
                           request_timeout_s=request_timeout_s)
-    return SGLangEngine(config, model_path=engine.model_path, show_progress=False)
+    return SGLangEngine.launch(config, model_path=engine.model_path, show_progress=False)
 
 
 def hf_greedy_until_eos(model, prompts, max_new_tokens):

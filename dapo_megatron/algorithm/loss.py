@@ -36,6 +36,10 @@ this call's masked tokens unless noted:
     num_masked_tokens       int, Σ m here — the weight for combining the means above across micro-batches
     num_active_sequences    int, sequences here with at least one masked token
 ``merge_micro_batch_metrics`` combines several calls' metrics with those weights.
+
+The input checks, the masking, the aggregation and the metrics are the same for every objective of
+:mod:`dapo_megatron.algorithm.objectives` (``gspo.py`` and ``cispo.py`` use the helpers below); only ℓ_{i,t}
+and what the clip fractions count differ.
 """
 
 from __future__ import annotations
@@ -45,57 +49,97 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dapo_megatron.config import AlgorithmConfig
-
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOG_RATIO_LIMIT = 20.0
 TOKEN_MEAN_METRICS = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio_mean")
 COUNT_METRICS = ("num_masked_tokens", "num_active_sequences")
 
 
-def _check_inputs(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float,
-    eps_high: float,
-    clip_ratio_c: float | None,
-    agg: str,
-) -> None:
+def check_inputs(name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                 agg: str) -> None:
+    """The shapes every objective takes ([B, T] log-probs and mask, [B] or [B, T] advantages) and a known ``agg``;
+    ``name`` (the loss function's) starts each message."""
     if logprobs.dim() != 2:
-        raise ValueError(f"policy_loss: logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+        raise ValueError(f"{name}: logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     shape = logprobs.shape
     if old_logprobs.shape != shape:
-        raise ValueError(
-            f"policy_loss: old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(shape)}"
-        )
+        raise ValueError(f"{name}: old_logprobs shape {tuple(old_logprobs.shape)} != logprobs shape {tuple(shape)}")
     if mask.shape != shape:
-        raise ValueError(f"policy_loss: mask shape {tuple(mask.shape)} != logprobs shape {tuple(shape)}")
+        raise ValueError(f"{name}: mask shape {tuple(mask.shape)} != logprobs shape {tuple(shape)}")
     if advantages.shape not in (shape[:1], shape):
         raise ValueError(
-            f"policy_loss: advantages must be [B]={shape[0]} or [B, T]={tuple(shape)}, "
-            f"got shape {tuple(advantages.shape)}"
+            f"{name}: advantages must be [B]={shape[0]} or [B, T]={tuple(shape)}, got shape {tuple(advantages.shape)}"
         )
-    if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"policy_loss: eps_low must be in [0, 1), got {eps_low}")
-    if eps_high < 0.0:
-        raise ValueError(f"policy_loss: eps_high must be >= 0, got {eps_high}")
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (reference recipe: 10), got {clip_ratio_c}")
     if agg not in LOSS_AGG_MODES:
-        raise ValueError(f"policy_loss: unknown agg {agg!r}; expected one of {LOSS_AGG_MODES}")
+        raise ValueError(f"{name}: unknown agg {agg!r}; expected one of {LOSS_AGG_MODES}")
 
 
-def _positive_count(count: int | float | Tensor | None, fallback: Tensor, name: str) -> Tensor | float:
+def check_clip_range(name: str, eps_low: float, eps_high: float) -> None:
+    """A ratio clip range [1 − eps_low, 1 + eps_high] around 1."""
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(f"{name}: eps_low must be in [0, 1), got {eps_low}")
+    if eps_high < 0.0:
+        raise ValueError(f"{name}: eps_high must be >= 0, got {eps_high}")
+
+
+def masked_terms(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(bool mask, float32 weights, float32 [B, T] advantages, float32 log π − log π_old) with every masked-out
+    position replaced by 0 before any arithmetic, so NaN/inf log-probs at padding reach neither loss nor gradient.
+    The log-ratio carries the graph of ``logprobs`` only."""
+    counts = mask.to(torch.bool)
+    weights = counts.to(torch.float32)
+    advantage = advantages.detach().to(torch.float32)
+    if advantage.dim() == 1:
+        advantage = advantage.unsqueeze(-1).expand(logprobs.shape)
+    log_ratio = torch.where(counts, logprobs.to(torch.float32) - old_logprobs.detach().to(torch.float32), 0.0)
+    return counts, weights, torch.where(counts, advantage, 0.0), log_ratio
+
+
+def _positive_count(name: str, count: int | float | Tensor | None, fallback: Tensor, what: str) -> Tensor | float:
     """The normalizer: ``count`` if given (validated when it is a Python number) else ``fallback``; clamped to >= 1."""
     if count is None:
         return fallback.clamp(min=1.0)
     if isinstance(count, Tensor):
         return count.to(device=fallback.device, dtype=torch.float32).clamp(min=1.0)
     if count < 0:
-        raise ValueError(f"policy_loss: {name} must be >= 0, got {count}")
+        raise ValueError(f"{name}: {what} must be >= 0, got {count}")
     return max(float(count), 1.0)
+
+
+def aggregate(name: str, token_loss: Tensor, weights: Tensor, agg: str, num_tokens: int | Tensor | None,
+              num_sequences: int | Tensor | None) -> tuple[Tensor, Tensor]:
+    """The batch loss from masked per-token losses ``token_loss`` (0 where masked) by ``agg`` (module docstring),
+    and the number of sequences here with at least one loss token."""
+    tokens_per_sequence = weights.sum(dim=-1)
+    active_sequences = (tokens_per_sequence > 0).to(torch.float32).sum()
+    if agg == "token-mean":
+        return token_loss.sum() / _positive_count(name, num_tokens, weights.sum(), "num_tokens"), active_sequences
+    sequence_loss = token_loss.sum(dim=-1)
+    if agg == "seq-mean-token-mean":
+        sequence_loss = sequence_loss / tokens_per_sequence.clamp(min=1.0)
+    return (sequence_loss.sum() / _positive_count(name, num_sequences, active_sequences, "num_sequences"),
+            active_sequences)
+
+
+@torch.no_grad()
+def loss_metrics(loss: Tensor, weights: Tensor, active_sequences: Tensor, *, clipped_high: Tensor,
+                 clipped_low: Tensor, clipped_dual: Tensor, log_ratio: Tensor, ratio: Tensor) -> dict[str, float]:
+    """The metrics of the module docstring, each token mean over ``weights``, read back with one ``.tolist()``."""
+    num_masked = weights.sum()
+    denominator = num_masked.clamp(min=1.0)
+
+    def masked_mean(values: Tensor) -> Tensor:
+        return (values.to(torch.float32) * weights).sum() / denominator
+
+    stacked = torch.stack([
+        loss.detach(), masked_mean(clipped_high), masked_mean(clipped_low), masked_mean(clipped_dual),
+        masked_mean(-log_ratio), masked_mean(ratio), num_masked, active_sequences,
+    ]).tolist()
+    metrics: dict[str, float] = dict(zip(("pg_loss",) + TOKEN_MEAN_METRICS, stacked[:6], strict=True))
+    metrics["num_masked_tokens"] = int(stacked[6])
+    metrics["num_active_sequences"] = int(stacked[7])
+    return metrics
 
 
 def policy_loss(
@@ -104,10 +148,10 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    eps_low: float = AlgorithmConfig.eps_low,
-    eps_high: float = AlgorithmConfig.eps_high,
-    clip_ratio_c: float | None = AlgorithmConfig.clip_ratio_c,
-    agg: str = AlgorithmConfig.loss_agg,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float | None,
+    agg: str,
     num_tokens: int | Tensor | None = None,
     num_sequences: int | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -119,7 +163,7 @@ def policy_loss(
         advantages: [B] per-sample or [B, T] per-token advantages (detached here).
         mask: [B, T] bool or numeric, 1 for response tokens that count.
         eps_low, eps_high: the decoupled clip range [1 − eps_low, 1 + eps_high].
-        clip_ratio_c: dual-clip bound c > 1 for negative advantages (the schema's default); None disables it.
+        clip_ratio_c: dual-clip bound c > 1 for negative advantages; None disables it.
         agg: "token-mean" (DAPO), "seq-mean-token-mean" (GRPO) or "seq-mean-token-sum".
         num_tokens: token-mean only — global masked-token count N across micro-batches and DP ranks.
         num_sequences: seq-mean modes only — global count S of sequences with at least one masked token.
@@ -127,59 +171,26 @@ def policy_loss(
     Returns:
         (loss, metrics): a scalar float32 loss to minimize and the metrics listed in the module docstring.
     """
-    _check_inputs(logprobs, old_logprobs, advantages, mask, eps_low, eps_high, clip_ratio_c, agg)
-    counts = mask.to(torch.bool)
-    weights = counts.to(torch.float32)
-    advantage = advantages.detach().to(torch.float32)
-    if advantage.dim() == 1:
-        advantage = advantage.unsqueeze(-1).expand(logprobs.shape)
-
-    log_ratio_raw = torch.where(counts, logprobs.to(torch.float32) - old_logprobs.detach().to(torch.float32), 0.0)
-    ratio = torch.exp(log_ratio_raw.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
-    advantage = torch.where(counts, advantage, 0.0)
+    name = "policy_loss"
+    check_inputs(name, logprobs, old_logprobs, advantages, mask, agg)
+    check_clip_range(name, eps_low, eps_high)
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"{name}: clip_ratio_c must be > 1 (reference recipe: 10), got {clip_ratio_c}")
+    counts, weights, advantage, log_ratio = masked_terms(logprobs, old_logprobs, advantages, mask)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
 
     unclipped_loss = -advantage * ratio
     clipped_loss = -advantage * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     token_loss = torch.maximum(unclipped_loss, clipped_loss)
     if clip_ratio_c is not None:
         token_loss = torch.where(advantage < 0, torch.minimum(token_loss, -advantage * clip_ratio_c), token_loss)
-    token_loss = token_loss * weights
+    loss, active_sequences = aggregate(name, token_loss * weights, weights, agg, num_tokens, num_sequences)
 
-    tokens_per_sequence = weights.sum(dim=-1)
-    active_sequences = (tokens_per_sequence > 0).to(torch.float32).sum()
-    if agg == "token-mean":
-        loss = token_loss.sum() / _positive_count(num_tokens, weights.sum(), "num_tokens")
-    else:
-        sequence_loss = token_loss.sum(dim=-1)
-        if agg == "seq-mean-token-mean":
-            sequence_loss = sequence_loss / tokens_per_sequence.clamp(min=1.0)
-        loss = sequence_loss.sum() / _positive_count(num_sequences, active_sequences, "num_sequences")
-
-    with torch.no_grad():
-        num_masked = weights.sum()
-        denominator = num_masked.clamp(min=1.0)
-
-        def masked_mean(values: Tensor) -> Tensor:
-            return (values.to(torch.float32) * weights).sum() / denominator
-
-        dual_clipped = (
-            (advantage < 0) & (ratio > clip_ratio_c) if clip_ratio_c is not None else torch.zeros_like(counts)
-        )
-        stacked = torch.stack(
-            [
-                loss.detach(),
-                masked_mean((advantage > 0) & (ratio > 1.0 + eps_high)),
-                masked_mean((advantage < 0) & (ratio < 1.0 - eps_low)),
-                masked_mean(dual_clipped),
-                masked_mean(-log_ratio_raw),
-                masked_mean(ratio),
-                num_masked,
-                active_sequences,
-            ]
-        ).tolist()
-    metrics: dict[str, float] = dict(zip(("pg_loss",) + TOKEN_MEAN_METRICS, stacked[:6], strict=True))
-    metrics["num_masked_tokens"] = int(stacked[6])
-    metrics["num_active_sequences"] = int(stacked[7])
+    dual_clipped = (advantage < 0) & (ratio > clip_ratio_c) if clip_ratio_c is not None else torch.zeros_like(counts)
+    metrics = loss_metrics(
+        loss, weights, active_sequences, clipped_high=(advantage > 0) & (ratio > 1.0 + eps_high),
+        clipped_low=(advantage < 0) & (ratio < 1.0 - eps_low), clipped_dual=dual_clipped, log_ratio=log_ratio,
+        ratio=ratio)
     return loss, metrics
 
 

@@ -20,7 +20,8 @@ behaviour policies, ρ_t = π_old(t) / π_rollout(t) = exp(logp_old − logp_rol
 How a weight enters the DAPO loss: for w ≥ 0 the clipped token loss satisfies w·ℓ(A) = ℓ(w·A) —
 max(−rA, −clip(r)A) and the dual clip min(·, −cA) are positively homogeneous in A, and w·A has the sign of A — so a
 weighted token is a token with advantage w_t·A (per-token advantages, :func:`weighted_advantage`), and a masked one
-has loss mask 0.
+has loss mask 0. GSPO's loss is homogeneous in A the same way and CISPO's is linear in it
+(:mod:`dapo_megatron.algorithm.objectives`), so the weights multiply their per-token losses too.
 Masked tokens leave the token-mean normalizer too, as the overlong filter's do.
 
 :func:`rollout_correction` returns the per-token weights and keep-masks plus the diagnostics, all computed over the

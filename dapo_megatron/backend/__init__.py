@@ -1,4 +1,6 @@
-"""The backend: every choice that depends on the platform the policy runs on, made once per process.
+"""The backend: every choice that depends on the platform the policy runs on, made once per process — the one home
+of device decisions, at the bottom of the import graph (nothing here imports the layers that use it, except the
+concrete backends and the registry that names them; tests/unit/test_import_layers.py checks it).
 
 :func:`select_backend` picks one of three from the platform and ``model.kernels``; the policy, the actor, the weight
 handoff and the rollout side ask it instead of looking at the platform themselves:
@@ -22,7 +24,7 @@ whatever ``kernels`` says, except ``transformer_engine``.
 The backend supplies:
 
 * ``prepare_process()`` — anything the process needs before megatron runs (the CPU backend installs
-  :mod:`dapo_megatron.cpu.megatron_compat`);
+  :mod:`dapo_megatron.overrides.megatron_core.cpu_compat`);
 * ``layer_spec(spec, num_layers)`` and ``rope_in_attention`` — what :func:`dapo_megatron.policy.model.build_model`
   builds;
 * ``packer`` — how the actor lays samples out in rows (:class:`dapo_megatron.policy.packing.RowPacker`);
@@ -31,9 +33,36 @@ The backend supplies:
   generation): the CPU backend runs it without megatron's device redirect, which only slows it down there;
 * ``recompute(requested)`` — the activation recomputation a run uses (none on CPU, where memory is not the limit);
 * ``sglang_server_environment(env)`` — the environment an SGLang server needs on this platform.
+
+The modules: :mod:`~dapo_megatron.backend.base` (the :class:`Backend` interface) and
+:mod:`~dapo_megatron.backend.interfaces` (the packer and TP-gather interfaces it hands out), the bottom;
+:mod:`~dapo_megatron.backend.cuda` (the CUDA backends) and :mod:`~dapo_megatron.backend.select` (the registry);
+:mod:`~dapo_megatron.backend.platform`, which applies the choice to the process (device, process group, seeds);
+and :func:`dapo_megatron.overrides.megatron_core.process.apply_megatron_core_overrides`, what every backend fixes in
+megatron-core (``prepare_process``).
 """
 
-from dapo_megatron.backend.base import Backend
-from dapo_megatron.backend.select import Kernels, select_backend
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dapo_megatron.backend.base import Backend
+    from dapo_megatron.backend.select import Kernels, select_backend
 
 __all__ = ["Backend", "Kernels", "select_backend"]
+
+
+def __getattr__(name: str):
+    # On first use, not at import: the implementations import backend.interfaces, which runs this file first, and
+    # the registry imports the backends that import those implementations — eagerly, a circle (importing
+    # dapo_megatron.cpu.shm_gather first failed with it).
+    if name == "Backend":
+        from dapo_megatron.backend.base import Backend
+
+        return Backend
+    if name in ("Kernels", "select_backend"):
+        from dapo_megatron.backend import select
+
+        return getattr(select, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,19 +1,26 @@
-"""What every backend supplies (:mod:`dapo_megatron.backend` says which backend runs where)."""
+"""What every backend supplies (:mod:`dapo_megatron.backend` says which backend runs where).
+
+The bottom of the seam: it names the layers that use it (the policy's model spec) for the type checker only; the
+packer and the TP gather are the interfaces of :mod:`dapo_megatron.backend.interfaces`, which each concrete backend
+fills with its platform's implementation (:mod:`dapo_megatron.backend.cuda`, :mod:`dapo_megatron.cpu.backend`).
+"""
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from dapo_megatron.backend.megatron_fixes import apply_megatron_fixes
 from dapo_megatron.config.model import Recompute
-from dapo_megatron.handoff.tp_gather import ProcessGroupGather, TensorParallelGather
-from dapo_megatron.policy.model_spec import ModelSpec
-from dapo_megatron.policy.packing import RowPacker, ThdPacker
+from dapo_megatron.overrides.megatron_core.process import apply_megatron_core_overrides
+
+if TYPE_CHECKING:
+    from dapo_megatron.backend.interfaces import RowPacker, TensorParallelGather
+    from dapo_megatron.policy.model_spec import ModelSpec
 
 
 class Backend:
-    """The choices of one platform; the defaults are CUDA's."""
+    """The choices of one platform; the defaults are CUDA's. A concrete backend sets ``packer`` (how the actor lays
+    samples out in rows) and ``tp_gather`` (how the weight handoff gathers TP shards) when it is made."""
 
     name: str = ""
     device_type: Literal["cuda", "cpu"] = "cuda"
@@ -21,14 +28,13 @@ class Backend:
     uses_transformer_engine: bool = False
     rope_in_attention: bool = False  # True: the core attention rotates q/k itself (no megatron RoPE embedding)
 
-    def __init__(self) -> None:
-        self.packer: RowPacker = ThdPacker()
-        self.tp_gather: TensorParallelGather = ProcessGroupGather()
+    packer: RowPacker
+    tp_gather: TensorParallelGather
 
     def prepare_process(self) -> None:
         """Run once per process before megatron-core does anything (on CUDA: only the megatron-core fixes every
-        backend needs, :mod:`dapo_megatron.backend.megatron_fixes`)."""
-        apply_megatron_fixes()
+        backend needs, :mod:`dapo_megatron.overrides.megatron_core.process`)."""
+        apply_megatron_core_overrides()
 
     def layer_spec(self, spec: ModelSpec, num_layers: int | None):
         """megatron's layer spec for ``spec``; with ``num_layers`` (this pipeline stage's) it may be a block spec."""

@@ -17,7 +17,6 @@ import contextlib
 import errno
 import logging
 import pickle
-import queue
 import random
 import shutil
 from pathlib import Path
@@ -28,13 +27,18 @@ import torch
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dapo_megatron.checkpoint import layout
 from dapo_megatron.config import DAPOConfig, save_config
 from dapo_megatron.hf_format.folder import copy_side_files
 from dapo_megatron.hf_format.mismatch import TensorMismatch
+from dapo_megatron.overrides.megatron_core.checkpointing import (
+    OPTIMIZER_STATE_METADATA,
+    give_empty_adam_state,
+    reapply_adam_steps,
+    write_results_in_this_process,
+)
 from dapo_megatron.user_errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -73,19 +77,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])  # last: on CPU the tracker shares this generator
 
 
-def _write_results_in_this_process() -> None:
-    """Keep megatron-core's checkpoint writes free of a multiprocessing Manager.
-
-    megatron-core 0.16.1 returns the results of its writer processes (forked per save) through a queue it makes, on
-    first use, in a spawned Manager process (~280 MB) that lives until the interpreter's exit handlers stop it: a
-    trainer ended by a signal leaves it (and the resource tracker it holds open) running with the trainer's stdout,
-    so ``dapo-megatron train ... | tee log`` hangs; and a SIGTERM sent to every process of a job kills it first, so
-    the checkpoint the trainer then writes fails. A synchronous save, the only kind made here, puts and reads those
-    results in the calling process (``AsyncRequest.execute_sync``), where a plain queue carries them."""
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save_model(model_chunks: list, directory: str | Path) -> None:
     """Distributed checkpoint of the (unwrapped) model chunks; every rank calls it."""
 
@@ -93,7 +84,7 @@ def save_model(model_chunks: list, directory: str | Path) -> None:
     if _rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     _barrier()
-    _write_results_in_this_process()
+    write_results_in_this_process()
     dist_checkpointing.save(model_sharded_state_dict(model_chunks), str(directory))
 
 
@@ -123,14 +114,6 @@ def load_model(model_chunks: list, directory: str | Path) -> None:
         raise CheckpointError(mismatch.report(f"{directory} does not fit the model"))
 
 
-# How the distributed optimizer lays out its state in a checkpoint. megatron-core 0.16.1's default,
-# "fully_sharded_model_space", builds ShardedTensors with ``flattened_range``, which its own save rejects
-# ("ShardedTensor.flattened_range is not supported") as soon as DP > 1. "dp_reshardable" saves each rank's buffers
-# as they are, with no communication; it reshards only over DP, and a resume already needs the world size the
-# checkpoint was written with (every rank's RNG state is in it). Save and load must name the same layout.
-OPTIMIZER_STATE_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
 def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimizer, trainer_state: dict,
                     side_files_from: str | Path | None, keep: int, run_id: str | None = None,
                     config: DAPOConfig | None = None) -> Path:
@@ -147,7 +130,7 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
         (tmp / layout.MODEL_DIR).mkdir()
         (tmp / layout.OPTIMIZER_DIR).mkdir()
     _barrier()
-    _write_results_in_this_process()
+    write_results_in_this_process()
     model_state = model_sharded_state_dict(model_chunks)
     # Before its first applied update an optimizer has no state to save (and megatron's distributed optimizer
     # cannot even describe it): its folder then holds nothing, which load_checkpoint recognizes.
@@ -267,46 +250,6 @@ def _unloadable(path: Path, what: str) -> Iterator[None]:
         raise CheckpointError(f"{path} {what}: {detail}") from None
 
 
-def _reapply_adam_steps(optimizer) -> None:
-    """Set torch Adam's per-parameter ``step`` from the param groups the checkpoint restored.
-
-    With torch's Adam (no TE/apex: the CPU path) megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict``
-    first sets every ``state[p]["step"]`` from the checkpoint's param groups, then
-    ``load_parameter_state_from_dp_reshardable`` copies the step tensors of the pre-load sharded state dict back
-    over them (``step`` is not stored per parameter), so a resumed run would continue with the wrong bias
-    correction. It also gives every parameter the *same* step tensor, which torch's foreach Adam would then advance
-    once per parameter each update: each parameter gets a tensor of its own here. TE/apex FusedAdam keeps the step
-    only in the param groups, where this finds no per-parameter step.
-    """
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(chained, "optimizer", None)
-        for group in inner.param_groups if inner is not None else []:
-            for param in group["params"] if "step" in group else []:
-                step = inner.state.get(param, {}).get("step")
-                if isinstance(step, torch.Tensor):
-                    inner.state[param]["step"] = torch.full_like(step, float(group["step"]))
-
-
-def _give_empty_adam_state(optimizer) -> None:
-    """Zero moments and step 0 for every parameter of a torch Adam that has never stepped (a fresh process resuming).
-
-    megatron-core 0.16.1's ``DistributedOptimizer.state_dict`` — which building the load's sharded state dict calls —
-    reads the step from torch Adam's per-parameter state when neither TE nor apex provides the optimizer (the CPU
-    path, and CUDA without them) and asserts there is exactly one, so a fresh optimizer fails there before anything
-    is read. The load then overwrites these tensors in place and ``_reapply_adam_steps`` sets the steps.
-    """
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(chained, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if inner.state.get(param):
-                    continue
-                moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
-                inner.state[param] = {"step": torch.tensor(0.0), **{name: torch.zeros_like(param) for name in moments}}
-
-
 def _has_stepped(optimizer) -> bool:
     """Whether any of the (chained) megatron optimizer's torch optimizers holds per-parameter state."""
     return any(len(getattr(chained, "optimizer", chained).state) > 0
@@ -327,7 +270,7 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
         raise CheckpointError(f"{path} is not a complete checkpoint (no {layout.COMPLETE_MARKER} marker)")
     load_model(model_chunks, path / layout.MODEL_DIR)
     if _optimizer_state_saved(path / layout.OPTIMIZER_DIR):
-        _give_empty_adam_state(optimizer)
+        give_empty_adam_state(optimizer)
         with _unloadable(path / layout.OPTIMIZER_DIR, "does not fit the optimizer, or is damaged"):
             opt_state = dist_checkpointing.load(
                 optimizer.sharded_state_dict(model_sharded_state_dict(model_chunks), is_loading=True,
@@ -336,7 +279,7 @@ def load_checkpoint(path: str | Path, *, model_chunks: list, optimizer) -> dict:
             )
         with torch.no_grad():  # fp32 training: the distributed optimizer's main params are views of model leaves
             optimizer.load_state_dict(opt_state)
-            _reapply_adam_steps(optimizer)
+            reapply_adam_steps(optimizer)
     else:
         # Written before the optimizer's first applied update: it had no state then, and this fresh one has none
         # either (loading would ask for Adam moments that were never saved). Its main copies follow the model.

@@ -3,14 +3,53 @@ corrections for samples the policy did not generate itself (an older version, an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from dapo_megatron.config.errors import require, require_finite_numbers
 
+# The registries' names (dapo_megatron/algorithm/objectives.py); a test holds them equal to the registries' keys, so
+# a new objective is its registry entry, its name here, and its test.
+PolicyLossName = Literal["dapo", "gspo", "gspo_token", "cispo"]
+AdvantageEstimatorName = Literal["grpo"]
+
+
+@dataclass
+class GSPOConfig:
+    """``algorithm.policy_loss: gspo / gspo_token``: the sequence-ratio clip range (dapo_megatron/algorithm/gspo.py).
+    The paper's: a sequence ratio moves far less than a token ratio, so DAPO's 0.2 / 0.28 would hardly ever clip."""
+
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+
+    def validate(self) -> None:
+        require(0 <= self.eps_low < 1, "algorithm.gspo.eps_low", f"must be in [0, 1), got {self.eps_low}")
+        require(self.eps_high >= 0, "algorithm.gspo.eps_high", f"must be >= 0, got {self.eps_high}")
+
+
+@dataclass
+class CISPOConfig:
+    """``algorithm.policy_loss: cispo``: the range of the stop-gradient IS weight (dapo_megatron/algorithm/cispo.py).
+    eps_low_is = 1: no lower bound, as MiniMax-M1; eps_high_is = 3: a weight cap of 4 (the paper leaves it
+    unpublished; 4 is Tinker's documented CISPO default)."""
+
+    eps_low_is: float = 1.0
+    eps_high_is: float = 3.0
+
+    def validate(self) -> None:
+        require(self.eps_low_is >= 0, "algorithm.cispo.eps_low_is",
+                f"must be >= 0 (1 or more: no lower bound), got {self.eps_low_is}")
+        require(self.eps_high_is >= 0, "algorithm.cispo.eps_high_is", f"must be >= 0, got {self.eps_high_is}")
+
 
 @dataclass
 class AlgorithmConfig:
+    # The objective (dapo_megatron/algorithm/objectives.py): the policy loss and the advantage estimator.
+    # eps_low / eps_high / clip_ratio_c below are dapo's; gspo and cispo have their own ranges.
+    policy_loss: PolicyLossName = "dapo"
+    advantage_estimator: AdvantageEstimatorName = "grpo"
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)
+    cispo: CISPOConfig = field(default_factory=CISPOConfig)
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher; = eps_low gives GRPO's symmetric clip
     clip_ratio_c: float | None = 10.0  # dual clip for negative advantages
@@ -55,6 +94,8 @@ class AlgorithmConfig:
         require(self.eps_high >= 0, "algorithm.eps_high", f"must be >= 0, got {self.eps_high}")
         require(self.clip_ratio_c is None or self.clip_ratio_c > 1, "algorithm.clip_ratio_c",
                 f"must be > 1 (or null), got {self.clip_ratio_c}")
+        self.gspo.validate()
+        self.cispo.validate()
         require(self.gen_batch_size >= 1, "algorithm.gen_batch_size", "must be >= 1")
         require(self.max_gen_rounds >= 1, "algorithm.max_gen_rounds", "must be >= 1")
         require(self.tis_cap > 0, "algorithm.tis_cap", f"must be > 0, got {self.tis_cap}")

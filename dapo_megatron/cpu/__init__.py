@@ -4,7 +4,8 @@ The rest of the project never imports from here: :func:`dapo_megatron.backend.se
 :class:`~dapo_megatron.cpu.backend.CpuBackend` when there is no CUDA, and the code that needs a platform choice asks
 that backend.
 
-* :mod:`.megatron_compat` — the one compatibility layer that lets megatron-core run on CPU (what it changes, exactly);
+* :mod:`dapo_megatron.overrides.megatron_core.cpu_compat` (not here: it changes megatron-core, so it sits with the
+  other overrides) — the one compatibility layer that lets megatron-core run on CPU, which :mod:`.backend` installs;
 * :mod:`.layers`, :mod:`.attention` — the layer spec: RMSNorm, SwiGLU and RoPE with hand-written backward passes,
   attention per packed sample;
 * :mod:`.segment_packing` — the packed layout that attention reads (each prompt once per row);

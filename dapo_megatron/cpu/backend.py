@@ -8,12 +8,12 @@ from contextlib import AbstractContextManager
 
 from dapo_megatron.backend.base import Backend
 from dapo_megatron.config.model import Recompute
-from dapo_megatron.cpu import megatron_compat
 from dapo_megatron.cpu.attention import RotarySettings
 from dapo_megatron.cpu.layers import local_layer_spec
 from dapo_megatron.cpu.segment_packing import SegmentPacker
 from dapo_megatron.cpu.sglang import server_pythonpath
 from dapo_megatron.cpu.shm_gather import SharedMemoryGather
+from dapo_megatron.overrides.megatron_core import cpu_compat
 from dapo_megatron.policy.model_spec import ModelSpec
 
 
@@ -30,14 +30,14 @@ class CpuBackend(Backend):
 
     def prepare_process(self) -> None:
         super().prepare_process()
-        megatron_compat.install()
+        cpu_compat.install()
 
     def layer_spec(self, spec: ModelSpec, num_layers: int | None):
         return local_layer_spec(RotarySettings(spec.rope_theta, spec.rope_llama3_factor), num_layers,
                                 qk_norm=spec.qk_norm, num_experts=spec.moe.num_experts if spec.moe else None)
 
     def host_compute(self) -> AbstractContextManager:
-        return megatron_compat.suspended()
+        return cpu_compat.suspended()
 
     def recompute(self, requested: Recompute) -> Recompute:
         """None: memory is not what limits a CPU run (the demo), and recomputing would only cost time."""

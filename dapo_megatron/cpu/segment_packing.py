@@ -14,7 +14,7 @@ then padding to a multiple of ``pad_to_multiple`` (its own view). Response token
 the logits at the last prompt position (``t = 0``) or at its own token ``t − 1``. A prompt's positions belong to the
 view of the unit's first sample (its outputs are taken from there); each response position to its own view.
 
-:class:`SegmentPacker` is this layout as the CPU backend's :class:`~dapo_megatron.policy.packing.RowPacker`.
+:class:`SegmentPacker` is this layout as the CPU backend's :class:`~dapo_megatron.backend.interfaces.RowPacker`.
 Binning (:func:`segment_bins`): samples are grouped by prompt (identical token ids, in first-appearance order); a
 group larger than the budget is cut into units that fit (each unit repeats the prompt); units are placed first-fit
 decreasing. Deterministic: the same samples in the same order give the same rows on every rank.
@@ -144,7 +144,7 @@ def segmented_row(samples: Sequence[PolicySample], indices: Sequence[int], pad_t
 
 
 class SegmentPacker:
-    """The segments layout as a :class:`~dapo_megatron.policy.packing.RowPacker`."""
+    """The segments layout as a :class:`~dapo_megatron.backend.interfaces.RowPacker`."""
 
     def bins(self, samples: Sequence[PolicySample], indices: Sequence[int], token_budget: int) -> list[list[int]]:
         return segment_bins(samples, indices, token_budget)

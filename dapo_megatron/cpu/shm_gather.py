@@ -6,7 +6,7 @@ across and out again, in chunks, with a round trip per parameter. Ranks on the s
 all its shards once into a shared-memory file (``/dev/shm``), one barrier publishes them, and TP rank 0 reads them
 in place (the un-interleave that follows makes the one copy the HF tensors need anyway).
 
-:class:`SharedMemoryGather` (a :class:`~dapo_megatron.handoff.tp_gather.TensorParallelGather`) sets this up once
+:class:`SharedMemoryGather` (a :class:`~dapo_megatron.backend.interfaces.TensorParallelGather`) sets this up once
 per TP group and shard layout, and falls back to the process-group gather where it does not apply (one TP rank, CUDA
 tensors, ranks on several hosts, not enough space in ``/dev/shm``). The file is unlinked as soon as every rank has
 mapped it, so nothing is
@@ -26,7 +26,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.handoff.tp_gather import ProcessGroupGather, ShardGather
+from dapo_megatron.backend.interfaces import ShardGather
+from dapo_megatron.handoff.tp_gather import ProcessGroupGather
 from dapo_megatron.hf_format.buckets import nbytes
 
 SHM_DIR = "/dev/shm"

@@ -4,7 +4,7 @@ Who does what (every rank calls the same function; it returns/yields nothing on 
 
 * Only data-parallel rank 0 takes part — DP replicas hold identical weights.
 * Within each pipeline stage, the TP ranks gather each parameter's shard to TP rank 0 (the stage's *source*) — with
-  the backend's :class:`~dapo_megatron.handoff.tp_gather.TensorParallelGather` (``tp_gather``; default: one
+  the backend's :class:`~dapo_megatron.backend.interfaces.TensorParallelGather` (``tp_gather``; default: one
   process-group ``gather`` per parameter) — which turns the shards into full HF tensors through
   :mod:`dapo_megatron.policy.weight_mapping` (QKV and fc1
   un-interleaved, vocabulary padding removed). Replicated tensors (norms) are not gathered.
@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from dapo_megatron.backend.interfaces import TensorParallelGather
 from dapo_megatron.handoff.stage_routes import StageStreamReceiver, stage_broadcast_groups
-from dapo_megatron.handoff.tp_gather import ProcessGroupGather, TensorParallelGather
+from dapo_megatron.handoff.tp_gather import ProcessGroupGather
 from dapo_megatron.hf_format.buckets import Bucket, bucketed, nbytes
 from dapo_megatron.policy.hf_loader import model_stage_mappings, unwrap_model
 from dapo_megatron.policy.model_spec import ModelSpec

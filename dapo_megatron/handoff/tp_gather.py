@@ -1,32 +1,21 @@
 """How the exporter brings every tensor-parallel rank's shard of a parameter to the stage's source (TP rank 0).
 
-An export opens one :class:`ShardGather` over the TP group with the shards it will ask for, in an order every TP rank
-shares (:meth:`TensorParallelGather.open`); then every TP rank calls :meth:`ShardGather.shards` once per shard, in that
-order — the source gets the shards of all ranks in rank order, the others None — and :meth:`ShardGather.finish` at the
-end. Which gather runs is the backend's choice (:mod:`dapo_megatron.backend`): :class:`ProcessGroupGather`, one
-``gather`` per parameter over the TP process group (NCCL between GPUs), unless the backend has a faster one for its
-platform.
+An export opens one :class:`~dapo_megatron.backend.interfaces.ShardGather` over the TP group with the shards it will
+ask for, in an order every TP rank shares (:meth:`~dapo_megatron.backend.interfaces.TensorParallelGather.open`, the
+interface the backend defines); then every TP rank calls ``shards`` once per shard, in that order — the source gets
+the shards of all ranks in rank order, the others None — and ``finish`` at the end. Which gather runs is the
+backend's choice (:mod:`dapo_megatron.backend`): :class:`ProcessGroupGather` on CUDA, one ``gather`` per parameter
+over the TP process group (NCCL between GPUs); the CPU backend has a faster one for its platform.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-
-class ShardGather(Protocol):
-    def shards(self, index: int, own: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every TP rank's ``index``-th shard on the source (``own`` is this rank's), None on the other ranks."""
-
-    def finish(self) -> None:
-        """Every TP rank calls it once the export has read every shard."""
-
-
-class TensorParallelGather(Protocol):
-    def open(self, group, shards: Sequence[torch.Tensor]) -> ShardGather:
-        """One export's gather over the TP ``group``; every rank of it calls this with its own ``shards``."""
+from dapo_megatron.backend.interfaces import ShardGather
 
 
 class _PerParameterGather:

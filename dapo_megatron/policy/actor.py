@@ -5,8 +5,9 @@
 (``policy/optimizer.py``) from the run config's sections. :class:`Actor` then runs, through megatron-core's
 pipeline schedule (``get_forward_backward_func``), either
 
-* :meth:`Actor.train_minibatch` — one optimizer update on a mini-batch with the DAPO loss
-  (:func:`dapo_megatron.algorithm.policy_loss`, configured by the ``algorithm`` section), or
+* :meth:`Actor.train_minibatch` — one optimizer update on a mini-batch with the loss it is given (a
+  :class:`dapo_megatron.algorithm.PolicyLoss` with its settings bound; the trainer's comes from the ``algorithm``
+  section through :func:`dapo_megatron.algorithm.build_policy_loss`), or
 * :meth:`Actor.compute_logprobs` — the forward-only per-token log-probs (and entropy) of the responses.
 
 Both take the WHOLE mini-batch, the same list on every rank; :func:`dapo_megatron.policy.batch_plan.plan_data_parallel`
@@ -19,14 +20,15 @@ over micro-batches and DP ranks), with megatron-core 0.16.1's conventions, check
   by ``num_microbatches`` in ``forward_step_calc_loss`` before backward;
 * ``DistributedDataParallel`` then averages gradients over DP (``average_in_collective=False``: it pre-scales by
   ``1 / dp`` and sums; ``True``: it averages in the collective — the same ``1 / dp`` either way);
-* so each micro-batch returns ``policy_loss(..., num_tokens=N) · num_microbatches · dp``, where
-  ``policy_loss(..., num_tokens=N) = Σ_{micro-batch} m·ℓ / N``. The gradient summed over micro-batches and averaged
+* so each micro-batch returns ``loss(..., num_tokens=N) · num_microbatches · dp``, where
+  ``loss(..., num_tokens=N) = Σ_{micro-batch} m·ℓ / N``. The gradient summed over micro-batches and averaged
   over DP is then ``∇ Σ_{micro-batches, ranks} Σ m·ℓ / N = ∇L``. (The seq-mean aggregations use the global count
   of sequences the same way.) N needs no communication: every rank holds the whole mini-batch.
 
 The gradient norm is computed once per update (``prepare_grads`` + ``get_grad_norm``): it decides the skip below and
-is the norm :func:`dapo_megatron.policy.optimizer.clip_and_step` clips by. A step whose loss or gradient norm is not
-finite is skipped: no optimizer update, no scheduler advance, gradients zeroed, and ``skipped=1`` in the metrics.
+is the norm :func:`dapo_megatron.overrides.megatron_core.optimizer_step.clip_and_step` clips by. A step whose loss or
+gradient norm is not finite is skipped: no optimizer update, no scheduler advance, gradients zeroed, and ``skipped=1``
+in the metrics.
 """
 
 from __future__ import annotations
@@ -43,20 +45,28 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from dapo_megatron.algorithm import policy_loss
+from dapo_megatron.algorithm.loss import TOKEN_MEAN_METRICS
+from dapo_megatron.overrides.megatron_core.optimizer_step import clip_and_step
 from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
-from dapo_megatron.policy.model import build_model, config_row_multiple, sequence_parallel_enabled, transformer_config
+from dapo_megatron.policy.model import (
+    build_model,
+    config_row_multiple,
+    require_sequence_parallel_for_moe_training,
+    sequence_parallel_enabled,
+    transformer_config,
+)
 from dapo_megatron.policy.moe_routing import RecordedRouting, RouterLoadMonitor, RoutingReplay
-from dapo_megatron.policy.optimizer import clip_and_step, sync_params, wrap_for_training
+from dapo_megatron.policy.optimizer import sync_params, wrap_for_training
 from dapo_megatron.policy.packing import MicroBatch, PolicySample
 
 if TYPE_CHECKING:
     from dapo_megatron.backend import Backend
-    from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+    from dapo_megatron.algorithm import PolicyLoss
+    from dapo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.policy.model_spec import ModelSpec
 
-METRIC_NAMES = ("clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio_mean")
+METRIC_NAMES = TOKEN_MEAN_METRICS  # every loss's token means, combined over micro-batches by their token counts
 
 
 @dataclass
@@ -78,46 +88,50 @@ def aligned_batching(batching: PackedBatching, multiple: int) -> PackedBatching:
 
 
 def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", parallel: "ParallelConfig",
-                optim: "OptimConfig", algorithm: "AlgorithmConfig", micro_batch_tokens: int,
-                temperature: float) -> "Actor":
+                optim: "OptimConfig", routing_replay: bool, micro_batch_tokens: int, temperature: float) -> "Actor":
     """This rank's model stage for ``spec`` at the initialized TP/PP layout on ``backend``, ready to train.
 
     ``model.precision`` picks the parameter dtype and ``model.recompute`` the activation recomputation (as the
     backend allows); ``parallel`` the sequence parallelism (where megatron supports it), the optimizer and the
-    communication overlap; ``optim`` its settings, ``algorithm`` the loss; micro-batches are packed to
+    communication overlap; ``optim`` its settings; ``routing_replay`` builds a mixture-of-experts model whose
+    routers can replay recorded choices (``algorithm.moe_routing_replay: replay_old``); micro-batches are packed to
     ``micro_batch_tokens`` tokens and log-probs taken at the rollout ``temperature``.
     """
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
+    sequence_parallel = sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,
+                                                  use_transformer_engine=backend.uses_transformer_engine)
+    require_sequence_parallel_for_moe_training(spec, tensor_parallel=tensor_parallel,
+                                               sequence_parallel=sequence_parallel,
+                                               use_transformer_engine=backend.uses_transformer_engine)
     tconfig = transformer_config(
         spec, backend,
         tensor_parallel=tensor_parallel,
         pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size(),
         precision=model.precision,
-        sequence_parallel=sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,
-                                                    use_transformer_engine=backend.uses_transformer_engine),
+        sequence_parallel=sequence_parallel,
         recompute=backend.recompute(model.recompute),
         expert_parallel=parallel_state.get_expert_model_parallel_world_size(),
         moe_aux_loss_coeff=model.moe.aux_loss_coeff,
-        moe_routing_replay=algorithm.moe_routing_replay == "replay_old",
+        moe_routing_replay=routing_replay,
     )
     ddp_model, optimizer, scheduler = wrap_for_training(
         build_model(spec, tconfig, backend), optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
         overlap_grad_reduce=parallel.overlap_grad_reduce, overlap_param_gather=parallel.overlap_param_gather)
     return Actor(ddp_model, optimizer, scheduler, backend=backend, real_vocab_size=spec.vocab_size,
-                 algorithm=algorithm, batching=PackedBatching(token_budget=micro_batch_tokens),
+                 batching=PackedBatching(token_budget=micro_batch_tokens),
                  temperature=temperature)
 
 
 class Actor:
     """One DDP-wrapped model stage with its optimizer and LR schedule (all reachable as attributes).
 
-    ``backend``: the platform's (its row packer lays out the micro-batches); ``algorithm``: the loss settings;
-    ``batching``: the token budget of a micro-batch unless a call says otherwise; ``temperature``: log-probs are of
-    ``log_softmax(logits / T)``.
+    ``backend``: the platform's (its row packer lays out the micro-batches); ``batching``: the token budget of a
+    micro-batch unless a call says otherwise; ``temperature``: log-probs are of ``log_softmax(logits / T)``. The loss
+    comes with each update: the actor knows no objective.
     """
 
     def __init__(self, model, optimizer, scheduler, *, backend: "Backend", real_vocab_size: int,
-                 algorithm: "AlgorithmConfig", batching: PackedBatching, temperature: float) -> None:
+                 batching: PackedBatching, temperature: float) -> None:
         tconfig = model.config
         if tconfig.fp16:
             raise ValueError("fp16 is not supported by the actor (its NaN guard assumes no loss scaler); use bf16")
@@ -130,7 +144,6 @@ class Actor:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.real_vocab_size = real_vocab_size
-        self.algorithm = algorithm
         self.batching = batching
         self.temperature = temperature
         self.backend = backend
@@ -156,7 +169,8 @@ class Actor:
         """The batching to use, with rows aligned for this model (:func:`aligned_batching`)."""
         return aligned_batching(batching or self.batching, config_row_multiple(self.model.config))
 
-    def _plan(self, samples: Sequence[PolicySample], batching: PackedBatching | None):
+    def plan(self, samples: Sequence[PolicySample], batching: PackedBatching | None):
+        """This DP rank's packed micro-batches of the mini-batch ``samples``, on the model's device."""
         self._check_same_minibatch_on_dp_ranks(samples)
         with self.backend.host_compute():  # packing never names CUDA
             plan = plan_data_parallel(
@@ -196,7 +210,7 @@ class Actor:
             forward_only=forward_only,
         )
 
-    def _response_logprobs(self, mb: MicroBatch, logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    def response_logprobs(self, mb: MicroBatch, logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
         """``[n, R]`` log-probs and entropies of the response tokens (0 past a response's end). The softmax runs at
         the response positions only, reading them from the logits in place: gathering ``[n, R]`` positions would copy
         the logits of every padded one too (one 20k-token response among short ones: several rows' worth, and its
@@ -218,28 +232,26 @@ class Actor:
 
     # ------------------------------------------------------------------------------------------------ training
 
-    def _training_loss(self, mb: MicroBatch, logits: Tensor, *, scale: float, num_tokens: int,
+    def _training_loss(self, mb: MicroBatch, logits: Tensor, *, loss_fn: "PolicyLoss", scale: float, num_tokens: int,
                        num_sequences: int, reuse: Sequence[bool] | None = None):
-        algorithm = self.algorithm
-        logprobs, entropy = self._response_logprobs(mb, logits, self.temperature)
+        logprobs, entropy = self.response_logprobs(mb, logits, self.temperature)
         old_logprobs = mb.old_logprobs
         if reuse is not None:  # π_old = this forward's log-probs, detached, for the samples flagged
             rows = torch.tensor([reuse[i] for i in mb.sample_indices], dtype=torch.bool, device=logits.device)
             old_logprobs = torch.where(rows[:, None], logprobs.detach(), old_logprobs)
-        loss, metrics = policy_loss(
-            logprobs, old_logprobs, mb.advantages, mb.loss_mask,
-            eps_low=algorithm.eps_low, eps_high=algorithm.eps_high,
-            clip_ratio_c=algorithm.clip_ratio_c, agg=algorithm.loss_agg,
-            num_tokens=num_tokens, num_sequences=num_sequences,
-        )
+        loss, metrics = loss_fn(logprobs, old_logprobs, mb.advantages, mb.loss_mask, num_tokens=num_tokens,
+                                num_sequences=num_sequences)
         metrics["entropy_sum"] = float((entropy * mb.loss_mask).sum())
         if reuse is not None:
             metrics.update(mb=mb, logprobs=logprobs.detach(), entropy=entropy)
         return loss * scale, metrics
 
-    def train_minibatch(self, samples: Sequence[PolicySample], batching: PackedBatching | None = None,
+    def train_minibatch(self, samples: Sequence[PolicySample], loss: "PolicyLoss",
+                        batching: PackedBatching | None = None,
                         routing: RecordedRouting | None = None) -> dict[str, float]:
-        """One optimizer update on the mini-batch ``samples`` (the whole mini-batch, the same on every rank).
+        """One optimizer update on the mini-batch ``samples`` (the whole mini-batch, the same on every rank) with the
+        policy loss ``loss`` (:class:`dapo_megatron.algorithm.PolicyLoss`: its settings bound, its aggregation
+        normalized by the mini-batch's loss tokens and sequences).
 
         ``batching`` overrides the actor's batching for this call. ``routing``: a mixture-of-experts policy's
         routers take the experts recorded by ``compute_logprobs(..., record_routing=True)`` of this same mini-batch
@@ -252,10 +264,10 @@ class Actor:
         ``skipped`` (1.0 when the loss or gradient norm was not finite and no update was applied); a MoE policy's
         routing statistics ``moe_aux_loss``, ``moe_load_imbalance`` and ``moe_load_imbalance/layer_NN``.
         """
-        return self._train(samples, batching, reuse=None, routing=routing)[0]
+        return self._train(samples, loss, batching, reuse=None, routing=routing)[0]
 
     def train_minibatch_reusing_logprobs(
-            self, samples: Sequence[PolicySample], reuse: Sequence[bool],
+            self, samples: Sequence[PolicySample], reuse: Sequence[bool], loss: "PolicyLoss",
             batching: PackedBatching | None = None) -> tuple[dict[str, float], PolicyLogProbs]:
         """:meth:`train_minibatch` where sample ``i`` with ``reuse[i]`` takes π_old's log-probs from this update's
         own forward pass, detached (its ``old_logprobs`` are ignored): exact when the policy still holds the
@@ -263,20 +275,20 @@ class Actor:
         forward's (pre-update) log-probs and entropies of every sample, on every rank, in input order."""
         if len(reuse) != len(samples):
             raise ValueError(f"train_minibatch_reusing_logprobs: {len(reuse)} reuse flags for {len(samples)} samples")
-        metrics, outputs = self._train(samples, batching, reuse=list(reuse))
+        metrics, outputs = self._train(samples, loss, batching, reuse=list(reuse))
         return metrics, self._per_sample(samples, outputs)
 
-    def _train(self, samples: Sequence[PolicySample], batching: PackedBatching | None, reuse: list[bool] | None,
-               routing: RecordedRouting | None = None):
+    def _train(self, samples: Sequence[PolicySample], loss: "PolicyLoss", batching: PackedBatching | None,
+               reuse: list[bool] | None, routing: RecordedRouting | None = None):
         if routing is not None and self.routing_replay is None:
             raise ValueError("routing to replay, but the model was built without routing replay")
-        plan = self._plan(samples, batching)
+        plan = self.plan(samples, batching)
         num_micro_batches = len(plan.micro_batches)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_func = partial(
-            self._training_loss, scale=float(num_micro_batches * self.dp_size),
+            self._training_loss, loss_fn=loss, scale=float(num_micro_batches * self.dp_size),
             num_tokens=plan.num_loss_tokens, num_sequences=plan.num_loss_sequences, reuse=reuse,
         )
         self.router_load.start()
@@ -331,7 +343,7 @@ class Actor:
     # ---------------------------------------------------------------------------------------------- forward-only
 
     def _collect_logprobs(self, mb: MicroBatch, logits: Tensor, *, temperature: float):
-        logprobs, entropy = self._response_logprobs(mb, logits, temperature)
+        logprobs, entropy = self.response_logprobs(mb, logits, temperature)
         return torch.zeros((), device=logits.device), {"mb": mb, "logprobs": logprobs, "entropy": entropy}
 
     @torch.no_grad()
@@ -345,7 +357,7 @@ class Actor:
         """
         temperature = self.temperature if temperature is None else temperature
         sync_params(self.model)  # with overlap_param_gather the last update's all-gather waits for a training forward
-        plan = self._plan(samples, batching)
+        plan = self.plan(samples, batching)
         if record_routing and self.routing_replay is None:
             raise ValueError("record_routing needs a model built with routing replay (algorithm.moe_routing_replay)")
         self.model.eval()

@@ -3,8 +3,8 @@
 The actor hands every DP rank the WHOLE mini-batch. megatron's DDP needs every DP rank to run the same number of
 micro-batches, so :func:`plan_data_parallel` splits the samples over DP ranks by tokens (longest first, each to the
 least-loaded rank), builds this rank's micro-batches with the backend's
-:class:`~dapo_megatron.policy.packing.RowPacker`, and pads ranks with fewer micro-batches with the packer's filler (one
-padding segment, no response tokens). Every rank computes every rank's count from the sample lengths alone: no
+:class:`~dapo_megatron.backend.interfaces.RowPacker`, and pads ranks with fewer micro-batches with the packer's filler
+(one padding segment, no response tokens). Every rank computes every rank's count from the sample lengths alone: no
 communication.
 """
 
@@ -14,7 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from dapo_megatron.policy.packing import MicroBatch, PolicySample, RowPacker, pack_micro_batches, packing_efficiency
+from dapo_megatron.backend.interfaces import RowPacker
+from dapo_megatron.policy.packing import MicroBatch, PolicySample, pack_micro_batches, packing_efficiency
 
 
 @dataclass(frozen=True)

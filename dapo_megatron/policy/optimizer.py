@@ -16,10 +16,10 @@ loop wires it (megatron-core 0.16.1, ``distributed_data_parallel.py``, ``pipelin
   (re-armed by ``zero_grad_buffer``). Anything else that reads the weights first — a forward-only pass, the weight
   handoff — must call :func:`sync_params` before.
 
-One update (:func:`clip_and_step`): the actor computes the gradient norm itself (``prepare_grads`` +
-``get_grad_norm``, one model-parallel all-reduce) to decide whether to skip the step; megatron's ``optimizer.step()``
-would run ``prepare_grads`` and compute the norm again inside ``clip_grad_norm``. :func:`clip_and_step` is the rest
-of ``step()`` given that norm.
+One update: the actor computes the gradient norm itself (``prepare_grads`` + ``get_grad_norm``, one model-parallel
+all-reduce) to decide whether to skip the step, then applies it with
+:func:`dapo_megatron.overrides.megatron_core.optimizer_step.clip_and_step` (the rest of megatron's ``step()`` given
+that norm, which ``step()`` itself would compute again).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 if TYPE_CHECKING:
@@ -107,23 +106,3 @@ def sync_params(ddp_model) -> bool:
         return False
     ddp_model.start_param_sync(force_sync=True)
     return True
-
-
-def clip_and_step(optimizer, grad_norm: float) -> bool:
-    """Clip by the already computed total ``grad_norm``, then step; returns whether the update was applied.
-
-    megatron-core 0.16.1's ``step()`` (``MixedPrecisionOptimizer``, ``FP32Optimizer``, ``ChainedOptimizer``) is
-    ``prepare_grads`` → norm and ``clip_grad_by_total_norm_fp32`` over each optimizer's parameters (when
-    ``clip_grad > 0``) → ``step_with_ready_grads``; the caller has done the first two (once), this does the rest.
-    """
-
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0.0:
-            continue
-        params = part.get_parameters()
-        if params:
-            clip_grad_by_total_norm_fp32(
-                params, max_norm=part.config.clip_grad, total_norm=grad_norm,
-                use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-            )
-    return optimizer.step_with_ready_grads()

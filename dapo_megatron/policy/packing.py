@@ -7,9 +7,10 @@ The model sees ``tokens = prompt ‖ response``; the log-prob of response token 
 ``[n, R]`` with ``R`` the longest response in it (``response_valid`` marks the real entries; :func:`response_tensors`
 builds them for every packer).
 
-How samples become rows is a :class:`RowPacker`, which the platform's backend supplies
-(:mod:`dapo_megatron.backend`): it groups sample indices into micro-batches (``bins``) and lays one micro-batch out as
-model inputs (``row``; with no samples, the filler micro-batch a DP rank runs when it has fewer than the others).
+How samples become rows is a :class:`~dapo_megatron.backend.interfaces.RowPacker`, the interface the backend defines
+and supplies (:mod:`dapo_megatron.backend`): it groups sample indices into micro-batches (``bins``) and lays one
+micro-batch out as model inputs (``row``; with no samples, the filler micro-batch a DP rank runs when it has fewer
+than the others).
 :class:`ThdPacker` is the layout of attention that reads sequence boundaries from ``cu_seqlens`` (Transformer
 Engine's fused attention, and the SDPA attention of :mod:`dapo_megatron.policy.sdpa_attention`): first-fit
 decreasing puts samples into micro-batches of at most ``token_budget`` tokens, each micro-batch is ONE row holding its
@@ -27,11 +28,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, fields, replace
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from dapo_megatron.backend.interfaces import RowPacker
 
 PAD_TOKEN_ID = 0  # padding positions are never attended to and never in the loss; any valid id works
 
@@ -254,16 +258,6 @@ def response_tensors(samples: Sequence[PolicySample], indices: Sequence[int], st
                                 for s in picked])
     return (rows(predictor_index, torch.long), valid, rows(masks, torch.float32), rows(old, torch.float32),
             rows(advantages, torch.float32), rows(torch.cat([s.response_ids for s in picked]), torch.long))
-
-
-class RowPacker(Protocol):
-    """How a backend's attention wants samples laid out in rows (see the module docstring)."""
-
-    def bins(self, samples: Sequence[PolicySample], indices: Sequence[int], token_budget: int) -> list[list[int]]:
-        """The sample indices of each micro-batch; deterministic."""
-
-    def row(self, samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int) -> MicroBatch:
-        """One micro-batch holding ``indices`` (none: the filler micro-batch, one padding segment)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from dapo_megatron import checkpoint as ckpt
 from dapo_megatron.backend import Backend
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.platform import seed_everything
+from dapo_megatron.backend.platform import seed_everything
 from dapo_megatron.policy.actor import build_actor
 from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 from dapo_megatron.rank_zero import run_on_rank0
@@ -72,7 +72,8 @@ class DAPOTrainer:
         self.spec = load_model_spec(self.model_dir)
         c = config
         self.actor = build_actor(self.spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim,
-                                 algorithm=c.algorithm, micro_batch_tokens=c.trainer.micro_batch_tokens,
+                                 routing_replay=c.algorithm.moe_routing_replay == "replay_old",
+                                 micro_batch_tokens=c.trainer.micro_batch_tokens,
                                  temperature=c.rollout.temperature)
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
         self.actor.optimizer.reload_model_params()

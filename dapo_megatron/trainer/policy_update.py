@@ -2,9 +2,11 @@
 
 :class:`PolicyUpdate` is built once per run and decides once, from the config, the one thing that shapes the stage:
 whether the rollout correction changes what the loss sees (``corrects_loss``: a correction is configured, or async
-mode masks stale tokens out of the loss). Then every step, :meth:`PolicyUpdate.run`:
+mode masks stale tokens out of the loss). It also builds the step's objective once, by name from the ``algorithm``
+section (:mod:`dapo_megatron.algorithm.objectives`): the advantage estimator and the policy loss the actor runs.
+Then every step, :meth:`PolicyUpdate.run`:
 
-5. turns the groups into policy samples: group-normalized advantages, overlong-filtering masks;
+5. turns the groups into policy samples: advantages (``algorithm.advantage_estimator``), overlong-filtering masks;
 6. attaches π_old's log-probs, the policy's own before the step's first update. That update's forward pass computes
    exactly π_old's log-probs of its mini-batch (same weights, same tokens), so those samples skip the forward-only
    pass: the loss takes the forward's log-probs, detached, as π_old (importance ratio exactly 1), and their entropy
@@ -29,7 +31,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from dapo_megatron.algorithm import group_advantages
+from dapo_megatron.algorithm import build_advantage_estimator, build_policy_loss
 from dapo_megatron.algorithm.rollout_correction import Correction, weighted_advantage
 from dapo_megatron.algorithm.sampled_tokens import correction_of_sampled
 from dapo_megatron.algorithm.staleness import stale_token_mask
@@ -75,7 +77,9 @@ class PolicyUpdate:
     def __init__(self, actor: Actor, config: DAPOConfig) -> None:
         a = config.algorithm
         self.actor = actor
-        self.algorithm = a
+        self.loss = build_policy_loss(a)
+        self.advantages = build_advantage_estimator(a)
+        self.correction_mode, self.tis_cap, self.mis_threshold = a.rollout_correction, a.tis_cap, a.mis_threshold
         self.overlong_filtering = a.overlong_filtering
         self.samples_per_mini_batch = config.trainer.mini_batch_size * config.rollout.n_samples
         self.seed = config.trainer.seed
@@ -106,12 +110,12 @@ class PolicyUpdate:
     # ------------------------------------------------------------------------------------------------ step 5
 
     def training_samples(self, groups: list[RolloutGroup]) -> list[PolicySample]:
-        """Groups → one PolicySample per response: group-normalized advantage; a zero loss mask for a truncated
-        response when overlong filtering is on."""
+        """Groups → one PolicySample per response: its advantage (the configured estimator); a zero loss mask for a
+        truncated response when overlong filtering is on."""
         if not groups:
             return []
         scores = torch.tensor([g.scores for g in groups], dtype=torch.float32)
-        advantages = group_advantages(scores, eps=self.algorithm.advantage_eps)
+        advantages = self.advantages(scores)
         samples = []
         for group, group_adv in zip(groups, advantages):
             for index, (response, truncated, adv) in enumerate(zip(group.responses, group.truncated,
@@ -173,17 +177,16 @@ class PolicyUpdate:
         (:mod:`dapo_megatron.algorithm.rollout_correction`): weights, keep-masks and ``rollout_corr/*``."""
         stale = ([stale_token_mask(g.response_versions(i), policy_version)
                   for g in groups for i in range(len(g.responses))] if self.masks_stale else None)
-        a = self.algorithm
         return correction_of_sampled(  # multi-turn: over the sampled tokens, tool output has no engine log-prob
             [s.old_logprobs for s in samples],
             [torch.as_tensor(lps, dtype=torch.float32) for g in groups for lps in g.engine_logprobs],
             [g.sampled_mask(i) for g in groups for i in range(len(g.responses))],
-            mode=a.rollout_correction, tis_cap=a.tis_cap, mis_threshold=a.mis_threshold, stale=stale)
+            mode=self.correction_mode, tis_cap=self.tis_cap, mis_threshold=self.mis_threshold, stale=stale)
 
     def corrected(self, samples: list[PolicySample], correction: Correction) -> list[PolicySample]:
         """The samples as the loss must see them: token_tis / both weight every token (per-token advantage w·A),
         seq_mis / both and async-mode stale masking drop tokens from the loss."""
-        weighted = self.algorithm.rollout_correction in ("token_tis", "both")
+        weighted = self.correction_mode in ("token_tis", "both")
         corrected = []
         for sample, weight, keep in zip(samples, correction.weights, correction.keep, strict=True):
             mask = sample.response_tensors()[0] * keep
@@ -203,11 +206,11 @@ class PolicyUpdate:
             batch = [samples[i] for i in indices]
             if number == 0 and any(plan.reuse[i] for i in indices):
                 flags = [plan.reuse[i] for i in indices]
-                metrics, forward = self.actor.train_minibatch_reusing_logprobs(batch, flags)
+                metrics, forward = self.actor.train_minibatch_reusing_logprobs(batch, flags, self.loss)
                 per_sample.update({i: pair for i, pair, reused in zip(indices, zip(forward.logprobs, forward.entropy),
                                                                       flags) if reused})
             else:
-                metrics = self.actor.train_minibatch(batch, routing=plan.routing.get(number))
+                metrics = self.actor.train_minibatch(batch, self.loss, routing=plan.routing.get(number))
             updates.append(metrics)
         order = range(len(samples))
         return updates, PolicyLogProbs(logprobs=[per_sample[i][0] for i in order],

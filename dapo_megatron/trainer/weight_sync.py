@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dapo_megatron.handoff import choose_route, gather_hf_buckets_to_rank0, stream_stage_buckets
-from dapo_megatron.handoff.tp_gather import TensorParallelGather
+from dapo_megatron.backend.interfaces import TensorParallelGather
 from dapo_megatron.rank_zero import feed_rank0, run_on_rank0
 from dapo_megatron.rollout.engine import RolloutEngine
 

@@ -85,8 +85,12 @@ SEAM_FOLDERS = ("policy", "rollout", "handoff", "trainer", "collectors", "run", 
                 "data")
 
 
+# The CPU path outside the CPU folder: megatron-core's CPU compatibility layer sits with the other overrides.
+CPU_MODULES = ("dapo_megatron.cpu", "dapo_megatron.overrides.megatron_core.cpu_compat")
+
+
 def cpu_imports(source: str) -> list[str]:
-    """The imports of ``source`` that name the CPU folder (``dapo_megatron.cpu`` or a module under it)."""
+    """The imports of ``source`` that name the CPU path (:data:`CPU_MODULES` or a module under them)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -95,7 +99,7 @@ def cpu_imports(source: str) -> list[str]:
             names = [alias.name for alias in node.names]
         else:
             continue
-        found += [name for name in names if name == "dapo_megatron.cpu" or name.startswith("dapo_megatron.cpu.")]
+        found += [name for name in names if any(name == cpu or name.startswith(cpu + ".") for cpu in CPU_MODULES)]
     return sorted(set(found))
 
 
@@ -110,6 +114,8 @@ def test_no_production_module_names_the_cpu_path():
     # control: the check sees an import of the CPU folder, in either form
     assert cpu_imports("from dapo_megatron.cpu.attention import X\nfrom dapo_megatron import cpu") == [
         "dapo_megatron.cpu", "dapo_megatron.cpu.attention", "dapo_megatron.cpu.attention.X"]
+    assert cpu_imports("from dapo_megatron.overrides.megatron_core import cpu_compat") == [
+        "dapo_megatron.overrides.megatron_core.cpu_compat"]
     assert cpu_imports((PACKAGE / "backend" / "select.py").read_text()) == [
         "dapo_megatron.cpu.backend", "dapo_megatron.cpu.backend.CpuBackend"]  # the registry may, and does
 
@@ -125,7 +131,7 @@ def sdpa_backend_job(hf_dir: str, tensor_parallel: int):
 
     from megatron.core import parallel_state
 
-    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.backend.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.batch_plan import PackedBatching
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
@@ -151,7 +157,7 @@ def sdpa_backend_job(hf_dir: str, tensor_parallel: int):
                                         temperature=0.8)
         results[name] = dict(result, micro_batches=len(result["micro_batches"]))
     backend.packer = ThdPacker()
-    (mb, *_) = actor._plan(samples, PackedBatching(token_budget=4096)).micro_batches
+    (mb, *_) = actor.plan(samples, PackedBatching(token_budget=4096)).micro_batches
     row = mb.packed_seq_params
     total = sum(row.segment_lengths)
     one_segment = replace(row, cu_seqlens_q=torch.tensor([0, total], dtype=torch.int32),
@@ -159,7 +165,7 @@ def sdpa_backend_job(hf_dir: str, tensor_parallel: int):
                           max_seqlen_kv=total, segment_lengths=(total,))
     with torch.no_grad():
         logits = actor.model(mb.tokens, mb.position_ids, None, packed_seq_params=one_segment)
-        rows, _ = actor._response_logprobs(mb, logits, temperature=0.8)
+        rows, _ = actor.response_logprobs(mb, logits, temperature=0.8)
     results["leaky"] = {index: rows[r, :samples[index].response_length] for r, index in enumerate(mb.sample_indices)}
     results["reporter"] = parallel_state.get_tensor_model_parallel_rank() == 0
     return results

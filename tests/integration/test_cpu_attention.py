@@ -82,13 +82,13 @@ def leaky_logprobs(actor, samples):
     from dapo_megatron.policy.batch_plan import PackedBatching
 
     actor.backend.packer = SegmentPacker()
-    (mb,) = actor._plan(samples, PackedBatching(token_budget=4096)).micro_batches
+    (mb,) = actor.plan(samples, PackedBatching(token_budget=4096)).micro_batches
     row = mb.packed_seq_params
     length = row.slot.numel()
     leaky = replace(row, classes=((1, length),), gather=torch.arange(length), slot=torch.arange(length))
     with torch.no_grad():
         logits = actor.model(mb.tokens, mb.position_ids, None, packed_seq_params=leaky)
-        rows, _ = actor._response_logprobs(mb, logits, temperature=1.0)
+        rows, _ = actor.response_logprobs(mb, logits, temperature=1.0)
     logprobs = [None] * len(samples)
     for row_number, index in enumerate(mb.sample_indices):
         logprobs[index] = rows[row_number, :samples[index].response_length]

@@ -39,11 +39,11 @@ def tiny_spec():
 
 def train_job(tensor_parallel: int, pipeline_parallel: int, distributed_optimizer: bool):
     import torch
-    from actor_harness import actor_settings, random_samples
+    from actor_harness import actor_settings, loss_of, random_samples
     from megatron.core import parallel_state
 
     from dapo_megatron.config import OptimConfig, ParallelConfig
-    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.backend.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.packing import PolicySample
 
@@ -56,7 +56,7 @@ def train_job(tensor_parallel: int, pipeline_parallel: int, distributed_optimize
     old = actor.compute_logprobs(samples).logprobs  # ratio starts at 1; the loss can only fall by learning
     samples = [PolicySample(s.prompt_ids, s.response_ids, advantage=s.advantage, old_logprobs=o)
                for s, o in zip(samples, old)]
-    metrics = [actor.train_minibatch(samples) for _ in range(STEPS)]
+    metrics = [actor.train_minibatch(samples, loss_of()) for _ in range(STEPS)]
     params = torch.cat([p.detach().reshape(-1) for p in actor.model.parameters()]).numpy()
     return dict(
         coords=(parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()),
@@ -106,8 +106,8 @@ def test_cpu_layer_is_installed_only_without_cuda():
     result = run_python("""
         import torch
         from dapo_megatron.backend import select_backend
-        from dapo_megatron.cpu import megatron_compat
-        from dapo_megatron.platform import prepare_device
+        from dapo_megatron.overrides.megatron_core import cpu_compat
+        from dapo_megatron.backend.platform import prepare_device
 
         bound = []
         torch.cuda.set_device = bound.append  # this machine has no GPU to bind
@@ -115,21 +115,21 @@ def test_cpu_layer_is_installed_only_without_cuda():
         cuda = select_backend(cuda_available=True, transformer_engine=True)
         info = prepare_device(cuda, 3, device_count=8)
         assert info.collective == "nccl" and info.device == torch.device("cuda", 3), info
-        assert not megatron_compat.is_installed()
+        assert not cpu_compat.is_installed()
         assert bound == [3] and torch.cuda.current_device is current_device
         info = prepare_device(cuda, 3, device_count=1)  # SLURM bound one GPU to this task
         assert info.device == torch.device("cuda", 0) and bound == [3, 0], (info, bound)
 
         info = prepare_device(select_backend(), 0)  # the real answer here: no CUDA
         assert info.collective == "gloo" and info.device == torch.device("cpu")
-        assert megatron_compat.is_installed() and torch.cuda.current_device() == "cpu"
+        assert cpu_compat.is_installed() and torch.cuda.current_device() == "cpu"
         print("ok")
     """)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 def test_world_size_that_is_not_tp_pp_dp_is_an_error():
-    from dapo_megatron.platform import LaunchError, init_distributed
+    from dapo_megatron.backend.platform import LaunchError, init_distributed
 
     with pytest.raises(LaunchError, match=r"world size 4 != .* 2 × 1 × 3 = 6"):
         init_distributed(2, 1, 3, environ={"RANK": "0", "WORLD_SIZE": "4"})
@@ -138,7 +138,7 @@ def test_world_size_that_is_not_tp_pp_dp_is_an_error():
 
 
 def mismatched_world_job():
-    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.backend.platform import init_distributed
 
     init_distributed(2, 2)  # a world of 2 launched for TP=2 × PP=2
 
@@ -154,7 +154,7 @@ def test_taken_rendezvous_port_is_an_error():
         taken.listen()
         port = taken.getsockname()[1]
         result = run_python(f"""
-            from dapo_megatron.platform import LaunchError, init_distributed
+            from dapo_megatron.backend.platform import LaunchError, init_distributed
             try:
                 init_distributed(1, 1, environ={{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}})
             except LaunchError as error:

@@ -14,6 +14,7 @@ from actor_harness import (
     actor_settings,
     build_test_actor,
     gather_hf_weights,
+    loss_of,
     random_samples,
     write_tiny_qwen2,
 )
@@ -23,16 +24,14 @@ NUM_SAMPLES = 8
 SAMPLE_SEED = 11
 
 
-def actor_config(token_budget: int = 4096, agg: str = "token-mean", lr_warmup_steps: int = 0,
-                 distributed_optimizer: bool = False) -> dict:
-    from dapo_megatron.config import AlgorithmConfig, OptimConfig, ParallelConfig
+def actor_config(token_budget: int = 4096, lr_warmup_steps: int = 0, distributed_optimizer: bool = False) -> dict:
+    from dapo_megatron.config import OptimConfig, ParallelConfig
 
     # Adam eps ~ the gradient scale makes the first update depend on |g| (with a tiny eps it is lr·sign(g) and would
     # hide a wrong gradient scale); clip_grad far above the norm keeps main_grad unclipped for the comparison.
     return actor_settings(
         optim=OptimConfig(lr=1e-2, weight_decay=0.1, adam_eps=1e-3, grad_clip=1e6, warmup_steps=lr_warmup_steps),
         parallel=ParallelConfig(use_distributed_optimizer=distributed_optimizer),
-        algorithm=AlgorithmConfig(clip_ratio_c=None, loss_agg=agg),
         micro_batch_tokens=token_budget,
         temperature=0.9,
     )
@@ -56,7 +55,7 @@ def hf_gradients(actor, spec):
     return gather_hf_weights(actor, spec)
 
 
-def one_step(hf_dir, tp, pp, config):
+def one_step(hf_dir, tp, pp, config, agg: str = "token-mean"):
     """Forward-only log-probs, one update; returns log-probs, metrics, HF weights after and HF gradients.
 
     With the distributed optimizer ``main_grad`` is only reduced in each rank's own shard: no gradients then.
@@ -64,7 +63,7 @@ def one_step(hf_dir, tp, pp, config):
     samples = random_samples(NUM_SAMPLES, seed=SAMPLE_SEED)
     actor, spec = build_test_actor(hf_dir, tp, pp, config)
     logprobs = actor.compute_logprobs(samples)
-    metrics = actor.train_minibatch(samples)
+    metrics = actor.train_minibatch(samples, loss_of(loss_agg=agg))
     weights = gather_hf_weights(actor, spec)
     grads = None if config["parallel"].use_distributed_optimizer else hf_gradients(actor, spec)
     return dict(logprobs=logprobs.logprobs, metrics=metrics, weights=weights, grads=grads)
@@ -73,6 +72,7 @@ def one_step(hf_dir, tp, pp, config):
 def reference_step(hf_dir):
     """Σ m·ℓ / N and its gradient computed directly: each sample alone through the model, full log_softmax."""
     from dapo_megatron.algorithm import policy_loss
+    from dapo_megatron.config import AlgorithmConfig
 
     config = actor_config()
     samples = random_samples(NUM_SAMPLES, seed=SAMPLE_SEED)
@@ -90,7 +90,7 @@ def reference_step(hf_dir):
         r = s.response_length
         mask[i, :r], old[i, :r], advantages[i, :r] = s.response_tensors()
     logprobs = torch.stack([torch.nn.functional.pad(row, (0, width - row.numel())) for row in rows])
-    a = config["algorithm"]
+    a = AlgorithmConfig(clip_ratio_c=None)
     loss, metrics = policy_loss(logprobs, old, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high,
                                 clip_ratio_c=a.clip_ratio_c, agg=a.loss_agg)
     loss.backward()
@@ -106,8 +106,8 @@ def world_one_job(hf_dir):
         reference=reference_step(hf_dir),
         one=one_step(hf_dir, 1, 1, actor_config()),
         four=one_step(hf_dir, 1, 1, actor_config(token_budget=four)),
-        seq_one=one_step(hf_dir, 1, 1, actor_config(agg="seq-mean-token-mean")),
-        seq_four=one_step(hf_dir, 1, 1, actor_config(token_budget=four, agg="seq-mean-token-mean")),
+        seq_one=one_step(hf_dir, 1, 1, actor_config(), agg="seq-mean-token-mean"),
+        seq_four=one_step(hf_dir, 1, 1, actor_config(token_budget=four), agg="seq-mean-token-mean"),
     )
 
     # NaN guard: a non-finite advantage makes the loss and gradients NaN; the step must be skipped.
@@ -118,11 +118,11 @@ def world_one_job(hf_dir):
     poisoned = list(samples)
     poisoned[3] = PolicySample(samples[3].prompt_ids, samples[3].response_ids, advantage=float("nan"),
                                old_logprobs=samples[3].old_logprobs)
-    nan_metrics = actor.train_minibatch(poisoned)
+    nan_metrics = actor.train_minibatch(poisoned, loss_of())
     unchanged = all(torch.equal(a, b) for a, b in zip(before, actor.model.parameters()))
     grads_zeroed = all(not p.main_grad.any() for p in actor.model.parameters())
     scheduler_steps = actor.scheduler.num_steps
-    after = [actor.train_minibatch(samples) for _ in range(3)]
+    after = [actor.train_minibatch(samples, loss_of()) for _ in range(3)]
     finite = all(torch.isfinite(p).all() for p in actor.model.parameters())
     changed = not all(torch.equal(a, b) for a, b in zip(before, actor.model.parameters()))
     results["guard"] = dict(nan_metrics=nan_metrics, unchanged=unchanged, grads_zeroed=grads_zeroed,
@@ -244,7 +244,7 @@ def test_response_logprobs_keep_no_padded_copy_of_the_logits():
     assert mb.response_index.numel() > mb.tokens.numel()  # [n, R] padded past the row itself
     logits = torch.randn(1, mb.sequence_length, vocab, generator=generator, requires_grad=True)
     actor = SimpleNamespace(real_vocab_size=vocab)
-    (logprobs, entropy), saved = saved_during(lambda: Actor._response_logprobs(actor, mb, logits, 0.8))
+    (logprobs, entropy), saved = saved_during(lambda: Actor.response_logprobs(actor, mb, logits, 0.8))
     assert logits_sized_copies(saved, logits) == []
     assert logprobs.shape == mb.response_valid.shape and not logprobs[~mb.response_valid].any()
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import actor_settings, build_test_actor, gather_hf_weights, random_samples
+from actor_harness import actor_settings, build_test_actor, gather_hf_weights, loss_of, random_samples
 from spawn_ranks import run_distributed
 from tiny_models import save_random_hf_model
 from tiny_qwen3 import EVEN_EXPERTS, ODD_EXPERTS, tiny_qwen3_moe_config
 
-from dapo_megatron.config import AlgorithmConfig, ModelConfig, MoEConfig, OptimConfig, load_config
+from dapo_megatron.config import ModelConfig, MoEConfig, OptimConfig, load_config
 from dapo_megatron.policy.moe_routing import moe_routers
 from dapo_megatron.trainer.policy_update import PolicyUpdate
 from dapo_megatron.collectors.group import RolloutGroup
@@ -44,7 +44,7 @@ def write_dormant_expert_model(directory: Path) -> Path:
 
 def moe_settings(replay: str = "replay_old", aux_loss_coeff: float = 0.0, lr: float = 1e-2) -> dict:
     return actor_settings(model=ModelConfig(precision="fp32", moe=MoEConfig(aux_loss_coeff=aux_loss_coeff)),
-                          algorithm=AlgorithmConfig(clip_ratio_c=None, moe_routing_replay=replay),
+                          routing_replay=replay == "replay_old",
                           optim=OptimConfig(lr=lr, adam_eps=1e-3, grad_clip=1e6, weight_decay=0.0))
 
 
@@ -68,7 +68,7 @@ def replay_job(hf_dir: str) -> dict:
         chosen = torch.cat([indices.flatten() for per_router in old.routing.per_router for indices in per_router])
         drift_routing_to_expert_0(actor)
         with_old = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, old.logprobs)]
-        metrics = actor.train_minibatch(with_old, routing=old.routing if replayed else None)
+        metrics = actor.train_minibatch(with_old, loss_of(), routing=old.routing if replayed else None)
         out[replayed] = dict(metrics=metrics, experts_chosen=sorted(set(chosen.tolist())),
                              micro_batches=[len(per_router) for per_router in old.routing.per_router])
     # a routing recorded with other batching is refused, naming the mismatch
@@ -76,7 +76,7 @@ def replay_job(hf_dir: str) -> dict:
     old = actor.compute_logprobs(samples[:3], record_routing=True)
     try:
         actor.train_minibatch([dataclasses.replace(s, old_logprobs=torch.zeros(s.response_length)) for s in samples],
-                              routing=old.routing)
+                              loss_of(), routing=old.routing)
         out["mismatch"] = None
     except RuntimeError as error:
         out["mismatch"] = str(error)
@@ -138,7 +138,7 @@ def expert_parallel_job(hf_dir: str, expert_parallel: int, aux_loss_coeff: float
     actor, spec = build_test_actor(hf_dir, 1, 1, moe_settings(replay="none", aux_loss_coeff=aux_loss_coeff),
                                    expert_parallel=expert_parallel)
     samples = random_samples(8, seed=11, vocab_size=VOCAB)
-    metrics = [actor.train_minibatch(samples[:4]), actor.train_minibatch(samples[4:])]
+    metrics = [actor.train_minibatch(samples[:4], loss_of()), actor.train_minibatch(samples[4:], loss_of())]
     return dict(metrics=metrics, weights=gather_hf_weights(actor, spec))
 
 

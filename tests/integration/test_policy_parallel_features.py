@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from actor_harness import gather_hf_weights, random_samples, write_tiny_qwen2
+from actor_harness import gather_hf_weights, loss_of, random_samples, write_tiny_qwen2
 from spawn_ranks import run_distributed
 
 NUM_SAMPLES = 8
@@ -31,8 +31,8 @@ def manual_actor(hf_dir, *, tensor_parallel=1, sequence_parallel=False, recomput
     from megatron.core import parallel_state
 
     from dapo_megatron.backend import select_backend
-    from dapo_megatron.config import AlgorithmConfig, OptimConfig
-    from dapo_megatron.platform import seed_everything
+    from dapo_megatron.config import OptimConfig
+    from dapo_megatron.backend.platform import seed_everything
     from dapo_megatron.policy.actor import Actor
     from dapo_megatron.policy.batch_plan import PackedBatching
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
@@ -52,8 +52,7 @@ def manual_actor(hf_dir, *, tensor_parallel=1, sequence_parallel=False, recomput
     load_hf_weights(model, spec, hf_dir)
     optimizer.reload_model_params()
     actor = Actor(model, optimizer, scheduler, backend=backend, real_vocab_size=spec.vocab_size,
-                  algorithm=AlgorithmConfig(clip_ratio_c=None), batching=PackedBatching(token_budget=token_budget),
-                  temperature=0.9)
+                  batching=PackedBatching(token_budget=token_budget), temperature=0.9)
     return actor, spec
 
 
@@ -64,7 +63,7 @@ def samples():
 def step_record(actor, spec, updates=1):
     """Log-probs, the metrics of ``updates`` updates, and the HF weights after them (on rank 0)."""
     logprobs = actor.compute_logprobs(samples()).logprobs
-    metrics = [actor.train_minibatch(samples()) for _ in range(updates)]
+    metrics = [actor.train_minibatch(samples(), loss_of()) for _ in range(updates)]
     return dict(logprobs=logprobs, metrics=metrics, weights=gather_hf_weights(actor, spec))
 
 
@@ -73,7 +72,7 @@ def step_record(actor, spec, updates=1):
 
 def sequence_parallel_job(hf_dir):
     from dapo_megatron.cpu.layers import LocalRMSNorm
-    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.backend.platform import init_distributed
 
     init_distributed(2, 1)
     results = {}
@@ -83,7 +82,7 @@ def sequence_parallel_job(hf_dir):
         marked_by_the_spec = sum(norm.weight.sequence_parallel for norm in norms)
         for norm in norms:
             norm.weight.sequence_parallel = marked
-        row_lengths = [mb.tokens.shape[1] for mb in actor._plan(samples(), None).micro_batches]
+        row_lengths = [mb.tokens.shape[1] for mb in actor.plan(samples(), None).micro_batches]
         results[name] = dict(step_record(actor, spec), norms=marked_by_the_spec, row_lengths=row_lengths,
                              sequence_parallel=actor.model.config.sequence_parallel)
     return results
@@ -114,7 +113,7 @@ def world_one_job(hf_dir):
     import megatron.core.optimizer.optimizer as megatron_optimizer
 
     import dapo_megatron.policy.actor as actor_module
-    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.backend.platform import init_distributed
 
     init_distributed(1, 1)
     results = {"recompute": {}, "norm": {}}
@@ -138,7 +137,7 @@ def world_one_job(hf_dir):
                                           else lambda optimizer, grad_norm: optimizer.step()[0])
             actor, spec = manual_actor(hf_dir, grad_clip=0.05, distributed_optimizer=optimizer_kind == "distributed")
             counted["norm"] = 0
-            metrics = actor.train_minibatch(samples())
+            metrics = actor.train_minibatch(samples(), loss_of())
             results["norm"][optimizer_kind, path] = dict(norm_calls=counted["norm"], metrics=metrics,
                                                           weights=gather_hf_weights(actor, spec))
     actor_module.clip_and_step = real_clip_and_step
@@ -181,7 +180,7 @@ def test_gradient_norm_is_computed_once_and_the_clipped_update_equals_megatron_s
 
 
 def overlap_job(hf_dir):
-    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.backend.platform import init_distributed
     from dapo_megatron.policy.hf_loader import unwrap_model
 
     init_distributed(1, 1)
@@ -189,7 +188,7 @@ def overlap_job(hf_dir):
     for name, overlap in (("off", False), ("on", True)):
         actor, spec = manual_actor(hf_dir, distributed_optimizer=True, overlap=overlap, token_budget=40)
         config = actor.model.ddp_config
-        first = actor.train_minibatch(samples())
+        first = actor.train_minibatch(samples(), loss_of())
         right_after_step = [p.detach().clone() for p in unwrap_model(actor.model).parameters()]
         record = step_record(actor, spec, updates=2)  # log-probs first: they must see the first update
         results[name] = dict(record, first=first, right_after_step=right_after_step,
@@ -265,7 +264,7 @@ def routes_job(hf_dir, out_dir):
 
     from dapo_megatron.handoff.stage_routes import stage_broadcast_groups
     from dapo_megatron.hf_format import load_hf_config
-    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.backend.platform import init_distributed
     from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
     from dapo_megatron.trainer.weight_sync import StageStreamError, sync_engine_weights
 
@@ -289,8 +288,8 @@ def routes_job(hf_dir, out_dir):
     except StageStreamError as exc:
         result["error"] = str(exc)
     if dist.get_rank() == 0:
-        result["gathered"] = {n: p.detach().clone() for n, p in gathered._model.named_parameters()}
-        result["stagewise"] = {n: p.detach().clone() for n, p in stagewise._model.named_parameters()}
+        result["gathered"] = {n: p.detach().clone() for n, p in gathered.model.named_parameters()}
+        result["stagewise"] = {n: p.detach().clone() for n, p in stagewise.model.named_parameters()}
         result["versions"] = (gathered.weight_version, stagewise.weight_version)
         result["writers"] = stagewise.writers
     return result

@@ -151,7 +151,7 @@ def _cases():
 def _parity_job(cases: dict, tokens: torch.Tensor) -> dict:
     from megatron.core import parallel_state
 
-    from dapo_megatron.platform import init_distributed, seed_everything
+    from dapo_megatron.backend.platform import init_distributed, seed_everything
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
     from dapo_megatron.policy.model import build_model
 

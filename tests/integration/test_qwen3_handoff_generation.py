@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from actor_harness import actor_settings, build_test_actor, gather_hf_weights, random_samples
+from actor_harness import actor_settings, build_test_actor, gather_hf_weights, loss_of, random_samples
 from sglang_fixtures import SERVER_PYTHON
 from spawn_ranks import run_distributed
 from tiny_models import hf_greedy, load_hf_model, sample_prompts
@@ -35,7 +35,8 @@ def _train_and_hand_off(model_dir: str, tensor_parallel: int, expert_parallel: i
     settings = actor_settings(optim=OptimConfig(lr=0.02, adam_eps=1e-3, grad_clip=1e6, weight_decay=0.0))
     actor, spec = build_test_actor(model_dir, tensor_parallel, 1, settings, expert_parallel=expert_parallel)
     samples = random_samples(8, seed=17, vocab_size=vocab_size)
-    updates = [actor.train_minibatch(samples[:4])["skipped"], actor.train_minibatch(samples[4:])["skipped"]]
+    updates = [actor.train_minibatch(samples[:4], loss_of())["skipped"],
+               actor.train_minibatch(samples[4:], loss_of())["skipped"]]
     return updates, gather_hf_weights(actor, spec)
 
 
@@ -91,8 +92,8 @@ def test_sglang_server_serves_the_trained_weights(handed_off, tmp_path):
         pytest.skip(f"SGLang is not importable by {SERVER_PYTHON}: {error}")
     config = SGLangConfig(python=SERVER_PYTHON, base_port=0, launch_timeout_s=600, request_timeout_s=60,
                           extra_server_args=["--dtype", "float32", "--max-total-tokens", "4096"])
-    engine = SGLangEngine(config, model_path=Path(handed_off["model_dir"]), show_progress=False,
-                          run_dir=tmp_path / "sglang")
+    engine = SGLangEngine.launch(config, model_path=Path(handed_off["model_dir"]), show_progress=False,
+                                 run_dir=tmp_path / "sglang")
     try:
         before = greedy(engine.generate, handed_off["prompts"])
         engine.update_weights([list(handed_off["trained"].items())], version=1)

@@ -39,7 +39,7 @@ def _colocated_engine(launched: SGLangEngine) -> SGLangEngine:
     key_file = launched.run_dir / "colocated.key"
     key_file.write_text(server.api_key)
     config = SGLangConfig(urls=[server.url], api_key_file=str(key_file), transport="tensor", request_timeout_s=60)
-    return SGLangEngine(config, model_path=launched.model_path, show_progress=False, placement="colocated")
+    return SGLangEngine.launch(config, model_path=launched.model_path, show_progress=False, placement="colocated")
 
 
 def _log_from(path, offset: int) -> str:

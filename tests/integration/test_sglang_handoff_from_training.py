@@ -66,7 +66,7 @@ def _attach(url: str, key_file: str, transport: str, weight_dir: str, model_dir:
 
     config = SGLangConfig(urls=[url], api_key_file=key_file, transport=transport, weight_dir=weight_dir,
                           request_timeout_s=REQUEST_TIMEOUT_S)
-    return SGLangEngine(config, model_path=model_dir, show_progress=False)
+    return SGLangEngine.launch(config, model_path=model_dir, show_progress=False)
 
 
 def _train_and_push(overrides: list[str], url: str, key_file: str, weight_dir: str, model_dir: str) -> list[dict]:

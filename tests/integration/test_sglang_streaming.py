@@ -42,7 +42,8 @@ def model_dir(tmp_path_factory):
 def engine(model_dir, tmp_path_factory):
     config = SGLangConfig(python=SERVER_PYTHON, base_port=0, launch_timeout_s=400, request_timeout_s=REQUEST_TIMEOUT_S,
                           max_restarts=1, extra_server_args=["--dtype", "float32", "--max-total-tokens", "32768"])
-    engine = SGLangEngine(config, model_path=model_dir, run_dir=tmp_path_factory.mktemp("run"), show_progress=False)
+    engine = SGLangEngine.launch(config, model_path=model_dir, run_dir=tmp_path_factory.mktemp("run"),
+                                 show_progress=False)
     yield engine
     engine.shutdown()
 
@@ -86,7 +87,7 @@ def streaming_engine(request, engine, model_dir):
     key_file.write_text(server.api_key)
     config = SGLangConfig(urls=[server.url], api_key_file=str(key_file), transport="tensor",
                           request_timeout_s=REQUEST_TIMEOUT_S, reply_processes=request.param)
-    other = SGLangEngine(config, model_path=engine.model_path, show_progress=False)
+    other = SGLangEngine.launch(config, model_path=engine.model_path, show_progress=False)
     try:
         workers = other.reply_workers.processes
         assert len(workers) == 2 and all(worker.is_alive() for worker in workers)
@@ -155,8 +156,8 @@ def test_an_attached_server_that_stops_answering_fails_the_stream_within_the_tim
     key_file = engine.run_dir / "attached.key"
     key_file.write_text(server.api_key)
     timeout_s = 4.0
-    other = SGLangEngine(SGLangConfig(urls=[server.url], api_key_file=str(key_file), request_timeout_s=timeout_s),
-                         model_path=engine.model_path, show_progress=False)
+    attached = SGLangConfig(urls=[server.url], api_key_file=str(key_file), request_timeout_s=timeout_s)
+    other = SGLangEngine.launch(attached, model_path=engine.model_path, show_progress=False)
     try:
         other.submit([GenerationRequest("doomed", tuple(prompts[0]), SamplingParams(n=1, max_new_tokens=LONG))])
         os.killpg(server.pid, signal.SIGSTOP)

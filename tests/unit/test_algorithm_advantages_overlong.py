@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from dapo_megatron.algorithm import group_advantages, policy_loss
+from loss_settings import ADVANTAGE_EPS, policy_loss
+
+from dapo_megatron.algorithm import group_advantages
 from dapo_megatron.reward.overlong import overlong_filter_mask, overlong_penalty
 from dapo_megatron.reward.rule import math_reward
 
@@ -12,7 +14,7 @@ torch.set_num_threads(1)
 
 def test_group_advantages_values():
     rewards = torch.tensor([[1.0, -1.0, -1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.5, -1.0, 1.0, -1.0]])
-    advantages = group_advantages(rewards)
+    advantages = group_advantages(rewards, eps=ADVANTAGE_EPS)
     std = (4 / 3) ** 0.5  # unbiased std of (1, -1, -1, 1)
     assert torch.allclose(advantages[0], torch.tensor([1, -1, -1, 1]) / (std + 1e-6))
     assert torch.equal(advantages[1], torch.zeros(4))  # all-equal group: exactly zero, not NaN
@@ -23,9 +25,9 @@ def test_group_advantages_values():
 
 def test_group_advantages_rejects_bad_shapes():
     with pytest.raises(ValueError, match="num_groups, G"):
-        group_advantages(torch.ones(4))
+        group_advantages(torch.ones(4), eps=ADVANTAGE_EPS)
     with pytest.raises(ValueError, match="G >= 2"):
-        group_advantages(torch.ones(3, 1))
+        group_advantages(torch.ones(3, 1), eps=ADVANTAGE_EPS)
 
 
 def test_overlong_penalty_worked_number():

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from dapo_megatron.algorithm import merge_micro_batch_metrics, policy_loss
+from loss_settings import policy_loss
+
+from dapo_megatron.algorithm import merge_micro_batch_metrics
 
 torch.set_num_threads(1)
 

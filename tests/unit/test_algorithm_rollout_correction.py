@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from loss_settings import policy_loss
 
-from dapo_megatron.algorithm import policy_loss
 from dapo_megatron.algorithm.rollout_correction import rollout_correction, weighted_advantage
 from dapo_megatron.algorithm.staleness import (
     response_staleness,

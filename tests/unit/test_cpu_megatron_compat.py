@@ -1,7 +1,6 @@
-"""The device-redirect mode of the CPU layer (dapo_megatron.cpu.megatron_compat, point 1): what it rewrites, that
-ordinary
-calls take its fast path, and that :func:`megatron_compat.suspended` takes it off the stack and puts it back; and that
-megatron's recompute checkpoint runs under it in backward (point 4).
+"""The device-redirect mode of the CPU layer (dapo_megatron.overrides.megatron_core.cpu_compat, point 1): what it
+rewrites, that ordinary calls take its fast path, and that :func:`cpu_compat.suspended` takes it off the stack and puts
+it back; and that megatron's recompute checkpoint runs under it in backward (point 4).
 
 Whether megatron-core as a whole runs under the layer is tests/integration/test_megatron_cpu.py's job.
 """
@@ -17,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo_megatron.cpu import megatron_compat
-from dapo_megatron.cpu.megatron_compat import CudaToCpuMode
+from dapo_megatron.overrides.megatron_core import cpu_compat
+from dapo_megatron.overrides.megatron_core.cpu_compat import CudaToCpuMode
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CUDA_DEVICES = ["cuda", "cuda:0", 0, torch.device("cuda"), torch.device("cuda", 0)]
@@ -26,7 +25,7 @@ CUDA_DEVICES = ["cuda", "cuda:0", 0, torch.device("cuda"), torch.device("cuda", 
 
 def without_cuda_fails(call) -> bool:
     """True when ``call`` raises because this torch has no CUDA, with the redirect off (the control)."""
-    with megatron_compat.suspended():  # the layer may be installed in this process by another test
+    with cpu_compat.suspended():  # the layer may be installed in this process by another test
         try:
             call()
         except (AssertionError, RuntimeError) as error:  # torch: "not compiled with CUDA" / "no accelerator"
@@ -88,7 +87,7 @@ def test_suspended_takes_the_mode_off_and_puts_it_back():
         import threading
         import torch
         from torch.overrides import TorchFunctionMode, _get_current_function_mode
-        from dapo_megatron.cpu import megatron_compat
+        from dapo_megatron.overrides.megatron_core import cpu_compat
 
         def redirected():
             try:
@@ -97,27 +96,27 @@ def test_suspended_takes_the_mode_off_and_puts_it_back():
                 assert "CUDA" in str(error), error
                 return False
 
-        with megatron_compat.suspended():  # not installed yet: nothing to take off
+        with cpu_compat.suspended():  # not installed yet: nothing to take off
             assert not redirected()
-        assert megatron_compat.install()
+        assert cpu_compat.install()
         assert redirected()
-        with megatron_compat.suspended():
+        with cpu_compat.suspended():
             assert _get_current_function_mode() is None and not redirected()
             assert torch.cuda.current_device() == "cpu"  # the attribute patches (point 2) stay
         assert redirected()
         try:
-            with megatron_compat.suspended():
+            with cpu_compat.suspended():
                 raise KeyError("inside")
         except KeyError:
             pass
-        assert redirected() and _get_current_function_mode() is megatron_compat._installed_mode
+        assert redirected() and _get_current_function_mode() is cpu_compat._installed_mode
 
         class Passthrough(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 return func(*args, **(kwargs or {}))
 
         with Passthrough():  # another mode on top: suspending would reorder the stack, so it does nothing
-            with megatron_compat.suspended():
+            with cpu_compat.suspended():
                 assert redirected()
         seen = []
         worker = threading.Thread(target=lambda: seen.append(redirected()))  # modes are per thread
@@ -134,10 +133,10 @@ def test_recomputation_in_backward_runs_under_the_redirect():
     mode stack is not in force; the wrapped backward puts the redirect back (control: the unwrapped one fails)."""
     result = run_python("""
         import torch
-        from dapo_megatron.cpu import megatron_compat
+        from dapo_megatron.overrides.megatron_core import cpu_compat
         from megatron.core.tensor_parallel import random as megatron_random
 
-        megatron_compat.install()
+        cpu_compat.install()
         function = megatron_random.CheckpointFunction
 
         def allocating(x):  # what megatron's recomputed attention does: allocate its causal mask on "cuda"

@@ -172,20 +172,20 @@ def test_config_schema_has_the_new_keys():
 
 @pytest.mark.parametrize("local_rank, count, expected", [(0, 8, 0), (5, 8, 5), (9, 8, 1), (5, 1, 0), (3, 2, 1)])
 def test_device_is_local_rank_modulo_visible_gpus(local_rank, count, expected):
-    from dapo_megatron.platform import cuda_device_index
+    from dapo_megatron.backend.platform import cuda_device_index
 
     assert cuda_device_index(local_rank, count) == expected
 
 
 def test_no_visible_gpu_is_an_error():
-    from dapo_megatron.platform import LaunchError, cuda_device_index
+    from dapo_megatron.backend.platform import LaunchError, cuda_device_index
 
     with pytest.raises(LaunchError, match="no visible GPU"):
         cuda_device_index(0, 0)
 
 
 def test_cuda_device_max_connections_only_on_gpu_with_tp():
-    from dapo_megatron.platform import apply_cuda_connections, cuda_connections_setting
+    from dapo_megatron.backend.platform import apply_cuda_connections, cuda_connections_setting
 
     assert cuda_connections_setting(2, cuda_available=True) == "1"
     assert cuda_connections_setting(1, cuda_available=True) is None
@@ -287,7 +287,7 @@ def test_a_cuda_model_stage_goes_to_the_current_gpu_and_a_stray_parameter_is_nam
 
 
 def _build_on(device_type_or_device):
-    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.backend.platform import init_distributed
     from dapo_megatron.policy.model import build_model, transformer_config
 
     backend = init_distributed(1, 1).backend
@@ -317,3 +317,47 @@ def test_moe_token_permutation_is_fused_with_transformer_engine_only():
     arguments = dict(expert_parallel=1, aux_loss_coeff=0.0, routing_replay=False)
     assert moe_arguments(moe, use_transformer_engine=True, **arguments)["moe_permute_fusion"] is True
     assert moe_arguments(moe, use_transformer_engine=False, **arguments)["moe_permute_fusion"] is False
+
+
+# ---------------------------------------------------- a Transformer Engine whose PyTorch layers do not import
+
+
+@pytest.fixture
+def broken_transformer_engine(tmp_path, monkeypatch):
+    """A ``transformer_engine`` meta package that imports while its ``pytorch`` extension does not (as the real one
+    does when, e.g., cuDNN is missing: the meta package swallows that error)."""
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("try:\n    from . import pytorch\nexcept ImportError:\n    pass\n")
+    (package / "pytorch.py").write_text("raise ImportError('libcudnn.so.9: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sys
+
+    yield
+    for name in [name for name in sys.modules if name.split(".")[0] == "transformer_engine"]:
+        del sys.modules[name]
+
+
+def test_a_broken_transformer_engine_is_not_taken_for_a_working_one(broken_transformer_engine, caplog):
+    import importlib.util
+    import logging
+
+    from dapo_megatron.backend.cuda import CudaLocalBackend
+    from dapo_megatron.backend.select import select_backend, transformer_engine_problem
+    from dapo_megatron.config import ConfigError
+
+    assert importlib.util.find_spec("transformer_engine") is not None  # what the old check looked at: "installed"
+    problem = transformer_engine_problem()
+    assert "transformer_engine.pytorch does not import" in problem and "libcudnn.so.9" in problem
+    with pytest.raises(ConfigError, match=r"model.kernels=transformer_engine needs Transformer Engine on CUDA, and "
+                                          r"transformer_engine.pytorch does not import .*libcudnn"):
+        select_backend("transformer_engine", cuda_available=True)
+    with caplog.at_level(logging.WARNING, logger="dapo_megatron.backend.select"):
+        fallback = select_backend("auto", cuda_available=True)
+    assert isinstance(fallback, CudaLocalBackend) and "libcudnn.so.9" in caplog.text
+
+
+def test_a_missing_transformer_engine_is_named_as_missing():
+    from dapo_megatron.backend.select import transformer_engine_problem
+
+    assert "is not installed" in transformer_engine_problem()  # this machine has none (control for the test above)

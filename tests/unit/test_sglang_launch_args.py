@@ -166,18 +166,18 @@ def test_nccl_cumem_is_turned_off_in_the_trainer_only_when_nccl_carries_weights(
 
 
 def test_the_cli_sets_it_before_the_process_groups_exist(monkeypatch):
-    from dapo_megatron import cli, platform
+    from dapo_megatron.commands import process_layout
 
     seen = {}
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(platform, "init_distributed",
+    monkeypatch.setattr(process_layout, "init_distributed",
                         lambda *a, **k: seen.setdefault("env", os.environ.get("NCCL_CUMEM_ENABLE")))
-    cli._init_distributed(_run_config("sglang", "distributed"))
+    process_layout.init_process_layout(_run_config("sglang", "distributed"))
     assert seen["env"] == "0"
     monkeypatch.delenv("NCCL_CUMEM_ENABLE")
     seen.clear()
-    cli._init_distributed(_run_config("sglang", "disk"))  # control: nothing set without NCCL weights
+    process_layout.init_process_layout(_run_config("sglang", "disk"))  # control: nothing set without NCCL weights
     assert seen["env"] is None
 
 

@@ -9,8 +9,9 @@ trainer's thread pushes weights.
   outside the push's targets. Now a restart waits for the push and relaunches from its version.
 
 Both need the restart to start inside a push, a window a real server cannot be made to hit on demand, so the
-transport's group and the engine's pool and transport are stood in for; their real counterparts run in
-tests/integration/test_sglang_server.py and tests/integration/test_sglang_streaming.py."""
+transport's process group (where it is opened, broadcast on and destroyed) and the engine's pool and transport (its
+constructor's arguments) are stood in for; their real counterparts run in tests/integration/test_sglang_server.py and
+tests/integration/test_sglang_streaming.py."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.sglang.client import ServerFailure
+from dapo_megatron.rollout.sglang import transports
 from dapo_megatron.rollout.sglang.engine import SGLangEngine
 from dapo_megatron.rollout.sglang.transports import DistributedTransport, ServerTarget
 
@@ -47,6 +49,9 @@ class Client:
     def set_weight_version(self, version):
         self.version = version
 
+    def init_weights_update_group(self, **_):
+        pass
+
     def update_weights_from_distributed(self, **_):
         pass
 
@@ -64,24 +69,39 @@ def _bucket():
     return [[("w", torch.ones(2))]]
 
 
+class Broadcast:
+    """A broadcast in flight (torch's async work), complete once the test releases it."""
+
+    def __init__(self, release: threading.Event, broadcasting: threading.Event) -> None:
+        self.release, self.broadcasting = release, broadcasting
+
+    def is_completed(self) -> bool:
+        if self.release.is_set():
+            self.broadcasting.clear()
+        return self.release.is_set()
+
+    def wait(self) -> None:
+        pass
+
+
 def test_a_reset_during_a_broadcast_leaves_the_group_to_the_push(monkeypatch):
     transport = DistributedTransport()
     servers = [ServerTarget(Client("a"), tp_size=1)]
     groups, destroyed, broadcasting = [], [], threading.Event()
     started, release = threading.Event(), threading.Event()
 
-    def connect(targets):
+    def open_group(**_):
         groups.append(object())
-        transport._group, transport._group_servers = groups[-1], list(targets)
+        return groups[-1]
 
-    def broadcast(bucket, announcements):
+    def broadcast(tensor, src, group, async_op):
         broadcasting.set()
         started.set()
-        assert release.wait(WAIT_S)
-        broadcasting.clear()
+        return Broadcast(release, broadcasting)
 
-    monkeypatch.setattr(transport, "connect", connect)
-    monkeypatch.setattr(transport, "_broadcast", broadcast)
+    # the process group stood in for where the transport opens, uses and destroys it
+    monkeypatch.setattr(transports, "open_sender_group", open_group)
+    monkeypatch.setattr(torch.distributed, "broadcast", broadcast)
     monkeypatch.setattr(torch.distributed, "destroy_process_group",
                         lambda group: destroyed.append((group, broadcasting.is_set())))
     push = threading.Thread(target=transport.push, args=(servers, iter(_bucket()), 1))
@@ -102,19 +122,33 @@ def test_a_reset_during_a_broadcast_leaves_the_group_to_the_push(monkeypatch):
 
 class Slot:
     def __init__(self, index: int, client: Client) -> None:
-        self.index, self.client, self.tp_size, self.same_host = index, client, 1, True
+        self.index, self.client, self.tp_size, self.same_host, self.process = index, client, 1, True, None
         self.generation, self.available = 0, True
 
 
 class Pool:
-    """The engine's pool: two servers; a recovery records which weights the server would be relaunched with."""
+    """The engine's pool: two servers serving ``version``; a recovery records which weights the server would be
+    relaunched with."""
 
-    def __init__(self) -> None:
-        self.slots = [Slot(0, Client("a")), Slot(1, Client("b"))]
+    def __init__(self, version: int = 0) -> None:
+        self.config, self.model_path, self.run_dir = SGLangConfig(), "initial-model", "run"
+        self.device, self.placement = "cpu", "separate"
+        self.version = version
+        self.slots = [Slot(0, Client("a", str(version))), Slot(1, Client("b", str(version)))]
         self.restarts: list[tuple[int, str | None]] = []
+        self.stopped = False
+
+    def start(self) -> int:
+        return self.version
+
+    def capacities(self) -> list[int]:
+        return [1 for _ in self.slots]
 
     def available(self):
         return list(self.slots)
+
+    def stop(self) -> None:
+        self.stopped = True
 
     def recover(self, slot, generation, error, *, version, restart_path):
         self.restarts.append((version, restart_path))
@@ -145,18 +179,24 @@ class Transport:
     def reset(self):
         self.resets += 1
 
+    def close(self, targets):
+        pass
 
-def engine_on(pool: Pool, transport: Transport) -> SGLangEngine:
-    """An SGLangEngine over stand-ins for its pool and transport (see the module docstring)."""
-    engine = object.__new__(SGLangEngine)
-    engine.config = SGLangConfig()
-    engine.model_path = "initial-model"
-    engine.pool, engine.transport = pool, transport
-    engine._weight_version = 0
-    engine._closed = False
-    engine._update_lock, engine._serving_lock = threading.Lock(), threading.Lock()
-    engine.placement, engine._server_memory = "separate", {}
-    return engine
+
+@pytest.fixture
+def engine_on():
+    """``engine_on(pool, transport)``: an SGLangEngine over stand-ins for its pool and transport (see the module
+    docstring), shut down after the test."""
+    engines = []
+
+    def make(pool: Pool, transport: Transport) -> SGLangEngine:
+        engines.append(SGLangEngine(pool, show_progress=False, transport=transport))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+        assert engine.pool.stopped
 
 
 def pushing_version_1(engine: SGLangEngine, transport: Transport) -> threading.Thread:
@@ -167,7 +207,7 @@ def pushing_version_1(engine: SGLangEngine, transport: Transport) -> threading.T
     return update
 
 
-def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights():
+def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights(engine_on):
     pool, transport = Pool(), Transport()
     engine = engine_on(pool, transport)
     update = pushing_version_1(engine, transport)
@@ -184,7 +224,7 @@ def test_a_server_restarted_during_a_push_comes_back_with_the_pushed_weights():
     assert engine.weight_version == 1
 
 
-def test_a_failure_another_thread_already_handles_does_not_wait_for_a_push():
+def test_a_failure_another_thread_already_handles_does_not_wait_for_a_push(engine_on):
     pool, transport = Pool(), Transport()
     engine = engine_on(pool, transport)
     update = pushing_version_1(engine, transport)
@@ -198,9 +238,10 @@ def test_a_failure_another_thread_already_handles_does_not_wait_for_a_push():
 
 
 @pytest.mark.parametrize("version", [0, 3])
-def test_control_without_a_push_a_restart_uses_the_served_weights(version):
-    pool, transport = Pool(), Transport()
+def test_control_without_a_push_a_restart_uses_the_served_weights(engine_on, version):
+    pool, transport = Pool(version), Transport()
+    transport.latest = version
     engine = engine_on(pool, transport)
-    engine._weight_version, transport.latest = version, version
+    assert engine.weight_version == version  # what the pool's servers serve
     engine.recover_server(pool.slots[0], 0, ServerFailure("connection reset"))
     assert pool.restarts == [(version, "initial-model" if version == 0 else f"snapshot/v{version}")]

@@ -116,7 +116,8 @@ def _engine(stub, tmp_path, reply_processes: int) -> SGLangEngine:
     (model / "config.json").write_text("{}")
     config = SGLangConfig(urls=[stub.url], max_concurrent_requests=4, reply_processes=reply_processes,
                           request_timeout_s=30)
-    return SGLangEngine(config, model_path=model, run_dir=tmp_path / f"run{reply_processes}", show_progress=False)
+    return SGLangEngine.launch(config, model_path=model, run_dir=tmp_path / f"run{reply_processes}",
+                               show_progress=False)
 
 
 def _streamed(engine: SGLangEngine, requests: list[GenerationRequest]) -> dict:

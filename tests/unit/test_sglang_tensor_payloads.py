@@ -11,9 +11,13 @@ import base64
 import gc
 import importlib.util
 import json
+import os
 import pickle
 import re
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import tracemalloc
 import weakref
@@ -22,15 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from dapo_megatron.overrides.sglang.ipc_handles import DEVICE_ARGUMENT, with_device_uuid
 from dapo_megatron.rollout.sglang import tensor_payloads
 from dapo_megatron.rollout.sglang.client import SGLangClient, tensor_update_body
+from dapo_megatron.rollout.sglang.tensor_payloads import BucketPayloads, serialize_by_reference
 from dapo_megatron.rollout.sglang.transports import IPC_WINDOW_BUCKETS, ServerTarget, TensorTransport
-from dapo_megatron.rollout.sglang.tensor_payloads import (
-    DEVICE_ARGUMENT,
-    BucketPayloads,
-    serialize_by_reference,
-    with_device_uuid,
-)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 torch.set_num_threads(1)
 
@@ -84,9 +86,17 @@ def fake_cuda(monkeypatch):
         made.append([weakref.ref(t) for _, t in tensors])
         return f"handles-{len(made)}"
 
-    monkeypatch.setattr(tensor_payloads, "bucket_on_cuda", lambda tensors: True)
+    monkeypatch.setattr(tensor_payloads, "bucket_gpu", lambda tensors: 0)  # the bucket lives on GPU 0
     monkeypatch.setattr(tensor_payloads, "serialize_by_reference", by_reference)
     return made
+
+
+@pytest.fixture
+def handles_to_every_rank(fake_cuda, monkeypatch):
+    """As fake_cuda, and every rank takes handles (as if each sat on the bucket's GPU): the window's bookkeeping does
+    not depend on which ranks those are."""
+    monkeypatch.setattr(tensor_payloads, "entry_by_reference", lambda bucket_on, server, rank: True)
+    return fake_cuda
 
 
 def test_every_tp_rank_gets_an_entry_holding_the_whole_bucket():
@@ -101,13 +111,16 @@ def test_every_tp_rank_gets_an_entry_holding_the_whole_bucket():
     assert not payloads.by_reference
 
 
-def test_a_gpu_bucket_goes_as_handles_only_to_servers_on_this_host(fake_cuda):
-    local, remote = (ServerTarget(RecordingClient("local"), tp_size=2, same_host=True),
-                     ServerTarget(RecordingClient("remote"), tp_size=2, same_host=False))
+def test_a_gpu_bucket_goes_as_handles_only_to_server_ranks_on_its_own_gpu(fake_cuda):
+    local = ServerTarget(RecordingClient("local"), tp_size=2, same_host=True, gpus=range(0, 2))
+    also_on_gpu_0 = ServerTarget(RecordingClient("also"), tp_size=1, same_host=True, gpus=range(0, 1))
+    remote = ServerTarget(RecordingClient("remote"), tp_size=2, same_host=False, gpus=range(0, 2))
     bucket = _bucket()
-    payloads = BucketPayloads(bucket, [local, remote])
+    payloads = BucketPayloads(bucket, [local, also_on_gpu_0, remote])
     assert payloads.by_reference
-    assert payloads.for_server(local) == ["handles-1", "handles-2"]  # one serialization per TP rank
+    assert payloads.for_server(local)[0] == "handles-1"  # rank 0 is on the bucket's GPU
+    assert _equal(_unpickled(payloads.for_server(local)[1]), bucket)  # rank 1 (GPU 1) by value: no context on GPU 0
+    assert payloads.for_server(also_on_gpu_0) == ["handles-2"]  # one serialization per rank that gets handles
     assert len(fake_cuda) == 2
     assert all(_equal(_unpickled(entry), bucket) for entry in payloads.for_server(remote))  # by value elsewhere
     only_remote = BucketPayloads(bucket, [remote])
@@ -139,6 +152,41 @@ def test_the_uuid_goes_where_torch_and_sglang_expect_the_device():
     assert int(sglang_index) == DEVICE_ARGUMENT
 
 
+def test_can_the_uuid_handles_go():
+    """dapo_megatron.overrides.sglang.ipc_handles, "can it go?": SGLang 0.5.23's TP worker still patches torch's
+    reducers to read a handle's GPU as a UUID (pytorch/pytorch#149248 unfixed); when it stops, torch names GPUs the
+    way the server reads them and the trainer's UUID pickler can go."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("SGLang is not installed in this interpreter")
+    srt = Path(spec.origin).parent / "srt"
+    worker = (srt / "managers" / "tp_worker.py").read_text()  # read, not imported: importing is slow
+    assert re.search(r"^\s+monkey_patch_torch_reductions\(\)$", worker, re.MULTILINE), (
+        "SGLang's TP worker no longer patches torch's reductions: reduce_naming_uuid (and DEVICE_ARGUMENT) can go")
+
+
+def test_torch_reducers_are_torchs_own_where_sglangs_patch_is_active():
+    """SGLang's patch replaces torch's reducers for the whole process; ipc_handles builds on torch's own even then
+    (control: the patched ``reductions.reduce_tensor`` is not torch's)."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed in this interpreter")
+    code = textwrap.dedent("""
+        from torch.multiprocessing import reductions
+        torch_reduce, torch_rebuild = reductions.reduce_tensor, reductions.rebuild_cuda_tensor
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        monkey_patch_torch_reductions()
+        assert reductions.reduce_tensor is not torch_reduce  # the control: SGLang's patch is in force
+        from dapo_megatron.overrides.sglang import ipc_handles
+        assert ipc_handles.torch_reduce_tensor is torch_reduce
+        assert ipc_handles.torch_rebuild_cuda_tensor is torch_rebuild
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                          env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
 def test_cpu_tensors_never_travel_as_handles():
     with pytest.raises(ValueError, match="only CUDA tensors travel as handles"):
         serialize_by_reference(_bucket())
@@ -154,20 +202,20 @@ def _alive_buckets(made) -> list[int]:
     return [i for i, refs in enumerate(made) if any(ref() is not None for ref in refs)]
 
 
-def test_buckets_sent_as_handles_are_dropped_a_window_behind_and_collected(fake_cuda):
+def test_buckets_sent_as_handles_are_dropped_a_window_behind_and_collected(handles_to_every_rank):
     """Issue 26, item 3: a GPU bucket is held while the servers load it and for IPC_WINDOW_BUCKETS buckets after,
     then dropped and torch.cuda.ipc_collect'ed — the whole model is never held until /end_weight_update."""
     collected = []
-    client = RecordingClient("local", at_end=lambda: _alive_buckets(fake_cuda))
+    client = RecordingClient("local", at_end=lambda: _alive_buckets(handles_to_every_rank))
     original = client.update_weights_from_tensor
 
     def upload(payloads, **kwargs):  # what is alive while a bucket's post runs
-        client.calls.append(("alive", _alive_buckets(fake_cuda)))
+        client.calls.append(("alive", _alive_buckets(handles_to_every_rank)))
         original(payloads, **kwargs)
 
     client.update_weights_from_tensor = upload
     _push([ServerTarget(client, tp_size=2, same_host=True)], [_bucket(i) for i in range(6)],
-          collect=lambda: collected.append(_alive_buckets(fake_cuda)))
+          collect=lambda: collected.append(_alive_buckets(handles_to_every_rank)))
     alive_at_post = [call[1] for call in client.calls if call[0] == "alive"]
     window = IPC_WINDOW_BUCKETS * 2  # serializations: 2 TP ranks per bucket
     for number, alive in enumerate(alive_at_post):
@@ -176,14 +224,14 @@ def test_buckets_sent_as_handles_are_dropped_a_window_behind_and_collected(fake_
     ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]
     assert alive_at_end == list(range(12 - window, 12))  # the window, not the model
     assert len(collected) == 6 - IPC_WINDOW_BUCKETS + 1 and collected[-1] == []  # after every drop, and at the end
-    assert _alive_buckets(fake_cuda) == []
+    assert _alive_buckets(handles_to_every_rank) == []
     assert [call[0] for call in client.calls if call[0] != "alive"] == ["begin"] + ["tensor"] * 6 + [
         "end", "flush", "version"]
 
 
-def test_control_without_the_window_every_bucket_would_still_be_alive_at_the_end(fake_cuda):
+def test_control_without_the_window_every_bucket_would_still_be_alive_at_the_end(handles_to_every_rank):
     """The check above tells a window from holding everything: with a window as long as the push, all are alive."""
-    client = RecordingClient("local", at_end=lambda: _alive_buckets(fake_cuda))
+    client = RecordingClient("local", at_end=lambda: _alive_buckets(handles_to_every_rank))
     TensorTransport(ipc_window_buckets=6, collect=lambda: None).send(
         [ServerTarget(client, tp_size=2, same_host=True)], iter([_bucket(i) for i in range(6)]), version=5)
     ((_, alive_at_end),) = [call for call in client.calls if call[0] == "end"]

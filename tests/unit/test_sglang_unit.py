@@ -316,7 +316,7 @@ def test_engine_rejects_a_folder_without_an_hf_config(tmp_path):
     from dapo_megatron.rollout.sglang.engine import SGLangEngine
 
     with pytest.raises(ValueError, match="no config.json"):
-        SGLangEngine(SGLangConfig(), model_path=tmp_path)
+        SGLangEngine.launch(SGLangConfig(), model_path=tmp_path)
 
 
 def test_a_taken_base_port_is_refused_before_the_server_starts(tmp_path):

@@ -61,7 +61,7 @@ def test_with_scontrol(nodelist, hosts):
 @pytest.mark.parametrize("nodelist", [k for k in NODELISTS if k != "n[1-2]-ib,x"])
 def test_builtin_parser_agrees_with_scontrol(nodelist):
     out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
-    assert launch._parse_nodelist(nodelist) == out.stdout.split()
+    assert launch.parse_nodelist(nodelist) == out.stdout.split()
 
 
 @needs_scontrol

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import actor_settings, build_test_actor, gather_hf_weights, random_samples, write_tiny_qwen2
+from actor_harness import (
+    actor_settings,
+    build_test_actor,
+    gather_hf_weights,
+    loss_of,
+    random_samples,
+    write_tiny_qwen2,
+)
 from spawn_ranks import run_distributed
 
 from dapo_megatron.config import OptimConfig, load_config
@@ -35,11 +42,12 @@ def reuse_job(hf_dir: str):
     actor, spec = build_test_actor(hf_dir, 1, 1, settings())
     separate = actor.compute_logprobs(samples)
     with_separate = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, separate.logprobs)]
-    separate_metrics = actor.train_minibatch(with_separate)
+    separate_metrics = actor.train_minibatch(with_separate, loss_of())
     separate_weights = gather_hf_weights(actor, spec)
 
     actor, spec = build_test_actor(hf_dir, 1, 1, settings())
-    reused_metrics, forward = actor.train_minibatch_reusing_logprobs(without_old(samples), [True] * len(samples))
+    reused_metrics, forward = actor.train_minibatch_reusing_logprobs(without_old(samples), [True] * len(samples),
+                                                                     loss_of())
     reused_weights = gather_hf_weights(actor, spec)
 
     # Control: two samples keep given old log-probs 0.5 below the policy's: their ratios are not 1.
@@ -47,7 +55,8 @@ def reuse_job(hf_dir: str):
     mixed = without_old(samples)
     for i in (1, 4):
         mixed[i] = dataclasses.replace(samples[i], old_logprobs=separate.logprobs[i] - 0.5)
-    mixed_metrics, _ = actor.train_minibatch_reusing_logprobs(mixed, [i not in (1, 4) for i in range(len(samples))])
+    mixed_metrics, _ = actor.train_minibatch_reusing_logprobs(mixed, [i not in (1, 4) for i in range(len(samples))],
+                                                            loss_of())
     return dict(separate=separate, separate_metrics=separate_metrics, separate_weights=separate_weights,
                 forward=forward, reused_metrics=reused_metrics, reused_weights=reused_weights,
                 mixed_metrics=mixed_metrics)

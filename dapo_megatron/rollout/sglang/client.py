@@ -160,6 +160,15 @@ class SGLangClient:
     def flush_cache(self) -> None:
         self._call("POST", "/flush_cache")
 
+    def wait_until_idle(self, timeout_s: float) -> None:
+        """Return once the scheduler is fully idle, or raise :class:`ServerReplyError` after ``timeout_s``.
+
+        A release of memory needs SGLang 0.5.23's ``is_fully_idle()``, which also waits for the overlap scheduler's
+        last batch and result queue to clear: the client has every reply one batch before that. ``/flush_cache``
+        with a ``timeout`` answers only once that holds (``SchedulerFlushWrapper``), 400 when it timed out. Its side
+        effect, an empty prefix cache, is what a release leaves anyway."""
+        self._call("POST", f"/flush_cache?timeout={timeout_s:g}", timeout_s=timeout_s + self.timeout_s)
+
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
 

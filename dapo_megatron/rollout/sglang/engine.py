@@ -1,7 +1,8 @@
 """``SGLangEngine``: the production rollout engine — the :class:`RolloutEngine` API over K SGLang servers.
 
 Configured by the run config's ``rollout.sglang`` section (:class:`dapo_megatron.config.SGLangConfig`); the servers
-are launched here or attached by URL and kept by :class:`dapo_megatron.rollout.sglang.pool.ServerPool`.
+are launched or attached by URL (:meth:`SGLangEngine.launch`) and kept by
+:class:`dapo_megatron.rollout.sglang.pool.ServerPool`.
 
 Generation: one ``/generate`` request per prompt carrying its ``n`` samples (see
 :mod:`dapo_megatron.rollout.sglang.requests` for the payload, the seed and the log-prob temperature semantics),
@@ -79,38 +80,62 @@ from dapo_megatron.rollout.sglang.transports import (
 logger = logging.getLogger(__name__)
 
 
+# How long a colocated server may take to finish its last batch before it releases memory (its scheduler's overlap
+# loop clears one batch after the last reply): seconds, not minutes, on a server that is done generating.
+IDLE_WAIT_S = 60.0
+
+
 class SGLangEngine(RolloutEngine):
     """Rollouts on SGLang servers. See the module docstring for dispatch, failure handling and weight updates.
 
-    ``model_path``: the HF model directory the servers start from; the disk transport also copies its config and
-    tokenizer files into every snapshot.
-    ``run_dir``: server logs and config files, and by default the disk snapshots (``rollout.sglang.weight_dir``;
-    must be readable by the servers, i.e. on a shared filesystem for remote ones); None: a temporary directory.
-    ``dtype``: what launched servers compute in (SGLang's ``--dtype``; the trainer passes
-    :func:`dapo_megatron.rollout.sglang.server.served_dtype` of its ``model.precision``).
-    ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its device
-    type, in the environment it gives them.
-    ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.
-    ``samples_per_request``: the ``n`` of the run's requests (``rollout.n_samples``), which the default number of
-    requests in flight is counted in.
+    :meth:`launch` launches (or attaches to) the servers of a config and makes the engine over them; the constructor
+    takes the collaborators themselves: the ``pool`` of servers (not started: the engine starts it, and stops it at
+    shutdown; its config, model directory, run directory, device and placement are the engine's) and the weight
+    ``transport`` (default: the one ``rollout.sglang.transport`` names). ``samples_per_request``: the ``n`` of the
+    run's requests (``rollout.n_samples``), which the default number of requests in flight is counted in.
+    ``temporary_dir``: a directory the engine removes at shutdown (the run directory :meth:`launch` made).
     """
 
-    def __init__(self, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
-                 show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
-                 placement: Placement = "separate", samples_per_request: int = 1) -> None:
+    @classmethod
+    def launch(cls, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
+               show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
+               placement: Placement = "separate", samples_per_request: int = 1) -> SGLangEngine:
+        """The engine over the servers ``config`` launches or attaches.
+
+        ``model_path``: the HF model directory the servers start from; the disk transport also copies its config and
+        tokenizer files into every snapshot.
+        ``run_dir``: server logs and config files, and by default the disk snapshots (``rollout.sglang.weight_dir``;
+        must be readable by the servers, i.e. on a shared filesystem for remote ones); None: a temporary directory.
+        ``dtype``: what launched servers compute in (SGLang's ``--dtype``; the trainer passes
+        :func:`dapo_megatron.rollout.sglang.server.served_dtype` of its ``model.precision``).
+        ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its
+        device type, in the environment it gives them.
+        ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.
+        """
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
-        self.config = config
-        self.model_path = str(model_path)
-        self.show_progress = show_progress
-        self.placement = placement
-        self._server_memory: dict[int, tuple[int, ServerMemory]] = {}  # slot index -> (generation, what it released)
         backend = select_backend() if backend is None else backend
-        self.device = backend.device_type
+        temporary_dir = None if run_dir else tempfile.TemporaryDirectory(prefix="dapo_sglang_")
+        run_dir = Path(run_dir or temporary_dir.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        pool = ServerPool(config, model_path=str(model_path), run_dir=run_dir, device=backend.device_type,
+                          dtype=dtype, server_environment=backend.sglang_server_environment, placement=placement)
+        return cls(pool, show_progress=show_progress, samples_per_request=samples_per_request,
+                   temporary_dir=temporary_dir)
+
+    def __init__(self, pool: ServerPool, *, show_progress: bool = True, samples_per_request: int = 1,
+                 transport: WeightTransport | None = None,
+                 temporary_dir: tempfile.TemporaryDirectory | None = None) -> None:
+        self.pool = pool
+        self.config: SGLangConfig = pool.config
+        self.model_path = str(pool.model_path)
+        self.run_dir = Path(pool.run_dir)
+        self.device = pool.device
+        self.placement: Placement = pool.placement
+        self.show_progress = show_progress
+        self._server_memory: dict[int, tuple[int, ServerMemory]] = {}  # slot index -> (generation, what it released)
         self._closed = False
-        self._temp_dir = None if run_dir else tempfile.TemporaryDirectory(prefix="dapo_sglang_")
-        self.run_dir = Path(run_dir or self._temp_dir.name)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._temp_dir = temporary_dir
         self._update_lock = threading.Lock()  # batch generation and weight updates take turns
         # A weight push and a server restart never overlap: a restart reads the served version and the weights to
         # relaunch from under it, and a push records its version before it lets go. Otherwise a server that failed
@@ -118,9 +143,6 @@ class SGLangEngine(RolloutEngine):
         # push ran), outside the push's targets.
         self._serving_lock = threading.Lock()
         self._warned_unseeded = False
-        self.pool = ServerPool(config, model_path=self.model_path, run_dir=self.run_dir, device=self.device,
-                               dtype=dtype, server_environment=backend.sglang_server_environment,
-                               placement=placement)
         self.transport: WeightTransport | None = None
         self.streams: SGLangStreams | None = None
         self.reply_workers: ReplyWorkers | None = None
@@ -128,6 +150,7 @@ class SGLangEngine(RolloutEngine):
         atexit.register(self.shutdown)
         try:
             self._weight_version = self.pool.start()
+            config = self.config
             self.max_concurrent_requests = config.max_concurrent_requests or concurrent_requests(
                 self.pool.capacities(), samples_per_request)
             logger.info("up to %d requests of %d sample(s) in flight over %d server(s)", self.max_concurrent_requests,
@@ -138,7 +161,7 @@ class SGLangEngine(RolloutEngine):
             self.streams = SGLangStreams(self.pool, max_concurrent_requests=self.max_concurrent_requests,
                                          served_version=lambda: self._weight_version, on_failure=self.recover_server,
                                          reply_workers=self.reply_workers)
-            self.transport = self._make_transport()
+            self.transport = self._make_transport() if transport is None else transport
         except BaseException:
             self.shutdown()
             raise
@@ -316,6 +339,12 @@ class SGLangEngine(RolloutEngine):
             if not tags:
                 continue
             if release:
+                try:
+                    slot.client.wait_until_idle(IDLE_WAIT_S)
+                except RolloutError as error:
+                    raise RolloutError(f"SGLang server {slot.index} did not become idle within {IDLE_WAIT_S:g} s, "
+                                       f"so its memory was not released (releasing it busy would end the server): "
+                                       f"{error}") from error
                 slot.client.release_memory_occupation(tags)
                 memory = memory.released(tags)
             else:
@@ -380,4 +409,5 @@ class SGLangEngine(RolloutEngine):
 
 
 def _targets(slots: Sequence[ServerSlot]) -> list[ServerTarget]:
-    return [ServerTarget(client=slot.client, tp_size=slot.tp_size, same_host=slot.same_host) for slot in slots]
+    return [ServerTarget(client=slot.client, tp_size=slot.tp_size, same_host=slot.same_host,
+                         gpus=slot.process.gpus if slot.process is not None else None) for slot in slots]

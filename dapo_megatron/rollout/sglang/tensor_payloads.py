@@ -5,15 +5,16 @@ SGLang 0.5.23 (``TpModelWorker.deserialize_own_rank``) has TP rank ``r`` of a se
 
 * by value — a standard pickle of CPU copies (the server's ``SafeUnpickler`` admits ``torch.storage._load_from_bytes``).
   Works between any hosts. The bytes carry the data and no handle, so every rank's entry is the same pickle.
-* by reference — CUDA tensors as CUDA IPC handles (no copy), only for a server on this host and a bucket that lives
-  on GPUs. Every TP rank gets a serialization of its own: torch counts the consumers of a shared CUDA block per
-  serialization, and a rank opening another rank's entry would upset that count. The handle names its GPU by
-  UUID rather than by index, which is how SGLang's ``monkey_patch_torch_reductions`` (applied by the server before it
-  deserializes) finds the GPU when the server's ``CUDA_VISIBLE_DEVICES`` differs from the trainer's. The UUID is put
-  in by this module's own pickler for these payloads only; torch's reducers stay untouched in the trainer, where a
-  global patch would also rewrite CPU tensors' reductions. Servers load (enqueue their copies from) that memory before
-  they answer, and torch keeps a block a consumer still holds in its IPC limbo when this process drops it, so the
-  transport drops :attr:`BucketPayloads.tensors` a few buckets after the answers
+* by reference — CUDA tensors as CUDA IPC handles (no copy), only for a server TP rank on the bucket's own GPU
+  (:func:`entry_by_reference`). Every such rank gets a serialization of its own: torch counts the consumers of a
+  shared CUDA block per serialization, and a rank opening another rank's entry would upset that count. The handle
+  names its GPU by UUID rather than by index, which is how SGLang's ``monkey_patch_torch_reductions`` (applied by the
+  server before it deserializes) finds the GPU when the server's ``CUDA_VISIBLE_DEVICES`` differs from the trainer's.
+  The UUID is put in by this module's own pickler for these payloads only
+  (:func:`dapo_megatron.overrides.sglang.ipc_handles.reduce_naming_uuid`); torch's reducers stay untouched in the
+  trainer, where a global patch would also rewrite CPU tensors' reductions. Servers load (enqueue their copies from)
+  that memory before they answer, and torch keeps a block a consumer still holds in its IPC limbo when this process
+  drops it, so the transport drops :attr:`BucketPayloads.tensors` a few buckets after the answers
   (:class:`dapo_megatron.rollout.sglang.transports.HandleWindow`).
 
 CPU tensors are never sent as shared-memory handles: with torch's default ``file_descriptor`` strategy the server
@@ -25,22 +26,15 @@ and can leave files in ``/dev/shm``. The by-reference path has not run on a GPU 
 from __future__ import annotations
 
 import base64
-import inspect
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
-from torch.multiprocessing import reductions
 
 from dapo_megatron.hf_format import Bucket
-
-# torch's reducers, even if SGLang's patch replaced them in this process (then they already write UUIDs).
-_reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
-_rebuild_cuda_tensor = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
-# Where the GPU index sits in the arguments torch's reducer gives ``rebuild_cuda_tensor``.
-DEVICE_ARGUMENT = list(inspect.signature(_rebuild_cuda_tensor).parameters).index("storage_device")
+from dapo_megatron.overrides.sglang.ipc_handles import reduce_naming_uuid
 
 
 def serialize_by_value(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
@@ -56,45 +50,38 @@ def serialize_by_reference(named_tensors: Sequence[tuple[str, torch.Tensor]]) ->
     """Base64 (ASCII bytes) of a ``ForkingPickler`` pickle of CUDA tensors: IPC handles whose GPU is named by UUID."""
     buffer = io.BytesIO()
     pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table[torch.Tensor] = _reduce_cuda_tensor
+    pickler.dispatch_table[torch.Tensor] = reduce_naming_uuid
     pickler.dump(list(named_tensors))
     return base64.b64encode(buffer.getvalue())
-
-
-def _reduce_cuda_tensor(tensor: torch.Tensor):
-    if not tensor.is_cuda:
-        raise ValueError("serialize_by_reference: only CUDA tensors travel as handles (CPU ones go by value)")
-    rebuild, arguments = _reduce_tensor(tensor)
-    return rebuild, with_device_uuid(arguments, _device_uuid)
-
-
-def with_device_uuid(arguments: tuple, uuid_of: Callable[[int], str]) -> tuple:
-    """torch's ``rebuild_cuda_tensor`` arguments with the GPU index replaced by ``uuid_of(index)``."""
-    index = arguments[DEVICE_ARGUMENT]
-    if isinstance(index, str):  # already a UUID (SGLang's patch is active in this process)
-        return arguments
-    return (*arguments[:DEVICE_ARGUMENT], uuid_of(index), *arguments[DEVICE_ARGUMENT + 1:])
-
-
-def _device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def bucket_on_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
     return all(tensor.is_cuda for _, tensor in tensors)
 
 
-def sends_by_reference(on_cuda: bool, same_host: bool) -> bool:
-    """CUDA IPC handles only for a bucket on GPUs going to a server on this host; everything else goes by value."""
-    return on_cuda and same_host
+def bucket_gpu(tensors: Sequence[tuple[str, torch.Tensor]]) -> int | None:
+    """The GPU a bucket lives on (the exporter gathers each bucket on one device), None for a CPU bucket."""
+    devices = {tensor.device.index for _, tensor in tensors if tensor.is_cuda}
+    return devices.pop() if len(devices) == 1 and bucket_on_cuda(tensors) else None
+
+
+def entry_by_reference(bucket_on: int | None, server: "PayloadDestination", rank: int) -> bool:
+    """Whether TP rank ``rank`` of ``server`` gets CUDA IPC handles: only a rank on this host whose GPU IS the
+    bucket's. torch rebuilds an IPC tensor on the producer's GPU (SGLang 0.5.23's UUID patch,
+    ``srt/utils/patch_torch.py``, maps the handle back to that GPU), so a rank on another GPU would open a CUDA
+    context on the bucket's GPU — in a colocated node of 4 servers x TP 2 fed from GPU 0, seven extra contexts there.
+    Every other rank gets the bucket by value."""
+    return (bucket_on is not None and server.same_host and server.gpus is not None
+            and server.gpus[rank] == bucket_on)
 
 
 class PayloadDestination(Protocol):
-    """What a payload's layout depends on: the server's TP degree (one entry per rank) and whether it runs on this
-    host (CUDA handles are meaningful there only). The transports' ``ServerTarget`` is one."""
+    """What a payload's layout depends on: the server's TP degree (one entry per rank), whether it runs on this
+    host, and its ranks' GPUs (None: not known here, an attached server). The transports' ``ServerTarget`` is one."""
 
     tp_size: int
     same_host: bool
+    gpus: range | None
 
 
 class BucketPayloads:
@@ -105,17 +92,20 @@ class BucketPayloads:
 
     def __init__(self, bucket: Bucket, servers: Sequence[PayloadDestination]) -> None:
         self.tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
-        on_cuda = bucket_on_cuda(self.tensors)
+        on_gpu = bucket_gpu(self.tensors)
         self.by_reference = False
         self._per_server: dict[int, list[bytes]] = {}
-        by_value = None
+        by_value = None  # the same object for every rank and server that takes it: the client sends it without copying
         for server in servers:
-            if sends_by_reference(on_cuda, server.same_host):
-                self._per_server[id(server)] = [serialize_by_reference(self.tensors) for _ in range(server.tp_size)]
-                self.by_reference = True
-            else:  # the same object for every rank and server: the client sends it without copying
-                by_value = by_value or serialize_by_value(self.tensors)
-                self._per_server[id(server)] = [by_value] * server.tp_size
+            entries = []
+            for rank in range(server.tp_size):
+                if entry_by_reference(on_gpu, server, rank):
+                    entries.append(serialize_by_reference(self.tensors))
+                    self.by_reference = True
+                else:
+                    by_value = by_value or serialize_by_value(self.tensors)
+                    entries.append(by_value)
+            self._per_server[id(server)] = entries
 
     def for_server(self, server: PayloadDestination) -> list[bytes]:
         return self._per_server[id(server)]

@@ -57,6 +57,7 @@ class ServerTarget:
     client: SGLangClient
     tp_size: int
     same_host: bool = False
+    gpus: range | None = None  # its TP ranks' GPUs, when launched here (CUDA handles go only to the bucket's GPU)
 
 
 def on_all_servers(servers: Sequence[ServerTarget], call: Callable[[ServerTarget], None]) -> None:

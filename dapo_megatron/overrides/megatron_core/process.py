@@ -1,4 +1,5 @@
-"""Fixes of megatron-core 0.16.1 defects that every backend needs, applied by ``Backend.prepare_process``.
+"""Fixes of megatron-core 0.16.1 that every backend needs, for the whole process: :func:`apply_megatron_core_overrides`,
+called by ``Backend.prepare_process`` before megatron-core does anything.
 
 * ``megatron.core.transformer.moe.moe_utils`` imports ``te_general_gemm`` inside a ``try`` that only succeeds with
   Transformer Engine, and the MoE router's GEMM (``RouterGatingLinearFunction``) then tests
@@ -17,15 +18,21 @@ import warnings
 
 from megatron.core.transformer.moe import moe_utils
 
+ALL_GATHER_DEPRECATION = r"`torch\.distributed\.all_gather_into_tensor` is deprecated"
 
-def apply_megatron_fixes() -> None:
+
+def apply_megatron_core_overrides() -> None:
     """Every fix of this module (idempotent)."""
     define_missing_transformer_engine_names()
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
+    silence_all_gather_deprecation()
 
 
 def define_missing_transformer_engine_names() -> None:
     """Make the router GEMM's "is Transformer Engine's GEMM there?" test answer no instead of raising."""
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def silence_all_gather_deprecation() -> None:
+    """Ignore torch's deprecation notice for the all-gather megatron calls, and nothing else."""
+    warnings.filterwarnings("ignore", category=FutureWarning, message=ALL_GATHER_DEPRECATION)

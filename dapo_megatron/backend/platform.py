@@ -1,9 +1,14 @@
-"""Everything device-specific and the process group, in one place (the launch variables: :mod:`.launch_env`).
+"""This process on the backend's platform: its device, the process group, the seeds (the launch variables:
+:mod:`dapo_megatron.launch_env`, read without torch).
 
-* :func:`prepare_device` — this process's device and collective backend, as the platform's backend
-  (:mod:`dapo_megatron.backend`) says: on CUDA, NCCL and GPU ``local_rank % visible GPUs`` (:func:`cuda_device_index`:
-  a cluster that binds one GPU per task shows each process a single device 0); without CUDA, gloo, after the
-  backend has prepared the process (the CPU backend installs its megatron-core compatibility layer).
+What the platform calls for is decided by the backend (:mod:`dapo_megatron.backend`: the device type, the collective,
+what a process needs before megatron runs); this module applies that choice to the process, the one place that
+binds a device or forms a process group:
+
+* :func:`prepare_device` — this process's device and collective backend, as the backend says: on CUDA, NCCL and GPU
+  ``local_rank % visible GPUs`` (:func:`cuda_device_index`: a cluster that binds one GPU per task shows each process a
+  single device 0); without CUDA, gloo, after the backend has prepared the process (the CPU backend installs its
+  megatron-core compatibility layer).
 * :func:`cuda_connections_setting` — ``CUDA_DEVICE_MAX_CONNECTIONS=1`` on GPU with TP > 1, set by
   :func:`init_distributed` before CUDA creates its context (the variable is read then). megatron's tensor-parallel
   linear layers (``tensor_parallel/layers.py``) launch the all-gather / reduce-scatter of the input gradient
@@ -34,7 +39,7 @@ from dapo_megatron.host_address import pin_gloo_interface
 from dapo_megatron.launch_env import LaunchError, launch_env
 
 if TYPE_CHECKING:
-    from dapo_megatron.backend import Backend
+    from dapo_megatron.backend.base import Backend
 
 
 @dataclass(frozen=True)
@@ -156,16 +161,16 @@ def init_distributed(
     timeout_s: float = 600.0,
 ) -> ParallelLayout:
     """Initialize torch.distributed and megatron ``parallel_state`` for this process, on ``backend``'s platform
-    (default: :func:`dapo_megatron.backend.select_backend` with ``model.kernels: auto``); ``expert_parallel``
+    (default: :func:`dapo_megatron.backend.select.select_backend` with ``model.kernels: auto``); ``expert_parallel``
     ranks share a MoE model's experts.
 
     Idempotent for the same layout in one process (a second call returns the layout already set up).
     """
-    # Not at the top: megatron-core and the backend take seconds to import, and the launch helpers above are read
-    # by commands that never train (the rank of an error message, `prepare-tiny`).
+    # Not at the top: megatron-core and the backends take seconds to import, and the helpers above are read by
+    # commands and tests that never train.
     from megatron.core import parallel_state
 
-    from dapo_megatron.backend import select_backend
+    from dapo_megatron.backend.select import select_backend
 
     env = launch_env(environ)
     dp = resolve_data_parallel(env.world_size, tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)
