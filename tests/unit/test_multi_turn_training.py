@@ -46,9 +46,11 @@ def update_job(hf_dir: str) -> dict:
         for tool_ids in ([31, 32, 33], [41, 42, 43]):
             groups, _ = unpack_rollout_batch(pack_rollout_batch([multi_turn_group(tool_ids, masked)], {}))
             actor, spec = build_test_actor(hf_dir, 1, 1, settings)
-            samples = PolicyUpdate(actor, config).training_samples(groups)
+            stage = PolicyUpdate(actor, config)
+            samples = stage.training_samples(groups)
             old = actor.compute_logprobs(samples)
-            actor.train_minibatch([dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, old.logprobs)])
+            actor.train_minibatch([dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, old.logprobs)],
+                                  stage.loss)
             weights[masked, tool_ids[0]] = gather_hf_weights(actor, spec)
     return weights
 
