@@ -185,3 +185,40 @@ def test_sync_collector_generates_multi_turn_groups_when_tools_are_on(model_dir,
     [(groups, metrics), _] = collect()
     assert all(group.loss_masks is None for group in groups) and "num_turns/mean" not in metrics
     assert all(len(r) > len(trace.call) for group in groups for r in group.responses)
+
+
+SLOW_TOOL = '''
+import os, time
+
+def python(text, metadata):
+    start = time.time()
+    time.sleep(1.5)
+    with open(os.path.join(os.environ["TOOL_TIMES_DIR"], f"{os.getpid()}.txt"), "w") as out:
+        out.write(f"{start} {time.time()}")
+    return "42"
+'''
+
+
+@pytest.mark.parametrize("pool_size", [4, 1])
+def test_tool_calls_of_many_trajectories_run_at_once(engine, tokenizer, tmp_path, monkeypatch, pool_size):
+    """Four trajectories reach their call together: with a pool of 4 the calls overlap in time; the control, a pool
+    of 1, runs them one after the other (the pool bounds them, and the loop never waits for one call alone)."""
+    (tmp_path / "slow_tool.py").write_text(SLOW_TOOL)
+    monkeypatch.setenv("TOOL_TIMES_DIR", str(tmp_path))
+    from dapo_megatron.tools import FunctionToolConfig
+
+    tools = ToolsConfig(enabled=True, code=False, pool_size=pool_size,
+                        functions=[FunctionToolConfig(function=f"{tmp_path / 'slow_tool.py'}:python")])
+    pool = ToolPool(tools)
+    trace = tool_trace(tokenizer)
+    try:
+        loop = MultiTurnRollout(engine, tokenizer, tools, pool, max_response_length=100)
+        groups = loop.generate([trace.prompt], SamplingParams(**{**vars(greedy(tokenizer.eos_token_id)), "n": 4}))
+    finally:
+        pool.close()
+    assert [s.token_ids for s in groups[0]] == [trace.response] * 4
+    spans = sorted(tuple(map(float, path.read_text().split())) for path in tmp_path.glob("*.txt"))
+    assert len(spans) == 4
+    overlapping = sum(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+    # all four overlap unless the machine stalls a process start past the sleep; one overlap shows the concurrency
+    assert overlapping >= 1 if pool_size == 4 else overlapping == 0
