@@ -28,10 +28,10 @@ RolloutBatch = tuple[list[RolloutGroup], dict[str, float]]  # the scored groups 
 # How each RolloutGroup field travels; a field added to RolloutGroup must be added here (pack refuses otherwise).
 _PER_GROUP = ("prompt_ids", "weight_version", "ground_truth", "data_source")
 _PER_RESPONSE = ("responses", "engine_logprobs", "finish_reasons", "accs", "scores", "overlong_penalties")
-_OPTIONAL_PER_TOKEN = ("token_versions",)  # None, or one list per response, as long as the response
+_OPTIONAL_PER_TOKEN = ("token_versions", "loss_masks")  # None, or one list per response, as long as the response
 # Read by the step's rollout metrics on rank 0 before the batch travels: they stay behind (the defaults arrive).
 _METRICS_ONLY = ("source_name", "reward_errors", "reward_timeouts", "reward_extras", "format_weight", "format_matches",
-                 "reflections")
+                 "reflections", "tool_use")
 
 
 def hand_over_rollouts(collect: Callable[[], RolloutBatch], *, what: str) -> RolloutBatch:
@@ -48,9 +48,10 @@ def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) ->
         counts = {name: len(getattr(group, name)) for name in _PER_RESPONSE}
         if len(set(counts.values())) != 1:
             raise ValueError(f"pack_rollout_batch: group {index} has per-response lists of different lengths {counts}")
-        if group.token_versions is not None and [len(v) for v in group.token_versions] != [
-                len(r) for r in group.responses]:
-            raise ValueError(f"pack_rollout_batch: group {index}'s token_versions do not match its responses' lengths")
+        for name in _OPTIONAL_PER_TOKEN:
+            values = getattr(group, name)
+            if values is not None and [len(v) for v in values] != [len(r) for r in group.responses]:
+                raise ValueError(f"pack_rollout_batch: group {index}'s {name} do not match its responses' lengths")
     versioned = [g.token_versions is not None for g in groups]
     responses = [response for g in groups for response in g.responses]
     logprobs = [lps for g in groups for lps in g.engine_logprobs]
@@ -73,6 +74,10 @@ def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) ->
         "token_versions": _flat([v for g in groups if g.token_versions is not None for v in g.token_versions],
                                 torch.int64),
     }
+    if any(g.loss_masks is not None for g in groups):  # multi-turn only: a single-turn batch packs as before
+        tensors["has_loss_masks"] = torch.tensor([g.loss_masks is not None for g in groups], dtype=torch.bool)
+        tensors["loss_masks"] = _flat([m for g in groups if g.loss_masks is not None for m in g.loss_masks],
+                                      torch.bool)
     meta = {"ground_truths": [g.ground_truth for g in groups], "data_sources": [g.data_source for g in groups],
             "finish_reason_names": reason_names, "metrics": metrics}
     return Packed({name: _narrowest(tensor) for name, tensor in tensors.items()}, meta)
@@ -96,12 +101,17 @@ def unpack_rollout_batch(packed: Packed) -> RolloutBatch:
     versioned_lengths = [len(r) for responses, has in zip(by_group["responses"], versioned) if has for r in responses]
     token_versions = iter(_split(_views(t["token_versions"].long(), versioned_lengths),
                                  [size for size, has in zip(sizes, versioned) if has]))
+    masked = t["has_loss_masks"].tolist() if "has_loss_masks" in t else [False] * len(sizes)
+    masked_lengths = [len(r) for responses, has in zip(by_group["responses"], masked) if has for r in responses]
+    loss_masks = iter(_split(_views(t["loss_masks"], masked_lengths), [s for s, has in zip(sizes, masked) if has])
+                      if "loss_masks" in t else [])
     groups = [
         RolloutGroup(prompt_ids=prompt, ground_truth=truth, data_source=source, weight_version=version,
                      token_versions=next(token_versions) if has else None,
+                     loss_masks=next(loss_masks) if has_mask else None,
                      **{name: by_group[name][i] for name in _PER_RESPONSE})
-        for i, (prompt, truth, source, version, has) in enumerate(zip(
-            prompts, meta["ground_truths"], meta["data_sources"], t["weight_versions"].tolist(), versioned,
+        for i, (prompt, truth, source, version, has, has_mask) in enumerate(zip(
+            prompts, meta["ground_truths"], meta["data_sources"], t["weight_versions"].tolist(), versioned, masked,
             strict=True))
     ]
     return groups, meta["metrics"]

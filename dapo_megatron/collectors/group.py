@@ -18,7 +18,7 @@ from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.reward.response_text import grouped_response_texts
 from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
-from dapo_megatron.rollout.engine import Sample, SamplingParams
+from dapo_megatron.rollout.engine import Sample, SamplingParams, ToolUse
 from dapo_megatron.metrics.reflection import ReflectionPhrases
 
 
@@ -49,6 +49,9 @@ class RolloutGroup:
     overlong_penalties: list[float]
     weight_version: int
     token_versions: list[TokenVersions] | None = None
+    # Multi-turn rollouts (rollout.tools): per response, 1 where the engine sampled the token, 0 for tool output,
+    # which the loss, the rollout correction and the entropy/length statistics leave out; None: all sampled.
+    loss_masks: list[Sequence[int]] | None = None
     # What the step's metrics read besides the scores (defaults: what a group scored without them looks like).
     source_name: str | None = None  # the data.train source it was drawn from
     reward_errors: int = 0  # responses whose reward raised (scored reward.error_score)
@@ -57,10 +60,17 @@ class RolloutGroup:
     format_weight: float | None = None  # the soft format bonus of this group's step (None: off)
     format_matches: list[bool] | None = None
     reflections: list[bool] | None = None  # which responses hold a reflection phrase
+    tool_use: list[ToolUse] | None = None  # multi-turn: what each response did with its tools
 
     @property
     def truncated(self) -> list[bool]:
         return [reason == "length" for reason in self.finish_reasons]
+
+    def sampled_mask(self, index: int) -> torch.Tensor | None:
+        """bool ``[R]`` of response ``index``: True where the engine sampled the token; None when it sampled all."""
+        if self.loss_masks is None:
+            return None
+        return torch.as_tensor(self.loss_masks[index]).reshape(-1).to(torch.bool)
 
     def response_versions(self, index: int) -> TokenVersions:
         """The weight version that sampled each token of response ``index``."""
@@ -133,6 +143,7 @@ def score_groups(drawn: list[tuple[PromptRecord, list[Sample]]], tokenizer, conf
             format_weight=format_weight,
             format_matches=matches,
             reflections=[reflection.found_in(text) for text in group_texts],
+            **_tool_fields(samples),
         ))
     return groups
 
@@ -144,7 +155,18 @@ def _request(record: PromptRecord, text: str, index: int, group_size: int) -> Re
                              f"{index + 1} of {group_size}")
 
 
+def _tool_fields(samples: list[Sample]) -> dict:
+    """Multi-turn responses' loss masks and tool use; nothing for single-turn ones (their group is as before)."""
+    if all(s.loss_mask is None and s.tool_use is None for s in samples):
+        return {}
+    return {"loss_masks": [list(s.loss_mask) if s.loss_mask is not None else [1] * len(s.token_ids)
+                           for s in samples],
+            "tool_use": [s.tool_use or ToolUse() for s in samples]}
+
+
 def _overlong_penalties(samples: list[Sample], config: DAPOConfig) -> list[float]:
+    """The soft overlong punishment of each response, by its full length: tool output included, as the response
+    budget counts it (a response long from tool output is as near the budget's cut as one long from sampling)."""
     a, r = config.algorithm, config.rollout
     if not a.overlong_penalty:
         return [0.0] * len(samples)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dapo_megatron.config.errors import require, require_finite_numbers
+from dapo_megatron.tools.config import ToolsConfig
 
 
 @dataclass
@@ -105,6 +106,9 @@ class RolloutConfig:
     # colocated, on GPUs: the optimizer state (fp32 main parameters, Adam moments) waits in host memory while the
     # servers generate, leaving that much more GPU memory to them (trainer/colocation.py).
     offload_optimizer: bool = False
+    # Tool calls in rollouts (multi-turn, dapo_megatron/rollout/multi_turn.py; docs/tools-sandbox.md). Tool-output
+    # tokens count in max_response_length.
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def validate(self) -> None:
         require_finite_numbers(self, "rollout.")
@@ -119,6 +123,11 @@ class RolloutConfig:
         self.sglang.validate()
         self._validate_placement()
         self.embedded.validate()
+        self.tools.validate()
+        # The async driver streams single-turn requests and continues them across weight updates; the multi-turn
+        # loop drives its own requests turn by turn and does not run there (yet).
+        require(not self.tools.enabled or self.mode == "sync", "rollout.tools.enabled",
+                "multi-turn tool rollouts run in rollout.mode: sync only")
 
     def _validate_placement(self) -> None:
         separate, s = self.placement == "separate", self.sglang

@@ -2,6 +2,11 @@
 
 Names follow verl's so curves can be compared across systems (``actor/pg_loss``, ``critic/score/mean``,
 ``response_length/clip_ratio``, ``train/num_gen_batches`` ...). Where they go: :mod:`.metrics`.
+
+Multi-turn responses (``rollout.tools``): the tool-output tokens (loss mask 0) are left out of the entropy, the
+generation probability, the engine–policy log-prob gap and ``response_length/*`` (as verl measures them over its
+response mask); ``response_length/clip_ratio`` still counts responses that reached the budget, tool output
+included, since the budget counts it. :func:`tool_metrics` adds the tools' numbers.
 """
 
 from __future__ import annotations
@@ -57,14 +62,17 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
     if all_accs:
         metrics["rollout/acc/mean"] = sum(all_accs) / len(all_accs)  # over everything generated this step
     metrics.update(reward_metrics(generated))
+    metrics.update(tool_metrics(generated))
     if not batch:
         return metrics
     scores = [s for g in batch for s in g.scores]
-    lengths = [len(resp) for g in batch for resp in g.responses]
+    full_lengths = [len(resp) for g in batch for resp in g.responses]
+    lengths = [len(r) if g.loss_masks is None else int(sum(m)) for g in batch for r, m in
+               zip(g.responses, g.loss_masks or g.responses)]
     prompt_lengths = [len(g.prompt_ids) for g in batch]
     accs = [acc for g in batch for acc in g.accs]
-    token_logprobs = torch.cat([torch.as_tensor(lps, dtype=torch.float32).reshape(-1)
-                                for g in batch for lps in g.engine_logprobs])
+    token_logprobs = torch.cat([_sampled(g, i, torch.as_tensor(lps, dtype=torch.float32).reshape(-1))
+                                for g in batch for i, lps in enumerate(g.engine_logprobs)])
     metrics.update({
         "critic/score/mean": sum(scores) / len(scores),
         "critic/score/max": max(scores),
@@ -74,10 +82,44 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/max": max(lengths),
         "response_length/min": min(lengths),
-        "response_length/clip_ratio": sum(length >= max_response_length for length in lengths) / len(lengths),
+        "response_length/clip_ratio": sum(length >= max_response_length for length in full_lengths) / len(lengths),
         "prompt_length/mean": sum(prompt_lengths) / len(prompt_lengths),
         "rollout/gen_prob/mean": float(token_logprobs.exp().mean()) if token_logprobs.numel() else 0.0,
     })
+    return metrics
+
+
+def _sampled(group: RolloutGroup, index: int, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (per token of response ``index``) at the tokens the engine sampled."""
+    mask = group.sampled_mask(index)
+    return values if mask is None else values[mask]
+
+
+def tool_metrics(generated: list[RolloutGroup]) -> dict[str, float]:
+    """Over the multi-turn responses generated this step: generation turns (verl's ``num_turns/*``), tool calls,
+    failed and timed-out calls per response, tool-output tokens, the share of responses that called a tool and the
+    accuracy of those that did and did not (``tools/acc/with_tool``, ``tools/acc/without_tool``). Nothing without
+    tools."""
+    pairs = [(use, acc) for g in generated if g.tool_use is not None for use, acc in zip(g.tool_use, g.accs)]
+    if not pairs:
+        return {}
+    uses = [use for use, _ in pairs]
+    count = len(uses)
+    turns = [use.turns for use in uses]
+    metrics = {
+        "num_turns/mean": sum(turns) / count,
+        "num_turns/max": float(max(turns)),
+        "num_turns/min": float(min(turns)),
+        "tools/calls_per_response": sum(use.calls for use in uses) / count,
+        "tools/failed_per_response": sum(use.failed for use in uses) / count,
+        "tools/timeouts_per_response": sum(use.timeouts for use in uses) / count,
+        "tools/output_tokens/mean": sum(use.output_tokens for use in uses) / count,
+        "tools/used_fraction": sum(use.calls > 0 for use in uses) / count,
+    }
+    for name, used in (("with_tool", True), ("without_tool", False)):
+        accs = [acc for use, acc in pairs if (use.calls > 0) == used]
+        if accs:
+            metrics[f"tools/acc/{name}"] = sum(accs) / len(accs)
     return metrics
 
 
@@ -133,10 +175,11 @@ def policy_metrics(groups: list[RolloutGroup], samples: list["PolicySample"], ol
     # weights sampled (stale ones differ by the updates since, not by the engine's numerics).
     fresh = [g.weight_version == policy_version for g in groups for _ in g.responses]
     flat_engine = [lps for g in groups for lps in g.engine_logprobs]
-    gaps = [(torch.as_tensor(flat_engine[i], dtype=torch.float32) - old.logprobs[i]).abs()
+    responses = [(g, i) for g in groups for i in range(len(g.responses))]
+    gaps = [_sampled(*responses[i], (torch.as_tensor(flat_engine[i], dtype=torch.float32) - old.logprobs[i]).abs())
             for i, is_fresh in enumerate(fresh) if is_fresh]
     gap = torch.cat(gaps) if gaps else torch.empty(0)
-    entropy = torch.cat(old.entropy)
+    entropy = torch.cat([_sampled(*response, values) for response, values in zip(responses, old.entropy)])
     applied = [u for u in updates if not u["skipped"]]
 
     def mean(key: str) -> float:

@@ -318,8 +318,10 @@ def place_on_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Mo
     CPU parameter. megatron's own ``get_model`` moves the module to the current device before wrapping it; so do we.
     """
     model.to(device)
+    # where a tensor made for ``device`` lands (on CPU, megatron-core's CUDA calls are redirected to the host)
+    landed = torch.empty(0, device=device).device
     stray = [f"{name} ({parameter.device})" for name, parameter in model.named_parameters()
-             if parameter.device.type != device.type]
+             if parameter.device.type != landed.type]
     if stray:
         raise RuntimeError(f"{len(stray)} parameter(s) are not on {device} after moving the model there: "
                            + ", ".join(stray[:10]))

@@ -60,6 +60,11 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # A row also stops once its last generated tokens are one of these (kept, reason "stop"): a tool call's end,
+    # which is several tokens in most tokenizers. The embedded engine matches these ids; SGLang matches text, so a
+    # caller that sets them sets their text in stop_strings too (one tokenization of a text is not the only one).
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -72,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not sequence for sequence in self.stop_sequences) or any(not text for text in self.stop_strings):
+            raise ValueError(f"SamplingParams: empty stop sequence in {self.stop_sequences} / {self.stop_strings}")
 
 
 @dataclass
@@ -89,6 +96,22 @@ class Sample:
     finish_reason: FinishReason
     weight_version: int = 0  # the version that sampled the first (oldest) token
     token_versions: list[int] = field(default_factory=list)  # per token; empty: all weight_version
+    # Multi-turn rollouts (dapo_megatron/rollout/multi_turn.py): 1 where the engine sampled the token, 0 where a tool's
+    # output was appended; None: every token sampled. A tool token's logprob is 0.0 and its version the one that
+    # sampled the turn before it; only tokens with mask 1 are read as sampled (loss, correction, statistics).
+    loss_mask: list[int] | None = None
+    tool_use: "ToolUse | None" = None
+
+
+@dataclass
+class ToolUse:
+    """What one multi-turn response did with its tools."""
+
+    turns: int = 0  # generate calls
+    calls: int = 0  # tool calls run
+    failed: int = 0  # of them, not ok (ToolResult.kind set)
+    timeouts: int = 0  # of the failed, kind "timeout"
+    output_tokens: int = 0  # tool-output tokens appended (mask 0)
 
 
 @dataclass(frozen=True)

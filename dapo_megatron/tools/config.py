@@ -11,18 +11,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dapo_megatron.config.errors import ConfigError
-
 # "none_i_accept_the_risk" is spelled out so that running model-written code without isolation is a decision
 # someone typed, never a default or a typo.
 Isolation = Literal["bubblewrap", "none_i_accept_the_risk", "remote"]
 OPT_OUT = "none_i_accept_the_risk"
 PREFIX = "rollout.tools"
 RESERVED_NAMES = ("calls", "failed", "wall_s")  # the metric names tools/<name>/... would collide with
-
-
-class ToolsError(ConfigError):
-    """The tools cannot start as configured (isolation unavailable, a tool that does not load); names the key."""
 
 
 @dataclass
@@ -74,9 +68,26 @@ class ToolsConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     functions: list[FunctionToolConfig] = field(default_factory=list)
     pool_size: int = 8  # tool calls running at once, all tools together
+    # The rollout loop (dapo_megatron/rollout/multi_turn.py). A call is a fenced block whose info string names a
+    # tool: call_open with {tool} replaced by its name, the text, then call_end, where generation stops.
+    max_turns: int = 4  # generation turns per response; the call that ends the last one is not run
+    max_tool_output_tokens: int = 512  # of each tool answer, before output_format wraps it
+    call_open: str = "```{tool}\n"
+    # "\n```\n", not "\n```": a line that OPENS a fence ("\n```python") must not end the turn
+    call_end: str = "\n```\n"
+    output_format: str = "```output\n{output}\n```\n"  # how the answer is appended to the context
 
     def validate(self) -> "ToolsConfig":
         _positive(self.pool_size, "pool_size")
+        for name in ("max_turns", "max_tool_output_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                _fail(name, f"must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.call_open.count("{tool}") != 1 or not self.call_open.split("{tool}")[0]:
+            _fail("call_open", f"must hold {{tool}} once, after some text, got {self.call_open!r}")
+        if not self.call_end.strip():
+            _fail("call_end", f"must hold more than white space, got {self.call_end!r}")
+        if self.output_format.count("{output}") != 1:
+            _fail("output_format", f"must hold {{output}} once, got {self.output_format!r}")
         sandbox, limits = self.sandbox, self.sandbox.limits
         for name in ("wall_s", "cpu_s", "memory_mb", "processes", "open_files", "file_mb", "workdir_mb",
                      "output_bytes"):
@@ -113,6 +124,15 @@ class ToolsConfig:
                 _fail(f"{key}.name", f"{name!r} names another tool already; give this one a name of its own")
             names.append(name)
         return self
+
+
+# Below the dataclasses: importing dapo_megatron.config runs config/rollout.py, which imports ToolsConfig from this
+# module; defined by then, the cycle resolves whichever package is imported first.
+from dapo_megatron.config.errors import ConfigError  # noqa: E402
+
+
+class ToolsError(ConfigError):
+    """The tools cannot start as configured (isolation unavailable, a tool that does not load); names the key."""
 
 
 def tool_name(tool: FunctionToolConfig) -> str:

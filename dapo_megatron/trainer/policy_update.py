@@ -32,7 +32,8 @@ from typing import Callable, Iterable
 import torch
 
 from dapo_megatron.algorithm import build_advantage_estimator, build_policy_loss
-from dapo_megatron.algorithm.rollout_correction import Correction, rollout_correction, weighted_advantage
+from dapo_megatron.algorithm.rollout_correction import Correction, weighted_advantage
+from dapo_megatron.algorithm.sampled_tokens import correction_of_sampled
 from dapo_megatron.algorithm.staleness import stale_token_mask
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.policy.actor import Actor, PolicyLogProbs
@@ -117,8 +118,11 @@ class PolicyUpdate:
         advantages = self.advantages(scores)
         samples = []
         for group, group_adv in zip(groups, advantages):
-            for response, truncated, adv in zip(group.responses, group.truncated, group_adv.tolist()):
-                mask = torch.zeros(len(response)) if (truncated and self.overlong_filtering) else None
+            for index, (response, truncated, adv) in enumerate(zip(group.responses, group.truncated,
+                                                                    group_adv.tolist())):
+                # multi-turn: tool-output tokens (mask 0) never enter the loss
+                mask = (torch.zeros(len(response)) if (truncated and self.overlong_filtering)
+                        else group.sampled_mask(index))
                 samples.append(PolicySample(prompt_ids=group.prompt_ids, response_ids=response, advantage=adv,
                                             loss_mask=mask))
         return samples
@@ -173,9 +177,10 @@ class PolicyUpdate:
         (:mod:`dapo_megatron.algorithm.rollout_correction`): weights, keep-masks and ``rollout_corr/*``."""
         stale = ([stale_token_mask(g.response_versions(i), policy_version)
                   for g in groups for i in range(len(g.responses))] if self.masks_stale else None)
-        return rollout_correction(
+        return correction_of_sampled(  # multi-turn: over the sampled tokens, tool output has no engine log-prob
             [s.old_logprobs for s in samples],
             [torch.as_tensor(lps, dtype=torch.float32) for g in groups for lps in g.engine_logprobs],
+            [g.sampled_mask(i) for g in groups for i in range(len(g.responses))],
             mode=self.correction_mode, tis_cap=self.tis_cap, mis_threshold=self.mis_threshold, stale=stale)
 
     def corrected(self, samples: list[PolicySample], correction: Correction) -> list[PolicySample]:

@@ -89,12 +89,16 @@ def test_one_step_of_turns_on_the_real_server(sglang_server, sglang_model_dir):
         "update_weights_from_tensor",
         "resume_memory_occupation",  # kv_cache + cuda_graph, before generating
     ] + ["generate"] * len(prompts)
-    # The first release named the KV cache (the scheduler flushes it before answering), the second only the weights
-    # (no flush): the tags reached the scheduler.
-    first, second = [m.start() for m in re.finditer(r'"POST /release_memory_occupation', log)]
-    last_generate = max(m.start() for m in re.finditer(r'"POST /generate', log[:first]))
+    # Each release came after the engine waited for an idle scheduler (/flush_cache?timeout=, which flushes the
+    # cache once idle, then answers); the first release also named the KV cache (the scheduler flushes it again
+    # before answering), the second only the weights (no flush of its own): the tags reached the scheduler.
+    releases = [m.start() for m in re.finditer(r'"POST /release_memory_occupation', log)]
+    waits = [m.start() for m in re.finditer(r'"POST /flush_cache\?timeout=', log)]
     flushes = [m.start() for m in re.finditer(r"Cache flushed successfully", log)]
-    assert any(last_generate < f < first for f in flushes) and not any(first < f < second for f in flushes)
+    assert len(releases) == 2 and len(waits) == 2
+    for wait, release in zip(waits, releases):
+        assert wait < release and not any(wait < other < release for other in releases)
+    assert [any(wait < f < release for f in flushes) for wait, release in zip(waits, releases)] == [True, False]
 
 
 def test_resuming_memory_a_server_holds_kills_it(sglang_server):

@@ -10,7 +10,8 @@ import pytest
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang.client import ServerReplyError
-from dapo_megatron.rollout.sglang.engine import IDLE_WAIT_S, SGLangEngine
+from dapo_megatron.rollout.sglang.colocated_memory import IDLE_WAIT_S
+from dapo_megatron.rollout.sglang.engine import SGLangEngine
 
 
 class Client:

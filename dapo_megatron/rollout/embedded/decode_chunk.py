@@ -6,7 +6,7 @@ decode step inside its weight gate:
 1. :meth:`DecodingChunk.prefill` — the prompts (layout, masks and cache: :mod:`.decode_batch`);
 2. then per step ``t``: :meth:`~DecodingChunk.stop_aborted_rows` (streaming: rows whose request was aborted end
    with the tokens they have), :meth:`~DecodingChunk.re_prefill` when the weights changed since the last step,
-   :meth:`~DecodingChunk.sample`, :meth:`~DecodingChunk.stop_at_stop_tokens`,
+   :meth:`~DecodingChunk.sample`, :meth:`~DecodingChunk.stop_at_stop_tokens` (stop tokens and stop sequences),
    :meth:`~DecodingChunk.drop_finished_rows` and :meth:`~DecodingChunk.decode` (the logits of step ``t + 1``);
 3. :meth:`DecodingChunk.results`.
 
@@ -65,6 +65,7 @@ class DecodingChunk:
         self.num_layers = num_layers
         self.uniforms = None if sampler.is_greedy else per_sample_uniforms(seeds, self.steps)
         self.stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.int64) if params.stop_token_ids else None
+        self.stop_sequences = [torch.tensor(sequence, dtype=torch.int64) for sequence in params.stop_sequences]
         num_rows = len(prompts)
         # chunk side
         self.out_tokens = torch.zeros(num_rows, self.steps, dtype=torch.int64)
@@ -118,10 +119,15 @@ class DecodingChunk:
         self.out_logprobs[self.rows, step] = logprobs
 
     def stop_at_stop_tokens(self, step: int) -> None:
-        """Rows that sampled a stop token finish with it (``step + 1`` tokens)."""
-        if self.stop_ids is None:
+        """Rows that sampled a stop token, or whose generated tokens now end with a stop sequence, finish with it
+        (``step + 1`` tokens)."""
+        if self.stop_ids is None and not self.stop_sequences:
             return
-        newly_stopped = torch.isin(self.tokens, self.stop_ids) & ~self.finished
+        hit = torch.isin(self.tokens, self.stop_ids) if self.stop_ids is not None else torch.zeros_like(self.finished)
+        for sequence in self.stop_sequences:
+            if len(sequence) <= step + 1:
+                hit |= (self.out_tokens[self.rows, step + 1 - len(sequence):step + 1] == sequence).all(1)
+        newly_stopped = hit & ~self.finished
         if bool(newly_stopped.any()):
             chunk_rows = self.rows[newly_stopped]
             self.lengths[chunk_rows] = step + 1

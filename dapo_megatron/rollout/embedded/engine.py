@@ -14,7 +14,8 @@ Generation (:meth:`EmbeddedEngine.generate`) is a custom decode loop rather than
   decode step after it through :mod:`.lean_decode` (dense models: the model's operations
   without transformers' per-call machinery, and an attention written for one query per row; logits equal up to
   rounding; mixture-of-experts models: the model's own forward);
-* a row finishes on a stop token (kept in its ``token_ids``, reason ``"stop"``) or after ``max_new_tokens``
+* a row finishes on a stop token or when its generated tokens end with one of ``stop_sequences`` (kept in its
+  ``token_ids``, reason ``"stop"``) or after ``max_new_tokens``
   (``"length"``); finished rows are dropped from the batch once they are a large enough share of it, which
   shrinks every later forward at the cost of one copy of the cache. The steps of one chunk's decode:
   :mod:`.decode_chunk`.
@@ -264,6 +265,10 @@ class EmbeddedEngine(RolloutEngine):
         bad_stops = [token for token in params.stop_token_ids if not 0 <= token < vocab_size]
         if bad_stops:
             raise ValueError(f"EmbeddedEngine.generate: stop_token_ids outside [0, {vocab_size}): {bad_stops}")
+        bad_sequences = [seq for seq in params.stop_sequences if not all(0 <= token < vocab_size for token in seq)]
+        if bad_sequences:
+            raise ValueError(f"EmbeddedEngine.generate: stop_sequences with ids outside [0, {vocab_size}): "
+                             f"{bad_sequences}")
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 

@@ -62,8 +62,9 @@ from dapo_megatron.rollout.engine import (
     Sample,
     SamplingParams,
 )
-from dapo_megatron.rollout.placement import Placement, ServerMemory, ServerMemoryError
+from dapo_megatron.rollout.placement import Placement, ServerMemory
 from dapo_megatron.rollout.sglang.client import ServerFailure
+from dapo_megatron.rollout.sglang.colocated_memory import ColocatedMemory
 from dapo_megatron.rollout.sglang.pool import ServerPool, ServerSlot, concurrent_requests
 from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers, generate_samples
 from dapo_megatron.rollout.sglang.requests import build_generate_payload, samples_from_outputs
@@ -78,11 +79,6 @@ from dapo_megatron.rollout.sglang.transports import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-# How long a colocated server may take to finish its last batch before it releases memory (its scheduler's overlap
-# loop clears one batch after the last reply): seconds, not minutes, on a server that is done generating.
-IDLE_WAIT_S = 60.0
 
 
 class SGLangEngine(RolloutEngine):
@@ -133,7 +129,7 @@ class SGLangEngine(RolloutEngine):
         self.device = pool.device
         self.placement: Placement = pool.placement
         self.show_progress = show_progress
-        self._server_memory: dict[int, tuple[int, ServerMemory]] = {}  # slot index -> (generation, what it released)
+        self.memory = ColocatedMemory(self.placement == "colocated")  # what each server released
         self._closed = False
         self._temp_dir = temporary_dir
         self._update_lock = threading.Lock()  # batch generation and weight updates take turns
@@ -204,7 +200,7 @@ class SGLangEngine(RolloutEngine):
                 raise ValueError(f"SGLangEngine.generate: prompt {index} is empty")
         if not prompts:
             return []
-        self._check_memory_for_generation()
+        self.memory.require_can_generate(self.pool.available())
         seeded = params.seed is not None and self.pool.deterministic
         if params.seed is not None and not seeded and not self._warned_unseeded:
             logger.warning("SamplingParams.seed=%s is not honored: the SGLang servers do not run deterministic "
@@ -244,7 +240,7 @@ class SGLangEngine(RolloutEngine):
     # ---- streaming -------------------------------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         self._check_open()
-        self._check_memory_for_generation()
+        self.memory.require_can_generate(self.pool.available())
         self.streams.submit(requests)
 
     def poll(self, timeout_s: float = 0.0) -> list[FinishedRequest]:
@@ -289,7 +285,7 @@ class SGLangEngine(RolloutEngine):
                 raise RolloutError("SGLangEngine.update_weights: no SGLang server is available")
             targets = _targets(slots)
             started = time.monotonic()
-            self._move_memory(slots, ServerMemory.for_weight_update, release=False)
+            self.memory.move(slots, ServerMemory.for_weight_update, release=False)
             for target in targets:
                 target.client.pause_generation(mode="retract")
                 target.client.flush_cache()
@@ -312,53 +308,21 @@ class SGLangEngine(RolloutEngine):
     # ---- turns on GPUs shared with the trainer (colocated placement) ------------------------------------------------
     def before_generation(self) -> None:
         with self._update_lock:
-            self._move_memory(self.pool.available(), ServerMemory.for_generation, release=False)
+            self.memory.move(self.pool.available(), ServerMemory.for_generation, release=False)
 
     def after_generation(self) -> None:
         self._require_idle("after_generation")
         with self._update_lock:
-            self._move_memory(self.pool.available(), ServerMemory.after_generation, release=True)
+            self.memory.move(self.pool.available(), ServerMemory.after_generation, release=True)
 
     def before_policy_update(self) -> None:
         self._require_idle("before_policy_update")
         with self._update_lock:
-            self._move_memory(self.pool.available(), ServerMemory.for_training, release=True)
+            self.memory.move(self.pool.available(), ServerMemory.for_training, release=True)
 
     def server_memory(self, slot: ServerSlot) -> ServerMemory:
         """What ``slot``'s server has released (a server restarted since holds everything again)."""
-        generation, memory = self._server_memory.get(slot.index, (slot.generation, ServerMemory()))
-        return memory if generation == slot.generation else ServerMemory()
-
-    def _move_memory(self, slots: Sequence[ServerSlot], tags_of, *, release: bool) -> None:
-        """Release (or resume) on each colocated server the tags ``tags_of(its ServerMemory)`` names, and record it."""
-        if self.placement != "colocated":
-            return
-        for slot in slots:
-            memory = self.server_memory(slot)
-            tags = tags_of(memory)
-            if not tags:
-                continue
-            if release:
-                try:
-                    slot.client.wait_until_idle(IDLE_WAIT_S)
-                except RolloutError as error:
-                    raise RolloutError(f"SGLang server {slot.index} did not become idle within {IDLE_WAIT_S:g} s, "
-                                       f"so its memory was not released (releasing it busy would end the server): "
-                                       f"{error}") from error
-                slot.client.release_memory_occupation(tags)
-                memory = memory.released(tags)
-            else:
-                slot.client.resume_memory_occupation(tags)
-                memory = memory.resumed(tags)
-            self._server_memory[slot.index] = (slot.generation, memory)
-            logger.info("SGLang server %d %s %s", slot.index, "released" if release else "resumed", ", ".join(tags))
-
-    def _check_memory_for_generation(self) -> None:
-        held_back = [slot.client.base_url for slot in self.pool.available()
-                     if not self.server_memory(slot).can_generate]
-        if held_back:
-            raise ServerMemoryError(f"SGLangEngine: colocated server(s) {', '.join(held_back)} gave their memory to "
-                                    f"the trainer; call before_generation() before generating")
+        return self.memory.of(slot)
 
     def _require_idle(self, turn: str) -> None:
         """A server releases memory only when idle (SGLang asserts it, and the failed assertion ends the server)."""

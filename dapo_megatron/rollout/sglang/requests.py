@@ -45,7 +45,14 @@ def per_sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
 
 
 def _sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
-    return {
+    if params.stop_sequences and not params.stop_strings:
+        raise ValueError(f"SGLang matches stops as text: stop_sequences {params.stop_sequences} need their text in "
+                         "SamplingParams.stop_strings")
+    # SGLang 0.5.23 ends a request once the decoded tail of its output holds a stop string
+    # (Req._check_str_based_finish) and keeps output_ids up to the token that completed it (finished_len, stop
+    # included), so a turn's ids end with the call's end as the embedded engine's do.
+    stop = {"stop": list(params.stop_strings)} if params.stop_strings else {}
+    return {**stop,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k,
