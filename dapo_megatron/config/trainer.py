@@ -45,7 +45,7 @@ class TrainerConfig:
     keep_checkpoints: int = 3  # of this run, the newest; 0: every one
     tensorboard: bool = True  # false removes tensorboard from `loggers`
     # Where the scalars go besides metrics.jsonl (dapo_megatron/metrics/loggers.py); wandb and mlflow are extras:
-    # pip install 'dapo-megatron[wandb]' / '[mlflow]'.
+    # pip install -e '.[wandb]' / '.[mlflow]' in the clone.
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)

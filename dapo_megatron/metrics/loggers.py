@@ -10,7 +10,7 @@
   ``run_dir/mlflow.db``; metric names with characters MLflow refuses are written with ``@`` → ``_at_`` and any other
   such character → ``_``; see :func:`mlflow_metric_name`).
 
-W&B and MLflow are optional extras (``pip install 'dapo-megatron[wandb]'`` / ``'[mlflow]'``, the latter the
+W&B and MLflow are optional extras (``pip install -e '.[wandb]'`` / ``'.[mlflow]'`` in the clone, the latter the
 ``mlflow-skinny`` client: the full ``mlflow`` package pins an older pyarrow than this project's); a run that asks
 for one that is not installed fails at start, naming the extra (:func:`check_logger_libraries`). A resumed run
 (``--resume``) continues the same W&B / MLflow run (their ids are kept in ``run_dir/loggers.json``); steps logged
@@ -61,7 +61,7 @@ def check_logger_libraries(config: DAPOConfig) -> None:
         missing = [module for module in modules if importlib.util.find_spec(module) is None]
         if missing:
             raise ConfigError(f"trainer.loggers: {name} needs {', '.join(missing)}, not installed: "
-                              f"pip install 'dapo-megatron[{extra}]'")
+                              f"pip install -e '.[{extra}]' (in the dapo-megatron clone)")
 
 
 def build_loggers(config: DAPOConfig, run_dir: str | Path, *, resume: bool) -> list[RunLogger]:

@@ -186,7 +186,7 @@ def check_reward_function(config: DAPOConfig) -> None:
 
     if config.algorithm.use_math_verify and importlib.util.find_spec("math_verify") is None:
         raise ConfigError("algorithm.use_math_verify needs the optional 'math-verify' package: "
-                          "pip install 'dapo-megatron[math-verify]'")
+                          "pip install -e '.[math-verify]' (in the dapo-megatron clone)")
     fraction = config.reward.max_error_fraction
     if not 0 <= fraction <= 1:
         raise ConfigError(f"reward.max_error_fraction: must be between 0 and 1 (1: never stop), got {fraction:g}")

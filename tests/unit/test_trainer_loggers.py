@@ -82,7 +82,7 @@ def test_a_missing_logger_library_fails_at_start_naming_the_extra(tmp_path, logg
                             timeout=300, env=cli_env())
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"config error: trainer.loggers: {logger} needs {logger}" in result.stderr
-    assert f"pip install 'dapo-megatron[{logger}]'" in result.stderr
+    assert f"pip install -e '.[{logger}]' (in the dapo-megatron clone)" in result.stderr
     assert not (tmp_path / "run" / "initial_model").exists()  # before anything expensive
     # control: where the library is found (this environment), the same settings pass the check
     check_logger_libraries(load_config(TINY, [f"trainer.loggers=[tensorboard, {logger}]"]))
