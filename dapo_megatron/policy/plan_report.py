@@ -7,6 +7,7 @@ from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.policy.gpu_sharing import sharing_report
 from dapo_megatron.policy.memory import memory_table, plan_stages
 from dapo_megatron.policy.model_spec import ModelSpec
+from dapo_megatron.policy.moe_routing import recorded_routing_bytes
 
 
 def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parallel: int | None = None,
@@ -26,6 +27,7 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         raise ConfigError(f"parallel.expert: {p.expert} expert-parallel ranks must divide the data-parallel size, "
                           f"{dp} ({source})")
     stages, sequence_parallel = plan_stages(config, spec, data_parallel=dp, local_spec=local_spec)
+    routing = routing_replay_line(config, spec, stages, data_parallel=dp)
     sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
     fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
     lines = [
@@ -39,6 +41,7 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         f"{'megatron local spec (unfused)' if local_spec else 'Transformer Engine (fused)'}",
         "",
         memory_table(stages, gpu_memory_gb=gpu_memory_gb),
+        *([routing] if routing else []),
         "",
         *sharing,
         *([""] if sharing else []),
@@ -46,3 +49,19 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         f"(the memory model: dapo_megatron/policy/memory.py)",
     ]
     return "\n".join(lines), fits
+
+
+def routing_replay_line(config: DAPOConfig, spec: ModelSpec, stages, *, data_parallel: int) -> str | None:
+    """With routing replay, the routing a rank records for its share of a step's tokens (at most every sample at the
+    prompt and response limits), which waits in pinned host memory until the last update replays it
+    (:func:`dapo_megatron.policy.moe_routing.recorded_routing_bytes`); None without replay."""
+    if spec.moe is None or config.algorithm.moe_routing_replay == "none":
+        return None
+    c = config
+    samples = c.trainer.train_batch_size * c.rollout.n_samples / data_parallel
+    tokens = int(samples * (c.data.max_prompt_length + c.rollout.max_response_length))
+    layers = max(stage.layers for stage in stages)
+    host = recorded_routing_bytes(tokens=tokens, layers=layers, topk=spec.moe.topk)
+    return (f"routing replay ({c.algorithm.moe_routing_replay}): up to {host / 1e9:.2f} GB of recorded routing per "
+            f"rank and step in pinned host memory ({tokens:,} tokens x {layers} layers x top-{spec.moe.topk}, int16), "
+            f"none on the GPU")

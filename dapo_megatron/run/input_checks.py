@@ -51,6 +51,7 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, r
     if config.model.source == "hf":
         spec = check_user_model(config)
         if checkpoint is None:
+            check_training_layout(config, spec, backend)
             check_training_memory(config, spec, world_size=world_size, fused_attention=backend.uses_transformer_engine)
         if config.rollout.engine == "embedded":
             check_embedded_engine_memory(config, spec, world_size=world_size, backend=backend)
@@ -79,6 +80,22 @@ def check_user_model(config: DAPOConfig):
         raise ConfigError(f"algorithm.moe_routing_replay={config.algorithm.moe_routing_replay} needs a "
                           f"mixture-of-experts model; {config.model.hf_path} is {spec.arch}")
     return spec
+
+
+def check_training_layout(config: DAPOConfig, spec, backend: Backend) -> None:
+    """A layout megatron-core accepts at build time but refuses in the first update (after a whole rollout): a
+    mixture-of-experts model at TP > 1 without sequence parallelism."""
+    from dapo_megatron.policy.model import require_sequence_parallel_for_moe_training, sequence_parallel_enabled
+    from dapo_megatron.policy.model_spec import ParallelLayoutError
+
+    p, te = config.parallel, backend.uses_transformer_engine
+    try:
+        require_sequence_parallel_for_moe_training(
+            spec, tensor_parallel=p.tensor, use_transformer_engine=te,
+            sequence_parallel=sequence_parallel_enabled(p.sequence_parallel, tensor_parallel=p.tensor,
+                                                        use_transformer_engine=te))
+    except ParallelLayoutError as error:
+        raise ConfigError(f"parallel.sequence_parallel / parallel.tensor: {error}") from None
 
 
 # A CPU rank's own cost besides its share of the model (Python, torch, megatron-core), measured at ~0.6-0.9 GB RSS

@@ -361,3 +361,21 @@ def test_a_missing_transformer_engine_is_named_as_missing():
     from dapo_megatron.backend.select import transformer_engine_problem
 
     assert "is not installed" in transformer_engine_problem()  # this machine has none (control for the test above)
+
+
+def test_the_moe_sequence_parallel_refusal_is_a_config_error_before_anything_is_built():
+    from dapo_megatron.backend.select import select_backend
+    from dapo_megatron.config import ConfigError, load_config
+    from dapo_megatron.policy.model_spec import MoESpec
+    from dapo_megatron.run.input_checks import check_training_layout
+
+    moe = spec(arch="qwen3_moe", moe=MoESpec(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=True))
+    base = ["model.source=hf", "model.hf_path=/models/moe", "data.source=synthetic", "parallel.tensor=2"]
+    te = select_backend("auto", cuda_available=True, transformer_engine=True)
+    local = select_backend("auto", cuda_available=True, transformer_engine=False)
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel / parallel.tensor: .*parallel.tensor=2 only "
+                                          r"with sequence parallelism"):
+        check_training_layout(load_config(None, base + ["parallel.sequence_parallel=false"]), moe, te)
+    with pytest.raises(ConfigError, match="megatron's local layers"):
+        check_training_layout(load_config(None, base), moe, local)
+    check_training_layout(load_config(None, base), moe, te)  # control: TE with sequence parallelism trains it

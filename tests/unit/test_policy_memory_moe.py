@@ -81,3 +81,24 @@ def test_plan_command_for_the_qwen3_family(name, tp, pp, ep, dp, tokens, recompu
     assert code == (0 if fits else 1), report
     assert f"published {name} shape" in report and f"TP {tp} x PP {pp} x DP {dp}" in report
     assert (f"(EP {ep})" in report) is (ep > 1 or "A" in name.split("-")[-1])
+
+
+def test_plan_of_a_colocated_qwen3_moe_node_counts_experts_graphs_handoff_window_and_recorded_routing(capsys):
+    """One node of 8 × 141 GB, colocated servers of TP 2: the servers serve all 30.5B parameters (experts included),
+    their CUDA graphs are released with the rest, the handoff counts the IPC window's buckets, and routing replay's
+    recorded routing is counted in host memory."""
+    from dapo_megatron.cli import main
+
+    code = main(["plan", str(REPO / "examples" / "dapo_qwen2.5_7b_1node.yaml"),
+                 "model.hf_path=/models/Qwen3-30B-A3B-Instruct", "parallel.tensor=2", "parallel.expert=4",
+                 "parallel.data=4", "trainer.micro_batch_tokens=4096", "model.recompute=full",
+                 "algorithm.moe_routing_replay=replay_old", "rollout.sglang.num_servers=4",
+                 "rollout.sglang.tp_per_server=2", "--gpu-memory-gb", "141"])
+    report = capsys.readouterr().out
+    assert code == 0, report
+    assert "SGLang servers on the trainer's GPUs (rollout.placement: colocated): TP 2" in report
+    assert "CUDA graphs released with the rest" in report
+    handoff = next(line for line in report.splitlines() if " handoff " in line)
+    server_gb = float(handoff.split()[3].removesuffix("GB"))
+    assert server_gb == pytest.approx(2 + 30.53e9 * 2 / 2 / 1e9, abs=0.2)  # context + all weights / TP, experts too
+    assert "routing replay (replay_old): up to" in report and "pinned host memory" in report
