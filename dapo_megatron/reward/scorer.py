@@ -104,6 +104,12 @@ class RewardScorer:
         result = math_reward(request.solution_str, request.ground_truth, use_math_verify=self.use_math_verify)
         return ("ok", RewardValue(result.score, result.acc))
 
+    @property
+    def worker_restarts(self) -> int:
+        """Reward worker processes replaced so far (a call that timed out or crashed ends its worker); 0 without
+        workers."""
+        return 0 if self._pool is None else self._pool.restarts
+
     def _run_pool(self, groups: list[list[RewardRequest]]) -> list[list[Outcome]]:
         if self._pool.form.batched:
             return self._pool.run([_batched_call(group) for group in groups])

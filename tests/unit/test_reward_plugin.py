@@ -181,7 +181,7 @@ def test_a_hanging_reward_times_out_and_the_pool_goes_on(tmp_path, scorer_of):
     took = time.monotonic() - started
     assert [status for status, _ in outcomes] == ["ok", "timeout", "ok", "ok"]
     assert took < 30, took  # the timeout, not the hour the reward sleeps
-    assert scorer._pool.restarts == 1
+    assert scorer.worker_restarts == 1
     (again,) = scorer.score([_requests(["fine"] * 4)])  # the replacement worker answers
     assert [status for status, _ in again] == ["ok"] * 4
 
@@ -191,7 +191,7 @@ def test_an_async_reward_that_hangs_times_out_inside_its_worker(tmp_path, scorer
                        "reward.timeout_s=1.0")
     (outcomes,) = scorer.score([_requests(["7", "hang", "7"])])
     assert [status for status, _ in outcomes] == ["ok", "timeout", "ok"]
-    assert scorer._pool.restarts == 0  # asyncio.wait_for ended it; the worker lives on
+    assert scorer.worker_restarts == 0  # asyncio.wait_for ended it; the worker lives on
 
 
 def test_errors_are_scored_counted_and_the_first_is_shown_once(tmp_path, scorer_of, caplog):

@@ -496,7 +496,7 @@ def test_moe_models_decode_through_the_model_and_load_per_expert_checkpoint_tens
     assert set(targets) == set(saved) and "model.layers.1.mlp.experts.4.up_proj.weight" in targets
     assert all(torch.equal(targets[name], tensor) for name, tensor in saved.items())
     engine = EmbeddedEngine(config)
-    assert isinstance(engine._decode_step, ModelDecodeStep)
+    assert isinstance(engine.decode_step, ModelDecodeStep)
     expert = "model.layers.0.mlp.experts.2."
     with pytest.raises(ValueError, match=expert + "down_proj.weight"):  # one expert's tensor missing
         engine.update_weights([[(n, t) for n, t in saved.items() if n != expert + "down_proj.weight"]], 0)

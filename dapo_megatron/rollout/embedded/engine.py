@@ -92,7 +92,7 @@ class EmbeddedEngine(RolloutEngine):
         config = copy.deepcopy(hf_config)
         self._model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         self._model.eval().requires_grad_(False)
-        self._decode_step = decode_step_for(self._model)  # without transformers' per-call machinery where it can
+        self.decode_step = decode_step_for(self._model)  # without transformers' per-call machinery where it can
         self._config = self._model.config
         self._version = NO_WEIGHTS_VERSION
         self._gate = gate or WeightGate()  # decode steps vs. weight updates
@@ -213,7 +213,7 @@ class EmbeddedEngine(RolloutEngine):
                     if step == chunk.steps - 1 or chunk.all_finished:
                         break
                     chunk.drop_finished_rows(self.settings.drop_finished_fraction)
-                    chunk.decode(self._decode_step, step)
+                    chunk.decode(self.decode_step, step)
         return chunk.results()
 
     # -- streaming -------------------------------------------------------------------------------------------
