@@ -7,5 +7,7 @@ until the batch is full; then the batch reaches every rank.
   (where each prompt is, and the ledger that shows none is lost);
 * :mod:`.group` — the scored group both collectors build (:func:`~.group.score_groups` is the one place responses
   are scored);
-* :mod:`.batch` — the batch's way from rank 0 to every rank.
+* :mod:`.batch` — the batch's way from rank 0 to every rank;
+* :mod:`.rollout_metrics` — what a collector reports of its rollouts; :mod:`.reflection` — the reflection phrases
+  counted in responses.
 """

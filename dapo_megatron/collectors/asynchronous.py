@@ -50,7 +50,7 @@ from dapo_megatron.collectors.async_driver import DriverThread
 from dapo_megatron.collectors.async_pace import GenerationPace
 from dapo_megatron.collectors.async_prompts import AsyncPrompts
 from dapo_megatron.collectors.group import RolloutGroup, generation_seed, sampling_params, score_groups
-from dapo_megatron.metrics.step import rollout_metrics
+from dapo_megatron.collectors.rollout_metrics import rollout_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.reward.response_text import grouped_response_texts
 from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
 from dapo_megatron.rollout.engine import Sample, SamplingParams, ToolUse
-from dapo_megatron.metrics.reflection import ReflectionPhrases
+from dapo_megatron.collectors.reflection import ReflectionPhrases
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dapo_megatron.rollout.engine import RolloutEngine
 from dapo_megatron.rollout.multi_turn import MultiTurnRollout
 from dapo_megatron.tools import ToolPool
 from dapo_megatron.collectors.group import RolloutGroup, generation_seed, sampling_params, score_groups
-from dapo_megatron.metrics.step import rollout_metrics
+from dapo_megatron.collectors.rollout_metrics import rollout_metrics
 
 
 class RolloutCollector:

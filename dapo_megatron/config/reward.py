@@ -5,8 +5,40 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dapo_megatron.config.errors import ConfigError, require, require_finite_numbers
+
+
+DEFAULT_FUNCTION_NAME = "compute_score"
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """``"a/b.py:name"`` → (``"a/b.py"``, ``"name"``); the name defaults to ``compute_score``."""
+    location, _, name = target.rpartition(":") if ":" in target else (target, "", DEFAULT_FUNCTION_NAME)
+    if not location or not name:
+        raise ConfigError(f"{target!r} is not 'path/to/file.py:name' or 'package.module:name'")
+    return location, name
+
+
+def names_a_file(location: str) -> bool:
+    """Whether a target's location is a file (else a module name to import)."""
+    return location.endswith(".py") or "/" in location or "\\" in location
+
+
+def check_source_compiles(target: str, key: str) -> None:
+    """A function file that does not compile, named with its line, while the config loads: before anything slow is
+    imported (a file that does not exist is left to the loader, which says so)."""
+    location, _ = split_target(target)
+    path = Path(location)
+    if not names_a_file(location) or not path.is_file():
+        return
+    try:
+        compile(path.read_bytes(), str(path.resolve()), "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as error:  # ValueError: a null byte in the source
+        where = f", line {error.lineno}" if getattr(error, "lineno", None) else ""
+        message = getattr(error, "msg", None) or str(error)
+        raise ConfigError(f"{key}: {target!r}: {path.resolve()}{where}: {type(error).__name__}: {message}") from None
 
 
 @dataclass
@@ -59,5 +91,7 @@ class RewardConfig:
         require(self.num_workers >= 1, "reward.num_workers", f"must be >= 1, got {self.num_workers}")
         require(self.async_concurrency >= 1, "reward.async_concurrency", f"must be >= 1, got {self.async_concurrency}")
         require(self.timeout_s > 0, "reward.timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.function:
+            check_source_compiles(self.function, "reward.function")
         require(self.url_retries >= 0, "reward.url_retries", f"must be >= 0, got {self.url_retries}")
         self.format.validate()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dapo_megatron.config.errors import require, require_finite_numbers
-from dapo_megatron.tools.config import ToolsConfig
+from dapo_megatron.config.tools import ToolsConfig
 
 
 @dataclass

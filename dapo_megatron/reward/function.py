@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_NAME = "compute_score"
+from dapo_megatron.config.reward import names_a_file, split_target
+
 SAMPLE_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
 GROUP_PARAMETERS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
 
@@ -53,38 +54,11 @@ class RewardValue:
     extras: dict[str, float] = field(default_factory=dict)
 
 
-def split_target(target: str) -> tuple[str, str]:
-    """``"a/b.py:name"`` → (``"a/b.py"``, ``"name"``); the name defaults to ``compute_score``."""
-    location, _, name = target.rpartition(":") if ":" in target else (target, "", DEFAULT_NAME)
-    if not location or not name:
-        raise RewardFunctionError(f"{target!r} is not 'path/to/file.py:name' or 'package.module:name'")
-    return location, name
-
-
-def _is_file(location: str) -> bool:
-    return location.endswith(".py") or "/" in location or "\\" in location
-
-
-def check_reward_source(target: str) -> None:
-    """A reward file that does not compile, named with its line, before anything slow is imported (a file that does
-    not exist is left to :func:`load_reward_function`, which says so)."""
-    location, _ = split_target(target)
-    path = Path(location)
-    if not _is_file(location) or not path.is_file():
-        return
-    try:
-        compile(path.read_bytes(), str(path.resolve()), "exec", dont_inherit=True)
-    except (SyntaxError, ValueError) as error:  # ValueError: a null byte in the source
-        where = f", line {error.lineno}" if getattr(error, "lineno", None) else ""
-        message = getattr(error, "msg", None) or str(error)
-        raise RewardFunctionError(f"{target!r}: {path.resolve()}{where}: {type(error).__name__}: {message}") from None
-
-
 def load_reward_function(target: str) -> Callable:
     """Import ``target`` and return the function it names. A file is imported as a module of its own (so pickling
     and dataclasses inside it work); a module name is imported from ``sys.path``."""
     location, name = split_target(target)
-    if _is_file(location):
+    if names_a_file(location):
         path = Path(location).resolve()
         if not path.is_file():
             raise RewardFunctionError(f"{target!r}: no such file {path}")

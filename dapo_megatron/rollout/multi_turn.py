@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from dapo_megatron.rollout.engine import GenerationRequest, RolloutEngine, Sample, SamplingParams, ToolUse
-from dapo_megatron.tools.config import ToolsConfig
+from dapo_megatron.config.tools import ToolsConfig
 from dapo_megatron.tools.pool import ToolPool
 from dapo_megatron.tools.result import ToolResult
 

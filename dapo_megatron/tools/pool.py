@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from dapo_megatron.tools.config import ToolsConfig
+from dapo_megatron.config.tools import ToolsConfig
 from dapo_megatron.tools.remote import SandboxFusionClient
 from dapo_megatron.tools.result import ToolCounts, ToolResult, failure
 from dapo_megatron.tools.sandbox import CodeSandbox

@@ -14,7 +14,7 @@ import time
 
 import requests
 
-from dapo_megatron.tools.config import SandboxConfig
+from dapo_megatron.config.tools import SandboxConfig
 from dapo_megatron.tools.process import last_line
 from dapo_megatron.tools.result import ToolResult, failure
 

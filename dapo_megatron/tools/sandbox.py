@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 
-from dapo_megatron.tools.config import OPT_OUT, PREFIX, SandboxConfig, ToolsError
+from dapo_megatron.config.tools import OPT_OUT, PREFIX, SandboxConfig, ToolsError
 from dapo_megatron.tools.process import run_process
 from dapo_megatron.tools.result import ToolResult
 

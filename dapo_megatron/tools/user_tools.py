@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from dapo_megatron.reward.function import RewardFunctionError, load_reward_function
-from dapo_megatron.tools.config import PREFIX, FunctionToolConfig, ToolsError, tool_name
+from dapo_megatron.config.tools import PREFIX, FunctionToolConfig, ToolsError, tool_name
 from dapo_megatron.tools.process import run_process
 from dapo_megatron.tools.result import ToolResult, failure
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.tools import SandboxConfig, SandboxLimits, ToolPool, ToolsConfig
-from dapo_megatron.tools.config import OPT_OUT
+from dapo_megatron.config.tools import OPT_OUT
 
 pytestmark = pytest.mark.slow  # needs bwrap, an integration prerequisite the quick tier does not install
 

@@ -18,7 +18,7 @@ from dapo_megatron.collectors.batch import pack_rollout_batch, unpack_rollout_ba
 from dapo_megatron.collectors.group import RolloutGroup, _overlong_penalties
 from dapo_megatron.config import OptimConfig, load_config
 from dapo_megatron.algorithm import FilterStats
-from dapo_megatron.metrics.step import rollout_metrics, tool_metrics
+from dapo_megatron.collectors.rollout_metrics import rollout_metrics, tool_metrics
 from dapo_megatron.rollout.engine import Sample, ToolUse
 from dapo_megatron.trainer.policy_update import PolicyUpdate
 

@@ -23,9 +23,9 @@ from dapo_megatron.reward.function import RewardValue, reward_value
 from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
 from dapo_megatron.rollout.engine import Sample
 from dapo_megatron.run.input_checks import check_reward_function
-from dapo_megatron.metrics.reflection import ReflectionPhrases
+from dapo_megatron.collectors.reflection import ReflectionPhrases
 from dapo_megatron.collectors.group import score_groups
-from dapo_megatron.metrics.step import reward_metrics
+from dapo_megatron.collectors.rollout_metrics import reward_metrics
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 

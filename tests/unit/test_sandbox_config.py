@@ -5,7 +5,7 @@ import pytest
 
 from dapo_megatron.config import ConfigError
 from dapo_megatron.tools import FunctionToolConfig, SandboxConfig, ToolPool, ToolsConfig, ToolsError
-from dapo_megatron.tools.config import OPT_OUT
+from dapo_megatron.config.tools import OPT_OUT
 from dapo_megatron.tools.result import KINDS, ToolCounts, ToolResult, failure
 from dapo_megatron.user_errors import EXIT_CODES
 

@@ -14,7 +14,8 @@ from dapo_megatron.algorithm import FilterStats
 from dapo_megatron.config import ConfigError, load_config
 from dapo_megatron.trainer.policy_update import PolicyUpdate, with_old_logprobs
 from dapo_megatron.collectors.group import RolloutGroup
-from dapo_megatron.metrics.step import rollout_metrics, staleness_of_batch
+from dapo_megatron.collectors.rollout_metrics import rollout_metrics
+from dapo_megatron.metrics.step import staleness_of_batch
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 

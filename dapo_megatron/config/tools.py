@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dapo_megatron.config.errors import ConfigError
+
 # "none_i_accept_the_risk" is spelled out so that running model-written code without isolation is a decision
 # someone typed, never a default or a typo.
 Isolation = Literal["bubblewrap", "none_i_accept_the_risk", "remote"]
@@ -124,11 +126,6 @@ class ToolsConfig:
                 _fail(f"{key}.name", f"{name!r} names another tool already; give this one a name of its own")
             names.append(name)
         return self
-
-
-# Below the dataclasses: importing dapo_megatron.config runs config/rollout.py, which imports ToolsConfig from this
-# module; defined by then, the cycle resolves whichever package is imported first.
-from dapo_megatron.config.errors import ConfigError  # noqa: E402
 
 
 class ToolsError(ConfigError):
