@@ -71,7 +71,7 @@ def main() -> None:
 
     from dapo_megatron.algorithm import build_policy_loss
     from dapo_megatron.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
     from dapo_megatron.policy.model_spec import ModelSpec

@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
     from dapo_megatron.handoff.tp_gather import ProcessGroupGather
     from dapo_megatron.hf_format import nbytes, write_hf_folder
-    from dapo_megatron.backend.platform import destroy_distributed, init_distributed, seed_everything
+    from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
     from dapo_megatron.policy.model import build_model, transformer_config
     from dapo_megatron.policy.model_spec import model_spec_from_hf
     from dapo_megatron.rollout.embedded.engine import EmbeddedEngine

@@ -44,7 +44,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,54 +51,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_check_setup import FULL, TINY, CheckShapes, Row, dapo_loss, random_samples, sync  # noqa: E402
+
 H200_BF16_DENSE_TFLOPS = 989.0
-
-
-@dataclass(frozen=True)
-class CheckShapes:
-    parity_model: dict  # published_hf_config arguments of the parity / handoff model
-    mfu_models: tuple  # (label, published_hf_config arguments)
-    samples: int  # parity / DAPO samples
-    prompt_tokens: tuple[int, int]
-    response_tokens: tuple[int, int]
-    token_budget: int  # packed micro-batch tokens for the MFU rows
-    rows_per_update: int
-    timed_updates: int
-    matmul_size: int
-    copy_bytes: int
-    repeats: int = 3
-
-
-FULL = CheckShapes(
-    parity_model=dict(name="Qwen2.5-0.5B", num_hidden_layers=4),
-    mfu_models=(("0.5B-shaped", dict(name="Qwen2.5-0.5B")), ("1.5B-shaped", dict(name="Qwen2.5-1.5B"))),
-    samples=16, prompt_tokens=(64, 256), response_tokens=(128, 768),
-    token_budget=8192, rows_per_update=4, timed_updates=3, matmul_size=8192, copy_bytes=1 << 30,
-)
-_TINY_SHAPE = dict(num_hidden_layers=2, num_key_value_heads=2, vocab_size=384, max_position_embeddings=512,
-                   bos_token_id=0, eos_token_id=0)
-TINY = CheckShapes(
-    parity_model=dict(_TINY_SHAPE, name="Qwen2.5-0.5B", hidden_size=64, intermediate_size=128, num_attention_heads=4),
-    mfu_models=(("0.5B-shaped (tiny)", dict(_TINY_SHAPE, name="Qwen2.5-0.5B", hidden_size=64, intermediate_size=128,
-                                            num_attention_heads=4)),
-                ("1.5B-shaped (tiny)", dict(_TINY_SHAPE, name="Qwen2.5-1.5B", hidden_size=96, intermediate_size=192,
-                                            num_attention_heads=6))),
-    samples=6, prompt_tokens=(4, 12), response_tokens=(6, 24),
-    token_budget=128, rows_per_update=2, timed_updates=1, matmul_size=256, copy_bytes=1 << 22, repeats=2,
-)
-
-
-@dataclass
-class Row:
-    check: str
-    value: str
-    detail: str
-    numbers: dict = field(default_factory=dict)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _timed(fn, repeats: int) -> float:
@@ -107,10 +61,10 @@ def _timed(fn, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        _sync()
+        sync()
         start = time.perf_counter()
         fn()
-        _sync()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -121,20 +75,6 @@ def _spec(shape: dict):
 
     arguments = dict(shape)
     return published_hf_config(arguments.pop("name"), **arguments)
-
-
-def random_samples(count: int, vocab: int, prompt: tuple[int, int], response: tuple[int, int], seed: int):
-    from dapo_megatron.policy.packing import PolicySample
-
-    generator = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(count):
-        p = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=generator))
-        r = int(torch.randint(response[0], response[1] + 1, (1,), generator=generator))
-        samples.append(PolicySample(torch.randint(0, vocab, (p,), generator=generator),
-                                    torch.randint(0, vocab, (r,), generator=generator),
-                                    advantage=1.0 if i % 2 == 0 else -1.0))
-    return samples
 
 
 def mfu_kernels(cuda_available: bool, transformer_engine: bool) -> tuple[str, ...]:
@@ -149,7 +89,7 @@ def build_check_actor(spec, precision: str, token_budget: int, hf_dir: Path | No
                       kernels: str = "auto"):
     """The actor a run builds (``build_actor``) at this precision, with the distributed optimizer, on the backend
     ``model.kernels`` selects here."""
-    from dapo_megatron.backend import select_backend
+    from dapo_megatron.backend_registry import select_backend
     from dapo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights
@@ -162,14 +102,6 @@ def build_check_actor(spec, precision: str, token_budget: int, hf_dir: Path | No
         load_hf_weights(actor.model, spec, hf_dir)
         actor.optimizer.reload_model_params()
     return actor
-
-
-def dapo_loss():
-    """The schema's default objective, as a run builds it."""
-    from dapo_megatron.algorithm import build_policy_loss
-    from dapo_megatron.config import AlgorithmConfig
-
-    return build_policy_loss(AlgorithmConfig())
 
 
 def _abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[float, float, int]:
@@ -326,8 +258,8 @@ def format_table(rows: list[Row], header: str) -> str:
 def run_check(shapes: CheckShapes) -> list[Row]:
     from gpu_check_colocated import colocated_moe_row, colocated_row
 
-    from dapo_megatron.backend.select import transformer_engine_importable
-    from dapo_megatron.backend.platform import destroy_distributed, init_distributed, seed_everything
+    from dapo_megatron.backend_registry import transformer_engine_importable
+    from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
 
     layout = init_distributed(1, 1)
     seed_everything(0)

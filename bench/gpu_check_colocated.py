@@ -1,5 +1,6 @@
-"""The GPU check's colocated rows (:mod:`gpu_check` runs them): the trainer's side of a generation turn next to SGLang
-servers on its own GPUs (``rollout.placement: colocated``), without SGLang (the lent GPU machine has none).
+"""The GPU check's colocated rows (:mod:`gpu_check` runs them; what rows are made of: :mod:`gpu_check_setup`): the
+trainer's side of a generation turn next to SGLang servers on its own GPUs (``rollout.placement: colocated``),
+without SGLang (the lent GPU machine has none).
 
 * :func:`colocated_row` — on the dense BF16 actor of the earlier rows (distributed optimizer): the optimizer state
   (fp32 main parameters, Adam's moments) to host memory and back, in GB/s each way; the GPU memory it frees next to
@@ -17,7 +18,7 @@ import math
 import time
 
 import torch
-from gpu_check import CheckShapes, Row, _sync, dapo_loss, random_samples
+from gpu_check_setup import CheckShapes, Row, dapo_loss, random_samples, sync
 
 
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
@@ -57,15 +58,15 @@ def colocated_row(shapes: CheckShapes, actor, spec, device: torch.device) -> Row
     devices = [t.device for t in state]
     moved = sum(t.numel() * t.element_size() for t in state if t.is_cuda)  # on CPU nothing moves
     del state  # it would keep the moments' GPU storage alive: megatron replaces them in the state dicts
-    _sync()
+    sync()
     allocated = _allocated()
     started = time.perf_counter()
     with colocation.generating():
-        _sync()
+        sync()
         out_s = time.perf_counter() - started
         generating = _allocated()
         back_started = time.perf_counter()
-    _sync()
+    sync()
     back_s = time.perf_counter() - back_started
     after = _optimizer_tensors(actor.optimizer)
     exact = all(torch.equal(a.detach().cpu(), b) for a, b in zip(after, before, strict=True))
@@ -110,7 +111,7 @@ def _moe_spec(shapes: CheckShapes):
 def colocated_moe_row(shapes: CheckShapes, device: torch.device) -> Row:
     """Row 7: a Qwen3-MoE stage without the distributed optimizer, routing replayed, through a generation turn."""
     from dapo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
-    from dapo_megatron.backend import select_backend
+    from dapo_megatron.backend_registry import select_backend
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.memory import estimate_memory
     from dapo_megatron.policy.packing import PolicySample
@@ -131,12 +132,12 @@ def colocated_moe_row(shapes: CheckShapes, device: torch.device) -> Row:
     pinned = all(t.is_pinned() for t in recorded) if device.type == "cuda" else True
     colocation = Colocation(_colocated_config("rollout.offload_optimizer=true"), actor.optimizer, lambda: None,
                             device_type=device.type, model=actor.model)
-    _sync()
+    sync()
     allocated = _allocated()
     with colocation.generating():
-        _sync()
+        sync()
         generating = _allocated()
-    _sync()
+    sync()
     update = actor.train_minibatch([PolicySample(s.prompt_ids, s.response_ids, s.advantage, old_logprobs=lp)
                                     for s, lp in zip(samples, old.logprobs)], dapo_loss(), routing=old.routing)
     (stage,) = estimate_memory(spec, tensor_parallel=1, pipeline_parallel=1, data_parallel=1,

@@ -116,7 +116,7 @@ def main() -> None:
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.handoff import gather_hf_buckets_to_rank0
     from dapo_megatron.overrides.megatron_core import cpu_compat
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.algorithm import build_policy_loss
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.batch_plan import PackedBatching

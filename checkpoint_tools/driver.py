@@ -137,8 +137,8 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: ConversionJob, stagi
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from dapo_megatron.backend import select_backend
-    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.backend_registry import select_backend
+    from dapo_megatron.platform import init_distributed
     from dapo_megatron.policy.model import build_model, transformer_config
     from dapo_megatron.policy.model_spec import model_spec_from_hf
 

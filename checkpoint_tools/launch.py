@@ -11,7 +11,7 @@ Three ways a conversion runs, chosen by how it was started:
   here — as :class:`ConversionError` when it was one (bad input), else as :class:`RankFailedError` with its traceback.
 
 The function is called as ``fn(environ, *args)``: ``environ`` is the launch environment to pass to
-``dapo_megatron.backend.platform.init_distributed`` (``None``: the process environment). It must leave torch.distributed
+``dapo_megatron.platform.init_distributed`` (``None``: the process environment). It must leave torch.distributed
 initialized when it returns; whoever created the process group destroys it.
 """
 
@@ -66,7 +66,7 @@ def quiet_backend_warnings() -> None:
 
 
 def _destroy_process_group() -> None:
-    from dapo_megatron.backend.platform import destroy_distributed
+    from dapo_megatron.platform import destroy_distributed
 
     destroy_distributed()
 

@@ -75,7 +75,7 @@ def build_test_actor(hf_dir: str | Path, tensor_parallel: int, pipeline_parallel
                      seed: int = 0, expert_parallel: int = 1):
     """Initialize this rank's TP/PP(/EP) layout and build the actor from ``settings`` (:func:`actor_settings`) with
     the HF weights loaded, the way the trainer does."""
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 

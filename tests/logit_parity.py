@@ -36,7 +36,7 @@ def checkpoint_logits(ckpt_model_dir: str, hf_dir: str, tokens: torch.Tensor, *,
     from megatron.core import parallel_state
 
     from dapo_megatron.checkpoint import load_model
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.hf_loader import load_model_spec
     from dapo_megatron.policy.model import build_model, transformer_config
 

@@ -35,7 +35,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
         results.put((rank, "error", traceback.format_exc()))
     finally:
         try:
-            from dapo_megatron.backend.platform import destroy_distributed
+            from dapo_megatron.platform import destroy_distributed
 
             destroy_distributed()
         except Exception:  # noqa: BLE001

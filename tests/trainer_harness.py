@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 def build_trainer(overrides: list[str], config_path: str | Path = REPO / "examples" / "tiny_cpu.yaml"):
     """What ``dapo-megatron train`` does before ``run()``: distributed init, the initial model, the trainer."""
     from dapo_megatron.config import load_config
-    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.platform import init_distributed
     from dapo_megatron.trainer.loop import DAPOTrainer
     from dapo_megatron.run.model_source import prepare_initial_model
 

@@ -1,9 +1,9 @@
 """The backend: every choice that depends on the platform the policy runs on, made once per process — the one home
-of device decisions, at the bottom of the import graph (nothing here imports the layers that use it, except the
-concrete backends and the registry that names them; tests/unit/test_import_layers.py checks it).
+of device decisions, at the bottom of the import graph: nothing here imports the layers that use it
+(tests/unit/test_import_layers.py checks it).
 
-:func:`select_backend` picks one of three from the platform and ``model.kernels``; the policy, the actor, the weight
-handoff and the rollout side ask it instead of looking at the platform themselves:
+:func:`dapo_megatron.backend_registry.select_backend` picks one of three from the platform and ``model.kernels``;
+the policy, the actor, the weight handoff and the rollout side ask it instead of looking at the platform themselves:
 
 =================================== ============ ============================ ========== ===================== =========
 backend                             when         layer spec                   rows       TP gather (handoff)   redirect
@@ -36,33 +36,9 @@ The backend supplies:
 
 The modules: :mod:`~dapo_megatron.backend.base` (the :class:`Backend` interface) and
 :mod:`~dapo_megatron.backend.interfaces` (the packer and TP-gather interfaces it hands out), the bottom;
-:mod:`~dapo_megatron.backend.cuda` (the CUDA backends) and :mod:`~dapo_megatron.backend.select` (the registry);
-:mod:`~dapo_megatron.backend.platform`, which applies the choice to the process (device, process group, seeds);
+:mod:`~dapo_megatron.platform`, which applies the choice to the process (device, process group, seeds);
 and :func:`dapo_megatron.overrides.megatron_core.process.apply_megatron_core_overrides`, what every backend fixes in
-megatron-core (``prepare_process``).
+megatron-core (``prepare_process``). The implementations live above what they use: :mod:`dapo_megatron.cuda.backend`
+(the CUDA backends), :mod:`dapo_megatron.cpu.backend`, and :mod:`dapo_megatron.backend_registry` (``select_backend``),
+the one module that knows them all.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dapo_megatron.backend.base import Backend
-    from dapo_megatron.backend.select import Kernels, select_backend
-
-__all__ = ["Backend", "Kernels", "select_backend"]
-
-
-def __getattr__(name: str):
-    # On first use, not at import: the implementations import backend.interfaces, which runs this file first, and
-    # the registry imports the backends that import those implementations — eagerly, a circle (importing
-    # dapo_megatron.cpu.shm_gather first failed with it).
-    if name == "Backend":
-        from dapo_megatron.backend.base import Backend
-
-        return Backend
-    if name in ("Kernels", "select_backend"):
-        from dapo_megatron.backend import select
-
-        return getattr(select, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

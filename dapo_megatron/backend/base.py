@@ -1,21 +1,20 @@
-"""What every backend supplies (:mod:`dapo_megatron.backend` says which backend runs where).
-
-The bottom of the seam: it names the layers that use it (the policy's model spec) for the type checker only; the
-packer and the TP gather are the interfaces of :mod:`dapo_megatron.backend.interfaces`, which each concrete backend
-fills with its platform's implementation (:mod:`dapo_megatron.backend.cuda`, :mod:`dapo_megatron.cpu.backend`).
+"""What every backend supplies (:mod:`dapo_megatron.backend` says which backend runs where). The bottom of the seam: it
+imports nothing of the layers that use it (``layer_spec`` takes the policy's
+:class:`~dapo_megatron.policy.model_spec.ModelSpec`, typed here as ``Any``); the packer and the TP gather are the
+interfaces of :mod:`dapo_megatron.backend.interfaces`, which each concrete backend fills with its platform's
+implementation (:mod:`dapo_megatron.cuda.backend`, :mod:`dapo_megatron.cpu.backend`).
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dapo_megatron.config.model import Recompute
 from dapo_megatron.overrides.megatron_core.process import apply_megatron_core_overrides
 
 if TYPE_CHECKING:
     from dapo_megatron.backend.interfaces import RowPacker, TensorParallelGather
-    from dapo_megatron.policy.model_spec import ModelSpec
 
 
 class Backend:
@@ -36,7 +35,7 @@ class Backend:
         backend needs, :mod:`dapo_megatron.overrides.megatron_core.process`)."""
         apply_megatron_core_overrides()
 
-    def layer_spec(self, spec: ModelSpec, num_layers: int | None):
+    def layer_spec(self, spec: Any, num_layers: int | None):
         """megatron's layer spec for ``spec``; with ``num_layers`` (this pipeline stage's) it may be a block spec."""
         raise NotImplementedError
 

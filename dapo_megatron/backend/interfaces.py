@@ -2,28 +2,27 @@
 (:class:`RowPacker`) and how the weight handoff gathers tensor-parallel shards (:class:`TensorParallelGather`).
 
 They are implemented above: :class:`dapo_megatron.policy.packing.ThdPacker` and
-:class:`dapo_megatron.handoff.tp_gather.ProcessGroupGather` (CUDA's, chosen in :mod:`dapo_megatron.backend.cuda`),
+:class:`dapo_megatron.handoff.tp_gather.ProcessGroupGather` (CUDA's, chosen in :mod:`dapo_megatron.cuda.backend`),
 :mod:`dapo_megatron.cpu`'s segment packer and shared-memory gather (the CPU backend's). The sample and micro-batch
-types are the policy's; they are named here for the type checker only, so this module imports nothing above it.
+types are the policy's (:class:`~dapo_megatron.policy.packing.PolicySample`,
+:class:`~dapo_megatron.policy.packing.MicroBatch`), typed here as ``Any``: this module imports nothing above it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
-
-    from dapo_megatron.policy.packing import MicroBatch, PolicySample
 
 
 class RowPacker(Protocol):
     """How a backend's attention wants samples laid out in rows (see :mod:`dapo_megatron.policy.packing`)."""
 
-    def bins(self, samples: Sequence[PolicySample], indices: Sequence[int], token_budget: int) -> list[list[int]]:
+    def bins(self, samples: Sequence[Any], indices: Sequence[int], token_budget: int) -> list[list[int]]:
         """The sample indices of each micro-batch; deterministic."""
 
-    def row(self, samples: Sequence[PolicySample], indices: Sequence[int], pad_to_multiple: int) -> MicroBatch:
+    def row(self, samples: Sequence[Any], indices: Sequence[int], pad_to_multiple: int) -> Any:
         """One micro-batch holding ``indices`` (none: the filler micro-batch, one padding segment)."""
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dapo_megatron.backend.platform import destroy_distributed
+from dapo_megatron.platform import destroy_distributed
 from dapo_megatron.commands.process_layout import check_inputs, init_process_layout
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.trainer.evaluate import evaluate_checkpoint

@@ -1,12 +1,16 @@
-"""``dapo-megatron plan``: the training ranks' GPU memory per pipeline stage for a config; exit 1 when a stage does
-not fit (:mod:`dapo_megatron.policy.memory`)."""
+"""``dapo-megatron plan``: the training ranks' GPU memory per pipeline stage for a config
+(:mod:`dapo_megatron.policy.memory`), then what shares its GPUs (colocated servers:
+:mod:`dapo_megatron.rollout.gpu_sharing`) and routing replay's host memory; exit 1 when something does not fit."""
 
 from __future__ import annotations
 
 import argparse
 
-from dapo_megatron.config import DAPOConfig
-from dapo_megatron.policy.plan_report import plan_report
+from dapo_megatron.config import ConfigError, DAPOConfig
+from dapo_megatron.policy.memory import memory_table, plan_stages
+from dapo_megatron.policy.model_spec import ModelSpec
+from dapo_megatron.policy.moe_routing import recorded_routing_bytes
+from dapo_megatron.rollout.gpu_sharing import sharing_report
 from dapo_megatron.run.model_source import model_spec_for_plan
 
 
@@ -17,3 +21,60 @@ def run(args: argparse.Namespace, config: DAPOConfig) -> int:
                                gpu_memory_gb=gpu_memory_gb, local_spec=args.local_spec)
     print(report)
     return 0 if fits else 1
+
+
+def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parallel: int | None = None,
+                gpu_memory_gb: float = 80.0, local_spec: bool = False) -> tuple[str, bool]:
+    """``dapo-megatron plan``: (the printed report, whether every stage fits ``gpu_memory_gb``) for ``config``'s
+    layout of ``spec``, whose shape came from ``origin``.
+
+    The layout is the config's: TP and PP, DP from ``parallel.data`` (or ``data_parallel``), the distributed optimizer,
+    ``trainer.micro_batch_tokens``, ``model.precision`` and ``model.recompute``. It plans for the GPU production path,
+    the Transformer Engine layer spec (fused attention, sequence parallelism as :func:`sequence_parallel_enabled`
+    decides it); ``local_spec=True`` plans megatron's local spec instead (unfused attention, no sequence parallelism).
+    """
+    p = config.parallel
+    dp = data_parallel or p.data or 1
+    if dp % p.expert:
+        source = "--data-parallel" if data_parallel else "parallel.data" if p.data else "DP 1, parallel.data unset"
+        raise ConfigError(f"parallel.expert: {p.expert} expert-parallel ranks must divide the data-parallel size, "
+                          f"{dp} ({source})")
+    stages, sequence_parallel = plan_stages(config, spec, data_parallel=dp, local_spec=local_spec)
+    routing = routing_replay_line(config, spec, stages, data_parallel=dp)
+    sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
+    fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
+    lines = [
+        f"model: {spec.arch}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}"
+        + (f", {spec.moe.num_experts} experts (top {spec.moe.topk})" if spec.moe is not None else "") + f" ({origin})",
+        f"layout: TP {p.tensor} x PP {p.pipeline} x DP {dp}" + (f" (EP {p.expert})" if spec.moe is not None else "")
+        + ("" if data_parallel or p.data else " (parallel.data unset: DP 1 assumed, the largest optimizer share)")
+        + f", {'distributed' if p.use_distributed_optimizer else 'replicated'} optimizer, {config.model.precision}",
+        f"per micro-batch: {config.trainer.micro_batch_tokens} tokens; recompute: {config.model.recompute}; "
+        f"sequence parallel: {'on' if sequence_parallel else 'off'}; attention: "
+        f"{'megatron local spec (unfused)' if local_spec else 'Transformer Engine (fused)'}",
+        "",
+        memory_table(stages, gpu_memory_gb=gpu_memory_gb),
+        *([routing] if routing else []),
+        "",
+        *sharing,
+        *([""] if sharing else []),
+        f"{'fits' if fits else 'does NOT fit'} in {gpu_memory_gb:g} GB per GPU "
+        f"(the memory model: dapo_megatron/policy/memory.py)",
+    ]
+    return "\n".join(lines), fits
+
+
+def routing_replay_line(config: DAPOConfig, spec: ModelSpec, stages, *, data_parallel: int) -> str | None:
+    """With routing replay, the routing a rank records for its share of a step's tokens (at most every sample at the
+    prompt and response limits), which waits in pinned host memory until the last update replays it
+    (:func:`dapo_megatron.policy.moe_routing.recorded_routing_bytes`); None without replay."""
+    if spec.moe is None or config.algorithm.moe_routing_replay == "none":
+        return None
+    c = config
+    samples = c.trainer.train_batch_size * c.rollout.n_samples / data_parallel
+    tokens = int(samples * (c.data.max_prompt_length + c.rollout.max_response_length))
+    layers = max(stage.layers for stage in stages)
+    host = recorded_routing_bytes(tokens=tokens, layers=layers, topk=spec.moe.topk)
+    return (f"routing replay ({c.algorithm.moe_routing_replay}): up to {host / 1e9:.2f} GB of recorded routing per "
+            f"rank and step in pinned host memory ({tokens:,} tokens x {layers} layers x top-{spec.moe.topk}, int16), "
+            f"none on the GPU")

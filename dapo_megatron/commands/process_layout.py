@@ -8,8 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.backend.platform import ParallelLayout, init_distributed
-from dapo_megatron.backend.select import select_backend
+from dapo_megatron.platform import ParallelLayout, init_distributed
+from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.rollout.sglang.gpus import trainer_nccl_env

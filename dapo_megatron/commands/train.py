@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dapo_megatron.backend.platform import destroy_distributed
+from dapo_megatron.platform import destroy_distributed
 from dapo_megatron.commands.process_layout import check_inputs, init_process_layout
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.rank_zero import run_on_rank0

@@ -61,7 +61,7 @@ from dapo_megatron.policy.optimizer import sync_params, wrap_for_training
 from dapo_megatron.policy.packing import MicroBatch, PolicySample
 
 if TYPE_CHECKING:
-    from dapo_megatron.backend import Backend
+    from dapo_megatron.backend.base import Backend
     from dapo_megatron.algorithm import PolicyLoss
     from dapo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.policy.model_spec import ModelSpec

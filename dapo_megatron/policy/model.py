@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-    from dapo_megatron.backend import Backend
+    from dapo_megatron.backend.base import Backend
 
 def sequence_parallel_enabled(requested: bool, *, tensor_parallel: int, use_transformer_engine: bool) -> bool:
     """Whether megatron's sequence parallelism is on: requested, TP > 1 and the Transformer Engine layer spec.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dapo_megatron.backend import Backend
+from dapo_megatron.backend.base import Backend
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.hf_format import load_hf_config
 from dapo_megatron.rollout.engine import RolloutEngine

@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from dapo_megatron.backend import Backend
+from dapo_megatron.backend.base import Backend
 from dapo_megatron.checkpoint import (
     CONFIG_FILE,
     MODEL_DIR,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from dapo_megatron.backend import Backend
+from dapo_megatron.backend.base import Backend
 from dapo_megatron.checkpoint import MODEL_DIR, load_model
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.evaluation import ScoredSample, avg_at_k

@@ -16,9 +16,9 @@ from tqdm import tqdm
 
 from dapo_megatron import checkpoint as ckpt
 from dapo_megatron.checkpoint.verify import non_finite_weights, set_aside
-from dapo_megatron.backend import Backend
+from dapo_megatron.backend.base import Backend
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.backend.platform import seed_everything
+from dapo_megatron.platform import seed_everything
 from dapo_megatron.policy.actor import build_actor
 from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 from dapo_megatron.rank_zero import run_on_rank0, waiting_group

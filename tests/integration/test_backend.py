@@ -13,8 +13,8 @@ import torch
 from actor_harness import TINY_VOCAB, actor_settings, logprobs_and_gradients, random_samples, write_tiny_qwen2
 from spawn_ranks import run_distributed
 
-from dapo_megatron.backend import select_backend
-from dapo_megatron.backend.cuda import CudaLocalBackend, TransformerEngineBackend
+from dapo_megatron.backend_registry import select_backend
+from dapo_megatron.cuda.backend import CudaLocalBackend, TransformerEngineBackend
 from dapo_megatron.config import ConfigError
 from dapo_megatron.cpu.backend import CpuBackend
 from dapo_megatron.cpu.segment_packing import SegmentPacker
@@ -31,10 +31,10 @@ def test_each_platform_gets_its_backend(caplog):
     assert isinstance(select_backend("local", cuda_available=False, transformer_engine=False), CpuBackend)
     assert isinstance(select_backend(cuda_available=True, transformer_engine=True), TransformerEngineBackend)
     assert isinstance(select_backend("local", cuda_available=True, transformer_engine=True), CudaLocalBackend)
-    with caplog.at_level(logging.WARNING, logger="dapo_megatron.backend.select"):
+    with caplog.at_level(logging.WARNING, logger="dapo_megatron.backend_registry"):
         chosen = select_backend("local", cuda_available=True, transformer_engine=False)
     assert isinstance(chosen, CudaLocalBackend) and not caplog.records  # chosen on purpose: nothing to warn about
-    with caplog.at_level(logging.WARNING, logger="dapo_megatron.backend.select"):
+    with caplog.at_level(logging.WARNING, logger="dapo_megatron.backend_registry"):
         fallback = select_backend("auto", cuda_available=True, transformer_engine=False)
     # a GPU without Transformer Engine gets the SDPA local spec, never the CPU path, and the log says so
     assert isinstance(fallback, CudaLocalBackend) and not isinstance(fallback, CpuBackend)
@@ -131,7 +131,7 @@ def sdpa_backend_job(hf_dir: str, tensor_parallel: int):
 
     from megatron.core import parallel_state
 
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.batch_plan import PackedBatching
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec

@@ -55,7 +55,7 @@ def test_the_mfu_rows_time_the_layers_a_run_uses():
     the local spec next to them); without it, the local spec, labelled as such."""
     from gpu_check import mfu_kernels
 
-    from dapo_megatron.backend import select_backend
+    from dapo_megatron.backend_registry import select_backend
 
     assert mfu_kernels(True, True) == ("transformer_engine", "local")
     assert mfu_kernels(True, False) == ("local",)

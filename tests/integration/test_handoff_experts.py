@@ -49,7 +49,7 @@ def _job(model_dir: str) -> dict:
 
     from dapo_megatron.handoff import export_hf_buckets, gather_hf_buckets_to_rank0
     from dapo_megatron.handoff.exporter import stage_export_mappings
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
     from dapo_megatron.policy.model import build_model, transformer_config
 

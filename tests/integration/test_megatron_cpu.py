@@ -43,7 +43,7 @@ def train_job(tensor_parallel: int, pipeline_parallel: int, distributed_optimize
     from megatron.core import parallel_state
 
     from dapo_megatron.config import OptimConfig, ParallelConfig
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.packing import PolicySample
 
@@ -105,9 +105,9 @@ def test_cpu_layer_is_installed_only_without_cuda():
     """The decision, in a fresh interpreter: with a CUDA backend, NCCL, the local GPU, and no CPU layer."""
     result = run_python("""
         import torch
-        from dapo_megatron.backend import select_backend
+        from dapo_megatron.backend_registry import select_backend
         from dapo_megatron.overrides.megatron_core import cpu_compat
-        from dapo_megatron.backend.platform import prepare_device
+        from dapo_megatron.platform import prepare_device
 
         bound = []
         torch.cuda.set_device = bound.append  # this machine has no GPU to bind
@@ -129,7 +129,7 @@ def test_cpu_layer_is_installed_only_without_cuda():
 
 
 def test_world_size_that_is_not_tp_pp_dp_is_an_error():
-    from dapo_megatron.backend.platform import LaunchError, init_distributed
+    from dapo_megatron.platform import LaunchError, init_distributed
 
     with pytest.raises(LaunchError, match=r"world size 4 != .* 2 × 1 × 3 = 6"):
         init_distributed(2, 1, 3, environ={"RANK": "0", "WORLD_SIZE": "4"})
@@ -138,7 +138,7 @@ def test_world_size_that_is_not_tp_pp_dp_is_an_error():
 
 
 def mismatched_world_job():
-    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.platform import init_distributed
 
     init_distributed(2, 2)  # a world of 2 launched for TP=2 × PP=2
 
@@ -154,7 +154,7 @@ def test_taken_rendezvous_port_is_an_error():
         taken.listen()
         port = taken.getsockname()[1]
         result = run_python(f"""
-            from dapo_megatron.backend.platform import LaunchError, init_distributed
+            from dapo_megatron.platform import LaunchError, init_distributed
             try:
                 init_distributed(1, 1, environ={{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}})
             except LaunchError as error:

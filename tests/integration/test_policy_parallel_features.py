@@ -30,9 +30,9 @@ def manual_actor(hf_dir, *, tensor_parallel=1, sequence_parallel=False, recomput
     """An fp32 actor built like ``build_actor`` but with the switches a CPU run would not take by itself."""
     from megatron.core import parallel_state
 
-    from dapo_megatron.backend import select_backend
+    from dapo_megatron.backend_registry import select_backend
     from dapo_megatron.config import OptimConfig
-    from dapo_megatron.backend.platform import seed_everything
+    from dapo_megatron.platform import seed_everything
     from dapo_megatron.policy.actor import Actor
     from dapo_megatron.policy.batch_plan import PackedBatching
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
@@ -72,7 +72,7 @@ def step_record(actor, spec, updates=1):
 
 def sequence_parallel_job(hf_dir):
     from dapo_megatron.cpu.layers import LocalRMSNorm
-    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.platform import init_distributed
 
     init_distributed(2, 1)
     results = {}
@@ -113,7 +113,7 @@ def world_one_job(hf_dir):
     import megatron.core.optimizer.optimizer as megatron_optimizer
 
     import dapo_megatron.policy.actor as actor_module
-    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.platform import init_distributed
 
     init_distributed(1, 1)
     results = {"recompute": {}, "norm": {}}
@@ -180,7 +180,7 @@ def test_gradient_norm_is_computed_once_and_the_clipped_update_equals_megatron_s
 
 
 def overlap_job(hf_dir):
-    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.platform import init_distributed
     from dapo_megatron.policy.hf_loader import unwrap_model
 
     init_distributed(1, 1)
@@ -264,7 +264,7 @@ def routes_job(hf_dir, out_dir):
 
     from dapo_megatron.handoff.stage_routes import stage_broadcast_groups
     from dapo_megatron.hf_format import load_hf_config
-    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.platform import init_distributed
     from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
     from dapo_megatron.trainer.weight_sync import StageStreamError, sync_engine_weights
 

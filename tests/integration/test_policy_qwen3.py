@@ -15,7 +15,7 @@ from logit_parity import TOLERANCE, megatron_logits
 from tiny_models import save_random_hf_model
 from tiny_qwen3 import EVEN_EXPERTS, ODD_EXPERTS, tiny_qwen3_config, tiny_qwen3_moe_config
 
-from dapo_megatron.backend import select_backend
+from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.policy.model import transformer_config, transformer_config_arguments
 from dapo_megatron.policy.model_spec import ParallelLayoutError, UnsupportedModelError, model_spec_from_hf
 from dapo_megatron.policy.weight_mapping import (
@@ -151,7 +151,7 @@ def _cases():
 def _parity_job(cases: dict, tokens: torch.Tensor) -> dict:
     from megatron.core import parallel_state
 
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
     from dapo_megatron.policy.model import build_model
 

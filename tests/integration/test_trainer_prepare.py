@@ -67,7 +67,7 @@ def _prepare_on_every_rank(run_dir: str, not_a_dir: str) -> dict:
     """What ``train`` does before building the trainer, on each rank: first for a run directory that cannot be made
     (a file is in the way), then for a good one, twice."""
     from dapo_megatron.config import load_config
-    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.platform import init_distributed
     from dapo_megatron.rank_zero import Rank0Error
     from dapo_megatron.run.model_source import prepare_initial_model
 

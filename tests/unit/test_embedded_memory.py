@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dapo_megatron.backend import select_backend
+from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.config import ConfigError, load_config
 from dapo_megatron.policy.model_spec import model_spec_from_hf
 from dapo_megatron.policy.shapes import published_hf_config

@@ -1,6 +1,6 @@
 """Every GPU example fits its hardware: ``dapo-megatron plan`` on each, with the ``--gpu-memory-gb`` its header
 documents (the README's Scale section quotes the same commands), exits 0 and says it fits — the trainer's stages and,
-for colocated examples, every turn of the GPUs it shares with SGLang (``policy/gpu_sharing.py``). And what the plan
+for colocated examples, every turn of the GPUs it shares with SGLang (``rollout/gpu_sharing.py``). And what the plan
 assumes of an example holds: its longest sample fits one micro-batch and the model's context, and its header says
 how to launch it."""
 

@@ -104,7 +104,7 @@ def test_transformer_config_arguments_turn_sp_and_recompute_on_for_the_te_path()
 
 
 def test_megatron_accepts_the_recompute_arguments():
-    from dapo_megatron.backend import select_backend
+    from dapo_megatron.backend_registry import select_backend
     from dapo_megatron.policy.model import transformer_config
 
     for mode, granularity in (("selective", "selective"), ("full", "full"), ("none", None)):
@@ -113,7 +113,7 @@ def test_megatron_accepts_the_recompute_arguments():
 
 
 def test_recompute_defaults_to_selective_and_is_off_without_cuda():
-    from dapo_megatron.backend import select_backend
+    from dapo_megatron.backend_registry import select_backend
     from dapo_megatron.config import load_config
 
     assert load_config(None, ["model.hf_path=x", "data.train_files=[a]"]).model.recompute == "selective"
@@ -172,20 +172,20 @@ def test_config_schema_has_the_new_keys():
 
 @pytest.mark.parametrize("local_rank, count, expected", [(0, 8, 0), (5, 8, 5), (9, 8, 1), (5, 1, 0), (3, 2, 1)])
 def test_device_is_local_rank_modulo_visible_gpus(local_rank, count, expected):
-    from dapo_megatron.backend.platform import cuda_device_index
+    from dapo_megatron.platform import cuda_device_index
 
     assert cuda_device_index(local_rank, count) == expected
 
 
 def test_no_visible_gpu_is_an_error():
-    from dapo_megatron.backend.platform import LaunchError, cuda_device_index
+    from dapo_megatron.platform import LaunchError, cuda_device_index
 
     with pytest.raises(LaunchError, match="no visible GPU"):
         cuda_device_index(0, 0)
 
 
 def test_cuda_device_max_connections_only_on_gpu_with_tp():
-    from dapo_megatron.backend.platform import apply_cuda_connections, cuda_connections_setting
+    from dapo_megatron.platform import apply_cuda_connections, cuda_connections_setting
 
     assert cuda_connections_setting(2, cuda_available=True) == "1"
     assert cuda_connections_setting(1, cuda_available=True) is None
@@ -287,7 +287,7 @@ def test_a_cuda_model_stage_goes_to_the_current_gpu_and_a_stray_parameter_is_nam
 
 
 def _build_on(device_type_or_device):
-    from dapo_megatron.backend.platform import init_distributed
+    from dapo_megatron.platform import init_distributed
     from dapo_megatron.policy.model import build_model, transformer_config
 
     backend = init_distributed(1, 1).backend
@@ -342,8 +342,8 @@ def test_a_broken_transformer_engine_is_not_taken_for_a_working_one(broken_trans
     import importlib.util
     import logging
 
-    from dapo_megatron.backend.cuda import CudaLocalBackend
-    from dapo_megatron.backend.select import select_backend, transformer_engine_problem
+    from dapo_megatron.cuda.backend import CudaLocalBackend
+    from dapo_megatron.backend_registry import select_backend, transformer_engine_problem
     from dapo_megatron.config import ConfigError
 
     assert importlib.util.find_spec("transformer_engine") is not None  # what the old check looked at: "installed"
@@ -352,19 +352,19 @@ def test_a_broken_transformer_engine_is_not_taken_for_a_working_one(broken_trans
     with pytest.raises(ConfigError, match=r"model.kernels=transformer_engine needs Transformer Engine on CUDA, and "
                                           r"transformer_engine.pytorch does not import .*libcudnn"):
         select_backend("transformer_engine", cuda_available=True)
-    with caplog.at_level(logging.WARNING, logger="dapo_megatron.backend.select"):
+    with caplog.at_level(logging.WARNING, logger="dapo_megatron.backend_registry"):
         fallback = select_backend("auto", cuda_available=True)
     assert isinstance(fallback, CudaLocalBackend) and "libcudnn.so.9" in caplog.text
 
 
 def test_a_missing_transformer_engine_is_named_as_missing():
-    from dapo_megatron.backend.select import transformer_engine_problem
+    from dapo_megatron.backend_registry import transformer_engine_problem
 
     assert "is not installed" in transformer_engine_problem()  # this machine has none (control for the test above)
 
 
 def test_the_moe_sequence_parallel_refusal_is_a_config_error_before_anything_is_built():
-    from dapo_megatron.backend.select import select_backend
+    from dapo_megatron.backend_registry import select_backend
     from dapo_megatron.config import ConfigError, load_config
     from dapo_megatron.policy.model_spec import MoESpec
     from dapo_megatron.run.input_checks import check_training_layout

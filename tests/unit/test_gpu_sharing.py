@@ -1,4 +1,4 @@
-"""The memory model of a GPU the trainer shares with a colocated SGLang server (policy/gpu_sharing.py): SGLang's
+"""The memory model of a GPU the trainer shares with a colocated SGLang server (rollout/gpu_sharing.py): SGLang's
 own sizing rules reproduced by hand for known GPUs, the static share taken from the memory free at launch, the
 turns' sums, and what the optimizer offload changes."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.policy.gpu_sharing import (
+from dapo_megatron.rollout.gpu_sharing import (
     GB,
     MIB,
     handoff_buckets_on_gpu,

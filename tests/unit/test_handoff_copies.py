@@ -15,7 +15,7 @@ from tiny_models import save_random_hf_model, tiny_hf_config
 
 def _policy_model(model_dir: str, tensor_parallel: int):
     """This rank's megatron model of the HF folder at TP=``tensor_parallel`` (PP=1), and its spec."""
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
     from dapo_megatron.policy.model import build_model, transformer_config
 

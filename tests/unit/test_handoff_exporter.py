@@ -28,7 +28,7 @@ def _export_job(model_dirs: dict, out_root: str, bucket_bytes: int) -> dict:
 
     from dapo_megatron.handoff import export_hf_buckets, gather_hf_buckets_to_rank0
     from dapo_megatron.hf_format import write_hf_folder
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec, unwrap_model
     from dapo_megatron.policy.model import build_model, transformer_config
 

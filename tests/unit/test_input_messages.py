@@ -129,6 +129,6 @@ def test_a_config_error_is_reported_before_torch_is_imported(command):
     assert "config error: rollout.n_samples: expected an integer, got 'many'" in result.stderr
     assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr[-2000:]
     # the control: the check sees torch when something imports it (the process layout of a valid config does)
-    probe = "import sys, dapo_megatron.backend.platform; print('torch' in sys.modules)"
+    probe = "import sys, dapo_megatron.platform; print('torch' in sys.modules)"
     control = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert control.stdout.split() == ["True"], control.stderr[-2000:]

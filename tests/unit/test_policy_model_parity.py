@@ -18,7 +18,7 @@ from logit_parity import TOLERANCE, megatron_logits
 from spawn_ranks import run_distributed
 from tiny_models import save_random_hf_model, tiny_hf_config
 
-from dapo_megatron.backend import select_backend
+from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.policy.model import transformer_config
 from dapo_megatron.policy.model_spec import ParallelLayoutError, UnsupportedModelError, model_spec_from_hf
 
@@ -42,7 +42,7 @@ def _configs():
 def _parity_job(cases: dict, layouts: list, tokens: torch.Tensor, broken_dirs: dict) -> dict:
     from megatron.core import parallel_state
 
-    from dapo_megatron.backend.platform import init_distributed, seed_everything
+    from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.hf_loader import HFCheckpointError, load_hf_weights, load_model_spec
     from dapo_megatron.policy.model import build_model, transformer_config
 

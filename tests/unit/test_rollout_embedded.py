@@ -10,7 +10,7 @@ from tiny_models import hf_greedy
 from tiny_qwen3 import tiny_qwen3_config, tiny_qwen3_moe_config
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from dapo_megatron.backend import select_backend
+from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.config import ConfigError, EmbeddedConfig, load_config
 from dapo_megatron.rollout import RolloutError, SamplingParams
 from dapo_megatron.rollout.embedded.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill

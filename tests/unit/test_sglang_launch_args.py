@@ -14,7 +14,7 @@ import pytest
 import torch
 from sglang_fixtures import exiting_python, launched_argv
 
-from dapo_megatron.backend import select_backend
+from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.config import ConfigError, SGLangConfig, load_config
 from dapo_megatron.launch_env import local_world_size
 from dapo_megatron.rollout.engine import RolloutError

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from dapo_megatron.backend import select_backend
+from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams

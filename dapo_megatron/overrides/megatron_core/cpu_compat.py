@@ -3,7 +3,7 @@
 megatron-core 0.16 assumes a GPU in ~250 places. This module lets the *real* library (models, Megatron DDP, the
 Megatron optimizer, the pipeline schedules, dist_checkpointing) run on CPU over gloo, so that everything around the
 GPU-only kernels is exercised on a laptop and in CI. It is installed by the CPU backend's ``prepare_process``
-(:class:`dapo_megatron.cpu.backend.CpuBackend`, which :func:`dapo_megatron.backend.platform.prepare_device` calls) once
+(:class:`dapo_megatron.cpu.backend.CpuBackend`, which :func:`dapo_megatron.platform.prepare_device` calls) once
 per process, and only when CUDA is absent; with CUDA it is never installed and changes nothing.
 
 Exactly what it changes, and why:

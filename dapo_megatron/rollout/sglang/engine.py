@@ -49,7 +49,8 @@ from typing import Iterable, Sequence
 
 from tqdm import tqdm
 
-from dapo_megatron.backend import Backend, select_backend
+from dapo_megatron.backend.base import Backend
+from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.config import SGLangConfig
 from dapo_megatron.hf_format import CONFIG_FILE, Bucket
 from dapo_megatron.host_address import pin_gloo_interface, weight_update_address

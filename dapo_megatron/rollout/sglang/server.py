@@ -64,7 +64,7 @@ INSTALL_HINT = (
 # * SGLANG_RETURN_ORIGINAL_LOGPROB=1 would make returned log-probs ignore the temperature (the engine's documented
 #   semantics);
 # * CUDA_DEVICE_MAX_CONNECTIONS is the trainer's setting for megatron's tensor-parallel overlap
-#   (dapo_megatron/backend/platform.py), not a server's (SGLang 0.5.23 sets its own value at startup);
+#   (dapo_megatron/platform.py), not a server's (SGLang 0.5.23 sets its own value at startup);
 # * torchrun's TORCHELASTIC_* (the prefix below): with TORCHELASTIC_USE_AGENT_STORE=True, torch's tcp:// rendezvous
 #   (torch/distributed/rendezvous.py, _create_c10d_store) makes every rank, rank 0 included, a client of a store it
 #   expects torchrun's agent to host, so a server's own init_process_group waits for a store nobody hosts until

@@ -161,7 +161,7 @@ def init_distributed(
     timeout_s: float = 600.0,
 ) -> ParallelLayout:
     """Initialize torch.distributed and megatron ``parallel_state`` for this process, on ``backend``'s platform
-    (default: :func:`dapo_megatron.backend.select.select_backend` with ``model.kernels: auto``); ``expert_parallel``
+    (default: :func:`dapo_megatron.backend_registry.select_backend` with ``model.kernels: auto``); ``expert_parallel``
     ranks share a MoE model's experts.
 
     Idempotent for the same layout in one process (a second call returns the layout already set up).
@@ -170,7 +170,7 @@ def init_distributed(
     # commands and tests that never train.
     from megatron.core import parallel_state
 
-    from dapo_megatron.backend.select import select_backend
+    from dapo_megatron.backend_registry import select_backend
 
     env = launch_env(environ)
     dp = resolve_data_parallel(env.world_size, tensor_parallel, pipeline_parallel, data_parallel, expert_parallel)

@@ -9,7 +9,7 @@ from typing import get_args
 import torch
 
 from dapo_megatron.backend.base import Backend
-from dapo_megatron.backend.cuda import CudaLocalBackend, TransformerEngineBackend
+from dapo_megatron.cuda.backend import CudaLocalBackend, TransformerEngineBackend
 from dapo_megatron.config import ConfigError
 from dapo_megatron.config.model import Kernels
 from dapo_megatron.cpu.backend import CpuBackend
