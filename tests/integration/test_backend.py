@@ -82,7 +82,7 @@ def test_what_each_backend_supplies():
 
 
 SEAM_FOLDERS = ("policy", "rollout", "handoff", "trainer", "collectors", "run", "metrics", "reward", "algorithm",
-                "data")
+                "data", "backend", "cuda", "tools", "commands")
 
 
 # The CPU path outside the CPU folder: megatron-core's CPU compatibility layer sits with the other overrides.
@@ -116,7 +116,7 @@ def test_no_production_module_names_the_cpu_path():
         "dapo_megatron.cpu", "dapo_megatron.cpu.attention", "dapo_megatron.cpu.attention.X"]
     assert cpu_imports("from dapo_megatron.overrides.megatron_core import cpu_compat") == [
         "dapo_megatron.overrides.megatron_core.cpu_compat"]
-    assert cpu_imports((PACKAGE / "backend" / "select.py").read_text()) == [
+    assert cpu_imports((PACKAGE / "backend_registry.py").read_text()) == [
         "dapo_megatron.cpu.backend", "dapo_megatron.cpu.backend.CpuBackend"]  # the registry may, and does
 
 
