@@ -210,9 +210,15 @@ def test_sglang_server_on_another_node_serves_the_trained_weights(tmp_path, tiny
     """Over the cross-node distributed transport (NCCL's role played by gloo). The disk transport reads the same
     shared folder from any node; its handoff is tested on one node (test_sglang_handoff_from_training.py)."""
     model_dir, prompts = tiny_model
-    # A large learning rate, so that trained weights change greedy output (the control at the end relies on it).
+    # A large learning rate and a reward that splits every group, so that every step's weights change and greedy
+    # output with them (the control at the end relies on it): the random model never answers right, so the DAPO
+    # rule scores every response alike, and overlong filtering would drop the truncated ones, nearly all of them.
+    # (With the rule, a step trained only when the server happened to sample an early EOS: seen failing.)
+    reward = tmp_path / "parity_reward.py"  # tmp_path is the cluster's shared folder
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if len(solution_str) % 2 else -1.0\n")
     args, env, run_dir = _sglang_job(tmp_path, model_dir, "rollout.sglang.transport=distributed", "eval.every=1",
-                                     "optim.lr=0.1")
+                                     "optim.lr=0.1", f"reward.function={reward}", "algorithm.overlong_filtering=false")
     job = start_job(args, tmp_path, env)
     server = ServerProbe(job, run_dir)
     placements: dict[str, set[str]] = {"server": set(), "trainer": set()}
