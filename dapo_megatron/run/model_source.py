@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.hf_format import CONFIG_FILE, compare_shapes, list_tensors, load_hf_config
@@ -54,6 +54,10 @@ def prepare_initial_model(config: DAPOConfig) -> Path:
 
 def load_tokenizer(config: DAPOConfig, model_dir: str | Path):
     """``model.tokenizer_path`` for a user's model when given; else the tokenizer in the model folder."""
+    if config.model.source == "tiny":
+        # The class it was saved as: AutoTokenizer picks Qwen2Tokenizer from config.json, whose byte-level
+        # pre-tokenizer drops the tiny vocabulary's spaces and newlines ("What is 6*7?\n" -> "Whatis6*7?").
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     custom = config.model.tokenizer_path if config.model.source == "hf" else None
     return AutoTokenizer.from_pretrained(str(custom or model_dir))
 
