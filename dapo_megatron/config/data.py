@@ -16,6 +16,8 @@ class SyntheticDataConfig:
     seed: int = 0
     num_train: int = 4000
     num_heldout: int = 300
+    # "tools": problems to solve with the python tool (data/synthetic_tools.py, examples/tiny_cpu_tools.yaml)
+    mode: Literal["arith", "tools"] = "arith"
 
     def validate(self) -> None:
         """Called by :meth:`DataConfig.validate`."""

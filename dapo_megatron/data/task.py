@@ -23,6 +23,7 @@ from dapo_megatron.data.prompts import PromptRecord, build_prompt_records
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic import SyntheticSplit, make_split
+from dapo_megatron.data.synthetic_tools import make_tool_split
 from dapo_megatron.user_errors import DataError
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 def synthetic_split(config: DAPOConfig) -> SyntheticSplit:
     s = config.data.synthetic
-    return make_split(s.seed, s.num_train, s.num_heldout)
+    split = make_tool_split if s.mode == "tools" else make_split
+    return split(s.seed, s.num_train, s.num_heldout)
 
 
 def _synthetic_rows(config: DAPOConfig, split_name: str) -> list:
