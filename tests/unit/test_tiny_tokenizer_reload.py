@@ -22,9 +22,10 @@ def test_the_trainer_s_tokenizer_of_the_tiny_model_keeps_spaces_and_newlines(tmp
     tiny_qwen2_config(TinyModelConfig(), built).save_pretrained(tmp_path)
     config = load_config(TINY)
     text = "What is 6*7?\n```\n"
-    loaded = load_tokenizer(config, tmp_path)
-    assert loaded.encode(text, add_special_tokens=False) == built.encode(text, add_special_tokens=False)
-    assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text
+    as_user_model = load_config(TINY, ["model.source=hf", f"model.hf_path={tmp_path}"])
+    for loaded in (load_tokenizer(config, tmp_path), load_tokenizer(as_user_model, tmp_path)):
+        assert loaded.encode(text, add_special_tokens=False) == built.encode(text, add_special_tokens=False)
+        assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text
     # control: the class AutoTokenizer picks from config.json loses them
     auto = AutoTokenizer.from_pretrained(str(tmp_path))
     assert auto.decode(auto.encode(text, add_special_tokens=False)) != text
