@@ -60,7 +60,22 @@ class DAPOConfig:
                 f"expert parallelism needs a mixture-of-experts model (model.tiny.arch: qwen3_moe), "
                 f"got {self.parallel.expert}")
         require(not (dense_tiny and a.moe_routing_replay != "none"), "algorithm.moe_routing_replay",
-                "replay_old needs a mixture-of-experts model (model.tiny.arch: qwen3_moe)")
+                f"{a.moe_routing_replay} needs a mixture-of-experts model (model.tiny.arch: qwen3_moe)")
+        if a.moe_routing_replay == "replay_rollout":
+            self._validate_rollout_routing()
         require(not self.warm_start.enabled or self.data.source == "synthetic", "warm_start.enabled",
                 "needs reference solutions, which only data.source = synthetic provides")
         return self
+
+    def _validate_rollout_routing(self) -> None:
+        """R3 needs every trained token's routing from the engine, routed by the weights that sampled it."""
+        r, key = self.rollout, "algorithm.moe_routing_replay"
+        require(r.engine == "embedded", key,
+                "replay_rollout needs the engine's routing, and rollout.engine: sglang does not ask its servers for "
+                "it yet (routed_experts); use rollout.engine: embedded, or replay_old")
+        require(not (r.mode == "async" and r.partial_rollouts), key,
+                "replay_rollout cannot replay a partial rollout: a response continued across a weight update had its "
+                "earlier tokens re-routed by the new weights; set rollout.partial_rollouts: false")
+        require(not r.tools.enabled, key,
+                "replay_rollout does not follow multi-turn tool rollouts (tool output is never routed by the "
+                "engine); turn rollout.tools.enabled off, or use replay_old")

@@ -59,6 +59,12 @@ from dapo_megatron.policy.model import (
 from dapo_megatron.policy.moe_routing import RecordedRouting, RouterLoadMonitor, RoutingReplay
 from dapo_megatron.policy.optimizer import sync_params, wrap_for_training
 from dapo_megatron.policy.packing import MicroBatch, PolicySample
+from dapo_megatron.policy.rollout_routing import (
+    RoutingAgreement,
+    replaying_engine_routing,
+    stage_targets,
+    summed_agreement,
+)
 
 if TYPE_CHECKING:
     from dapo_megatron.backend.base import Backend
@@ -77,6 +83,7 @@ class PolicyLogProbs:
     logprobs: list[Tensor]
     entropy: list[Tensor]
     routing: RecordedRouting | None = None
+    routing_agreement: RoutingAgreement | None = None  # replaying the engine's routing: the routers' own choices
 
 
 def aligned_batching(batching: PackedBatching, multiple: int) -> PackedBatching:
@@ -348,27 +355,39 @@ class Actor:
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[PolicySample], temperature: float | None = None,
-                         batching: PackedBatching | None = None, record_routing: bool = False) -> PolicyLogProbs:
+                         batching: PackedBatching | None = None, record_routing: bool = False,
+                         engine_routing: Sequence[Tensor | None] | None = None) -> PolicyLogProbs:
         """Per-token log-probs (and entropy) of every sample's response, on every rank, in input order.
 
         ``temperature`` defaults to the actor's rollout temperature, ``batching`` to the actor's (a forward pass
         keeps no activations for backward, so it can afford a larger token budget). ``record_routing``: also
         return the experts this rank's routers chose (for :meth:`train_minibatch` of the same samples).
+        ``engine_routing``: per sample, the engine's expert ids (or None) to replay; the routing returned is what
+        was replayed, with the routers' agreement (:mod:`dapo_megatron.policy.rollout_routing`).
         """
         temperature = self.temperature if temperature is None else temperature
         sync_params(self.model)  # with overlap_param_gather the last update's all-gather waits for a training forward
         plan = self.plan(samples, batching)
-        if record_routing and self.routing_replay is None:
+        if (record_routing or engine_routing is not None) and self.routing_replay is None:
             raise ValueError("record_routing needs a model built with routing replay (algorithm.moe_routing_replay)")
+        sequence_parallel = self.model.config.sequence_parallel
+        replay = self.routing_replay.recording() if record_routing else nullcontext()
+        if engine_routing is not None:
+            replay = replaying_engine_routing(self.routing_replay, stage_targets(
+                self.routing_replay.routers, plan.micro_batches, samples, engine_routing,
+                sequence_parallel=sequence_parallel))
         self.model.eval()
         try:
-            with self.routing_replay.recording() if record_routing else nullcontext() as routing:
+            with replay as recorded:
                 outputs = self._run_schedule(
                     plan.micro_batches, partial(self._collect_logprobs, temperature=temperature), forward_only=True
                 )
         finally:
             self.model.train()
-        return replace(self._per_sample(samples, outputs), routing=routing)
+        routing, agreement = recorded if engine_routing is not None else (recorded, None)
+        if agreement is not None:
+            agreement = summed_agreement(agreement, self.device, sequence_parallel=sequence_parallel)
+        return replace(self._per_sample(samples, outputs), routing=routing, routing_agreement=agreement)
 
     def _per_sample(self, samples: Sequence[PolicySample], outputs: list[dict]) -> PolicyLogProbs:
         """The ``logprobs``/``entropy`` rows of the last stage's per-micro-batch outputs as per-sample tensors in
