@@ -89,7 +89,8 @@ def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) ->
             raise ValueError("pack_rollout_batch: responses' routed experts differ in layers or top-k")
         tensors["has_routed_experts"] = torch.tensor([r is not None for r in routed], dtype=torch.bool)
         tensors["routed_lengths"] = torch.tensor([r.shape[0] for r in present], dtype=torch.int64)
-        tensors["routed_experts"] = torch.cat([r.to(torch.int16).reshape(-1) for r in present])
+        # as bytes: gloo's broadcast has no int16
+        tensors["routed_experts"] = torch.cat([r.to(torch.int16).reshape(-1) for r in present]).view(torch.uint8)
     return Packed({name: _narrowest(tensor) for name, tensor in tensors.items()}, meta)
 
 
@@ -134,7 +135,7 @@ def _routed_experts(t: dict, meta: dict) -> list[torch.Tensor | None]:
     if "routed_experts" not in t:
         return [None] * len(t["response_lengths"])
     width = meta["routing_shape"][0] * meta["routing_shape"][1]
-    views = iter(_views(t["routed_experts"], [n * width for n in t["routed_lengths"].tolist()]))
+    views = iter(_views(t["routed_experts"].view(torch.int16), [n * width for n in t["routed_lengths"].tolist()]))
     return [next(views).view(-1, *meta["routing_shape"]) if has else None for has in t["has_routed_experts"].tolist()]
 
 

@@ -12,6 +12,8 @@ from dapo_megatron.config.errors import require, require_finite_numbers
 # a new objective is its registry entry, its name here, and its test.
 PolicyLossName = Literal["dapo", "gspo", "gspo_token", "cispo"]
 AdvantageEstimatorName = Literal["grpo"]
+# The SGLang server flag without which a server returns no routing (moe_routing_replay: replay_rollout needs it).
+SGLANG_ROUTING_FLAG = "--enable-return-routed-experts"
 
 
 @dataclass

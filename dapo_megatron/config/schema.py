@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from dapo_megatron.config.algorithm import SGLANG_ROUTING_FLAG as ROUTING_FLAG
 from dapo_megatron.config.algorithm import AlgorithmConfig
 from dapo_megatron.config.data import DataConfig
 from dapo_megatron.config.errors import require
@@ -70,9 +71,9 @@ class DAPOConfig:
     def _validate_rollout_routing(self) -> None:
         """R3 needs every trained token's routing from the engine, routed by the weights that sampled it."""
         r, key = self.rollout, "algorithm.moe_routing_replay"
-        require(r.engine == "embedded", key,
-                "replay_rollout needs the engine's routing, and rollout.engine: sglang does not ask its servers for "
-                "it yet (routed_experts); use rollout.engine: embedded, or replay_old")
+        require(r.engine == "embedded" or r.sglang.urls or ROUTING_FLAG in r.sglang.extra_server_args, key,
+                f"replay_rollout needs the servers' routing: add {ROUTING_FLAG} to rollout.sglang.extra_server_args "
+                f"(without it rollout.engine: sglang servers return none)")
         require(not (r.mode == "async" and r.partial_rollouts), key,
                 "replay_rollout cannot replay a partial rollout: a response continued across a weight update had its "
                 "earlier tokens re-routed by the new weights; set rollout.partial_rollouts: false")
