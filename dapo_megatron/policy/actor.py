@@ -59,12 +59,7 @@ from dapo_megatron.policy.model import (
 from dapo_megatron.policy.moe_routing import RecordedRouting, RouterLoadMonitor, RoutingReplay
 from dapo_megatron.policy.optimizer import sync_params, wrap_for_training
 from dapo_megatron.policy.packing import MicroBatch, PolicySample
-from dapo_megatron.policy.rollout_routing import (
-    RoutingAgreement,
-    replaying_engine_routing,
-    stage_targets,
-    summed_agreement,
-)
+from dapo_megatron.policy.rollout_routing import RoutingAgreement, replaying_on_stage
 
 if TYPE_CHECKING:
     from dapo_megatron.backend.base import Backend
@@ -370,12 +365,9 @@ class Actor:
         plan = self.plan(samples, batching)
         if (record_routing or engine_routing is not None) and self.routing_replay is None:
             raise ValueError("record_routing needs a model built with routing replay (algorithm.moe_routing_replay)")
-        sequence_parallel = self.model.config.sequence_parallel
         replay = self.routing_replay.recording() if record_routing else nullcontext()
         if engine_routing is not None:
-            replay = replaying_engine_routing(self.routing_replay, stage_targets(
-                self.routing_replay.routers, plan.micro_batches, samples, engine_routing,
-                sequence_parallel=sequence_parallel))
+            replay = replaying_on_stage(self.routing_replay, plan.micro_batches, samples, engine_routing, self.device)
         self.model.eval()
         try:
             with replay as recorded:
@@ -385,8 +377,6 @@ class Actor:
         finally:
             self.model.train()
         routing, agreement = recorded if engine_routing is not None else (recorded, None)
-        if agreement is not None:
-            agreement = summed_agreement(agreement, self.device, sequence_parallel=sequence_parallel)
         return replace(self._per_sample(samples, outputs), routing=routing, routing_agreement=agreement)
 
     def _per_sample(self, samples: Sequence[PolicySample], outputs: list[dict]) -> PolicyLogProbs:

@@ -162,6 +162,20 @@ def replaying_engine_routing(replay: RoutingReplay, targets: RecordedRouting
         raise RuntimeError(f"rollout routing replay: {left[0]} laid-out micro-batches were not run")
 
 
+@contextmanager
+def replaying_on_stage(replay: RoutingReplay, micro_batches: Sequence[MicroBatch], samples: Sequence[PolicySample],
+                       routing: Sequence[Tensor | None], device: torch.device
+                       ) -> Iterator[tuple[RecordedRouting, RoutingAgreement]]:
+    """:func:`replaying_engine_routing` of this rank's :func:`stage_targets`; the agreement, once the block ran, is
+    summed over the ranks (a collective: every rank runs the block)."""
+    sequence_parallel = replay.routers[0].config.sequence_parallel
+    targets = stage_targets(replay.routers, micro_batches, samples, routing, sequence_parallel=sequence_parallel)
+    with replaying_engine_routing(replay, targets) as (replayed, agreement):
+        yield replayed, agreement
+    total = summed_agreement(agreement, device, sequence_parallel=sequence_parallel)
+    agreement.decisions, agreement.agreed = total.decisions, total.agreed
+
+
 def summed_agreement(agreement: RoutingAgreement, device: torch.device, *, sequence_parallel: bool) -> RoutingAgreement:
     """The counts over every rank that routed distinct (token, layer) pairs: DP (and EP) ranks hold other tokens,
     TP ranks under sequence parallelism other parts of the row, pipeline stages other layers."""
