@@ -78,8 +78,9 @@ class AlgorithmConfig:
     # Mixture-of-experts policies: "replay_old" (R2) records which experts π_old's forward chose for every token and
     # makes each update's forward use the same ones (megatron's RouterReplay), so a routing flip between the two
     # passes cannot move the importance ratio; "replay_rollout" (R3) makes π_old's forward and every update's use the
-    # experts the rollout engine chose (the embedded engine; sync or async mode without partial rollouts), so a flip
-    # between engine and trainer cannot either (dapo_megatron/policy/rollout_routing.py); "none" lets each forward
+    # experts the rollout engine chose (the embedded engine, or CUDA SGLang servers started with SGLANG_ROUTING_FLAG;
+    # not with partial rollouts or tools), so a flip between engine and trainer cannot either
+    # (dapo_megatron/policy/rollout_routing.py); "none" lets each forward
     # route by itself (dapo_megatron/policy/moe_routing.py). When to choose which: docs/models.md.
     moe_routing_replay: Literal["none", "replay_old", "replay_rollout"] = "none"
 

@@ -96,7 +96,7 @@ def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", 
     ``model.precision`` picks the parameter dtype and ``model.recompute`` the activation recomputation (as the
     backend allows); ``parallel`` the sequence parallelism (where megatron supports it), the optimizer and the
     communication overlap; ``optim`` its settings; ``routing_replay`` builds a mixture-of-experts model whose
-    routers can replay recorded choices (``algorithm.moe_routing_replay: replay_old``); micro-batches are packed to
+    routers can replay recorded choices (``algorithm.moe_routing_replay``: R2 or R3); micro-batches are packed to
     ``micro_batch_tokens`` tokens and log-probs taken at the rollout ``temperature``.
     """
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
