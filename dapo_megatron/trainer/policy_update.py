@@ -163,6 +163,9 @@ class PolicyUpdate:
 
     def engine_routing(self, groups: list[RolloutGroup]) -> list:
         """Per response, the engine's ``[P + R − 1, L, k]`` expert ids, checked against the response."""
+        if all(g.routed_experts is None for g in groups):
+            raise ValueError("algorithm.moe_routing_replay: replay_rollout, but the rollout engine returned no routing "
+                             "for any response of the step")
         replay = self.actor.routing_replay
         layers, topk = self.actor.model.config.num_layers, replay.routers[0].topk
         return [routing_layout(None if g.routed_experts is None else g.routed_experts[i],

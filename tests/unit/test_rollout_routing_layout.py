@@ -120,3 +120,13 @@ def test_r3_refusals_name_the_key_and_the_reason(override, message):
         load_config(None, MINIMAL + [override])
     load_config(None, MINIMAL)  # control: the embedded engine, sync mode
     load_config(None, MINIMAL + ["rollout.mode=async", "rollout.partial_rollouts=false"])  # whole responses: fine
+
+
+def test_a_step_without_any_engine_routing_is_refused_not_silently_routed_by_the_trainer():
+    from dapo_megatron.trainer.policy_update import PolicyUpdate
+
+    config = load_config(None, MINIMAL + ["trainer.train_batch_size=2", "trainer.mini_batch_size=1",
+                                          "rollout.n_samples=2"])
+    stage = PolicyUpdate(None, config)  # the check reads the groups only; the actor is used past it
+    with pytest.raises(ValueError, match="the rollout engine returned no routing for any response of the step"):
+        stage.engine_routing([group(False), group(False)])
