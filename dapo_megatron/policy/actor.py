@@ -356,9 +356,8 @@ class Actor:
 
         ``temperature`` defaults to the actor's rollout temperature, ``batching`` to the actor's (a forward pass
         keeps no activations for backward, so it can afford a larger token budget). ``record_routing``: also
-        return the experts this rank's routers chose (for :meth:`train_minibatch` of the same samples).
-        ``engine_routing``: per sample, the engine's expert ids (or None) to replay; the routing returned is what
-        was replayed, with the routers' agreement (:mod:`dapo_megatron.policy.rollout_routing`).
+        return the experts this rank's routers chose (for :meth:`train_minibatch` of the same samples);
+        ``engine_routing``: the engine's per-sample expert ids to replay instead (:mod:`.rollout_routing`).
         """
         temperature = self.temperature if temperature is None else temperature
         sync_params(self.model)  # with overlap_param_gather the last update's all-gather waits for a training forward
@@ -371,9 +370,8 @@ class Actor:
         self.model.eval()
         try:
             with replay as recorded:
-                outputs = self._run_schedule(
-                    plan.micro_batches, partial(self._collect_logprobs, temperature=temperature), forward_only=True
-                )
+                collect = partial(self._collect_logprobs, temperature=temperature)
+                outputs = self._run_schedule(plan.micro_batches, collect, forward_only=True)
         finally:
             self.model.train()
         routing, agreement = recorded if engine_routing is not None else (recorded, None)
