@@ -26,7 +26,7 @@ from dapo_megatron.reward.rule import math_reward
 from dapo_megatron.config import DAPOConfig, WarmStartConfig
 from dapo_megatron.data.prompts import PromptRecord, build_prompt_records
 from dapo_megatron.data.schema import validate_row
-from dapo_megatron.data.synthetic import make_split
+from dapo_megatron.data.task import synthetic_split
 from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
 from dapo_megatron.rollout.embedded.named_tensors import checkpoint_targets
@@ -118,8 +118,7 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer, *, train_records: S
 def warm_start_on_synthetic_task(config: DAPOConfig, model: torch.nn.Module, tokenizer, hf_config) -> dict:
     """:func:`supervised_warm_start` on the synthetic training problems; returns the report saved with the model."""
 
-    synthetic = config.data.synthetic
-    split = make_split(synthetic.seed, synthetic.num_train, synthetic.num_heldout)
+    split = synthetic_split(config)
     n_val = min(200, len(split.train) // 10)
     # The validation slice comes from the training problems: the held-out set stays untouched until RL is scored.
     val_problems, sft_problems = split.train[:n_val], split.train[n_val:]
