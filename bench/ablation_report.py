@@ -30,7 +30,13 @@ ALL_WRONG = "train/filter/all_wrong_fraction"
 LENGTH = "response_length/mean"
 TRUNCATED = "response_length/clip_ratio"  # responses cut at max_response_length (what overlong shaping acts on)
 ENTROPY = "actor/entropy"
+CLIPFRAC = "actor/pg_clipfrac"  # tokens whose ratio the objective clipped (upper + lower bound)
 STEP_SECONDS = "timing_s/step"
+# The per-step quantities drawn per rung in the dynamics figure, with their axis labels.
+DYNAMICS = {ENTROPY: "entropy (actor/entropy)", LENGTH: "response length (tokens)",
+            TRUNCATED: "truncated fraction (response_length/clip_ratio)",
+            CLIPFRAC: "clipped tokens (actor/pg_clipfrac)"}
+START_STEPS = 5  # "at the start": the first training steps
 
 
 def read_rows(metrics_file: Path) -> list[dict]:
@@ -97,6 +103,19 @@ class SeedRun:
         return sum((_number(r[ALL_CORRECT]) + _number(r[ALL_WRONG])) * _number(r[SAMPLES]) for r in rows) / total \
             if total else None
 
+    def curve(self, key: str) -> dict[int, float]:
+        """``key`` by training step (steps where it is missing or non-finite left out)."""
+        return {row["step"]: v for row in self.training_rows() if (v := _number(row.get(key))) is not None}
+
+    def mean_of_steps(self, key: str, *, first: int | None = None, last_fraction: float | None = None) -> float | None:
+        """Mean of ``key`` over the first ``first`` training steps, or over the last ``last_fraction`` of them."""
+        values = list(self.curve(key).values())
+        if first is not None:
+            values = values[:first]
+        if last_fraction is not None:
+            values = values[-max(1, round(len(values) * last_fraction)):] if values else values
+        return statistics.fmean(values) if values else None
+
     def last(self, key: str) -> float | None:
         values = [_number(row.get(key)) for row in self.training_rows()]
         values = [v for v in values if v is not None]
@@ -141,6 +160,12 @@ class RungSummary:
     filtered: Stat | None
     no_signal: Stat | None
     step_seconds: Stat | None
+    truncated_start: Stat | None = None  # over the first START_STEPS training steps
+    entropy_start: Stat | None = None
+    entropy_late: Stat | None = None  # over the last quarter of the run: less noisy than one step
+    length_late: Stat | None = None
+    clipfrac: Stat | None = None
+    dynamics: dict[str, dict[int, Stat]] | None = None  # DYNAMICS' keys by step, over the seeds logging the step
 
     @property
     def mean_curve(self) -> dict[int, float]:
@@ -176,7 +201,18 @@ def summarize_rung(name: str, runs: Sequence[SeedRun]) -> RungSummary:
         filtered=stat([None if (kept := run.mean_over_steps(KEPT, SAMPLES)) is None else 1.0 - kept for run in runs]),
         no_signal=stat([run.no_signal_fraction() for run in runs]),
         step_seconds=stat([run.mean_over_steps(STEP_SECONDS) for run in runs]),
+        truncated_start=stat([run.mean_of_steps(TRUNCATED, first=START_STEPS) for run in runs]),
+        entropy_start=stat([run.mean_of_steps(ENTROPY, first=START_STEPS) for run in runs]),
+        entropy_late=stat([run.mean_of_steps(ENTROPY, last_fraction=0.25) for run in runs]),
+        length_late=stat([run.mean_of_steps(LENGTH, last_fraction=0.25) for run in runs]),
+        clipfrac=stat([run.mean_over_steps(CLIPFRAC) for run in runs]),
+        dynamics={key: _by_step([run.curve(key) for run in runs]) for key in DYNAMICS},
     )
+
+
+def _by_step(curves: Sequence[dict[int, float]]) -> dict[int, Stat]:
+    steps = sorted(set().union(*curves))
+    return {step: stat([c.get(step) for c in curves]) for step in steps}
 
 
 def step_zero_spread(runs: Sequence[SeedRun]) -> float | None:
@@ -279,3 +315,120 @@ def plot_curves(summaries: Sequence[RungSummary], out: Path, target: float | Non
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_dynamics(summaries: Sequence[RungSummary], out: Path, *, symmetric_clip: Sequence[str] = (),
+                  smooth: int = 3) -> Path:
+    """Entropy, response length, truncated fraction and clipped-token fraction per training step: the seed mean
+    (a centred moving average over ``smooth`` steps), band ± one std. Rungs named in ``symmetric_clip`` (no
+    Clip-Higher) are drawn solid and thick, the others dashed, so the entropy curves with and without it stand
+    apart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
+    for ax, (key, label) in zip(axes.flat, DYNAMICS.items()):
+        for s in summaries:
+            by_step = (s.dynamics or {}).get(key, {})
+            steps = sorted(by_step)
+            if not steps:
+                continue
+            mean = _moving_average([by_step[t].mean for t in steps], smooth)
+            std = _moving_average([by_step[t].std or 0.0 for t in steps], smooth)
+            symmetric = s.name in symmetric_clip
+            (line,) = ax.plot(steps, mean, linestyle="-" if symmetric else "--", linewidth=2.2 if symmetric else 1.2,
+                              label=f"{s.name}{' (symmetric clip)' if symmetric else ''}")
+            ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
+                            color=line.get_color(), alpha=0.08, linewidth=0)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("training step")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"DAPO ablation ladder: training dynamics (seed mean, {smooth}-step moving average, band ± std)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _moving_average(values: Sequence[float], window: int) -> list[float]:
+    half = max(window, 1) // 2
+    return [statistics.fmean(values[max(0, i - half): i + half + 1]) for i in range(len(values))]
+
+
+# What each technique is claimed to act on (the paper's Table 1 and section 3; GSPO's and CISPO's papers): the rung
+# that adds it, the rung it is compared with, and the measured quantities, the claimed one first.
+TECHNIQUES = [
+    ("overlong filtering", 1, 0, "masks truncated samples out of the loss: steadier training, higher accuracy",
+     ("final accuracy", "entropy (last quarter)")),
+    ("Clip-Higher", 2, 1, "a higher upper clip keeps entropy from collapsing (Figure 2)",
+     ("entropy (last quarter)", "final accuracy")),
+    ("soft overlong punishment", 3, 2, "a length penalty near the limit: fewer truncated responses, less reward noise",
+     ("truncated (run mean)", "final accuracy")),
+    ("token-level loss", 4, 3, "long responses weigh per token: keeps long degenerate responses from growing",
+     ("response length (last quarter)", "entropy (last quarter)", "final accuracy")),
+    ("dynamic sampling", 5, 4, "only groups with a learning signal: higher accuracy per step, more generation",
+     ("final accuracy",)),
+    ("GSPO objective", 6, 5, "a sequence-level clipped ratio instead of DAPO's token ratios", ("final accuracy",)),
+    ("CISPO objective", 7, 5, "clipped detached IS weights on every token instead of DAPO's clip",
+     ("final accuracy", "entropy (last quarter)")),
+]
+MEASURES = {
+    "final accuracy": lambda s: s.final,
+    "entropy (last quarter)": lambda s: s.entropy_late,
+    "truncated (run mean)": lambda s: s.truncated,
+    "response length (last quarter)": lambda s: s.length_late,
+}
+NOISE_SE = 2.0  # a difference of at least this many standard errors counts as beyond seed noise
+
+
+def difference_in_se(rung: Stat, other: Stat) -> tuple[float, float | None]:
+    """(rung − other, that difference in standard errors of the difference); None when no error can be formed."""
+    diff = rung.mean - other.mean
+    if rung.std is None or other.std is None:
+        return diff, None
+    error = math.sqrt(rung.std**2 / rung.n + other.std**2 / other.n)
+    return diff, (diff / error if error > 0 else None)
+
+
+def technique_verdicts(summaries: Sequence[RungSummary]) -> str:
+    """One markdown line per technique whose two rungs were run: each measure's difference in SE units and whether
+    the claimed one (the first) exceeds seed noise (|difference| >= NOISE_SE standard errors)."""
+    by_index = {}
+    for s in summaries:
+        prefix = s.name.split("_", 1)[0]
+        if prefix.isdigit():
+            by_index[int(prefix)] = s
+    lines = []
+    for name, with_it, without, claim, measures in TECHNIQUES:
+        if with_it not in by_index or without not in by_index:
+            continue
+        rung, other = by_index[with_it], by_index[without]
+        parts, verdict = [], None
+        for measure in measures:
+            a, b = MEASURES[measure](rung), MEASURES[measure](other)
+            if a is None or b is None:
+                parts.append(f"{measure}: not logged")
+                continue
+            diff, se = difference_in_se(a, b)
+            parts.append(f"{measure} {a.mean:.3f} vs {b.mean:.3f}, {diff:+.3f}"
+                         + (f" ({se:+.1f} SE)" if se is not None else " (no SE: one seed or no spread)"))
+            if verdict is None:
+                verdict = ("**exceeds seed noise**" if se is not None and abs(se) >= NOISE_SE
+                           else "within seed noise")
+        lines.append(f"- **{name}** ({rung.name} vs {other.name}; claimed: {claim}) — {verdict or 'not measured'} "
+                     f"on {measures[0]}. " + "; ".join(parts) + ".")
+    return "\n".join(lines)
+
+
+def format_dynamics_table(summaries: Sequence[RungSummary]) -> str:
+    """Per rung: truncation at the start and over the run, entropy at the start and late, late response length and
+    the clipped-token fraction — what overlong shaping, Clip-Higher and the token-level loss act on."""
+    header = ["rung", f"truncated (first {START_STEPS} steps)", "truncated (run)", f"entropy (first {START_STEPS})",
+              "entropy (last quarter)", "response length (last quarter)", "clipped tokens"]
+    rows = [[s.name, _cell(s.truncated_start), _cell(s.truncated), _cell(s.entropy_start), _cell(s.entropy_late),
+             _cell(s.length_late, ".1f"), _cell(s.clipfrac, ".4f")] for s in summaries]
+    return _markdown(header, rows)

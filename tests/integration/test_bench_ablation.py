@@ -185,6 +185,61 @@ def test_plot_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def _dynamics_run(seed: int, *, entropy: list[float], truncated: list[float], length: float = 30.0) -> report.SeedRun:
+    rows = [{"step": 0, ACC: 0.4}]
+    for step, (h, t) in enumerate(zip(entropy, truncated), 1):
+        rows.append({"step": step, report.ENTROPY: h, report.TRUNCATED: t, report.LENGTH: length,
+                     report.CLIPFRAC: 0.01, **({ACC: 0.5} if step == len(entropy) else {})})
+    return report.SeedRun(seed, rows)
+
+
+def test_start_and_late_means_and_the_dynamics_table():
+    run = _dynamics_run(0, entropy=[1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], truncated=[0.4] * 5 + [0.0] * 3)
+    assert run.mean_of_steps(report.TRUNCATED, first=5) == pytest.approx(0.4)
+    assert run.mean_of_steps(report.ENTROPY, last_fraction=0.25) == pytest.approx(0.35)  # the last 2 of 8 steps
+    s = report.summarize_rung("2_clip_higher", [run, _dynamics_run(1, entropy=[0.5] * 8, truncated=[0.2] * 8)])
+    assert s.truncated_start.mean == pytest.approx(0.3) and s.truncated.mean == pytest.approx((0.25 + 0.2) / 2)
+    assert s.dynamics[report.ENTROPY][1].mean == pytest.approx(0.75) and s.dynamics[report.ENTROPY][1].n == 2
+    header, row = _table_rows(report.format_dynamics_table([s]), "rung")[0], _table_rows(
+        report.format_dynamics_table([s]), "2_clip_higher")[0]
+    assert header[1:3] == ["truncated (first 5 steps)", "truncated (run)"]
+    assert row[1:3] == ["0.300 ± 0.141", "0.225 ± 0.035"]
+    assert row[-1] == "0.0100 ± 0.0000"
+    # Control: a run that never truncates shows 0 in both truncation columns.
+    flat = report.summarize_rung("0_naive_grpo", [_dynamics_run(0, entropy=[0.5] * 8, truncated=[0.0] * 8)])
+    assert _table_rows(report.format_dynamics_table([flat]), "0_naive_grpo")[0][1:3] == ["0.000", "0.000"]
+
+
+def _rung(name: str, entropies: list[float], acc: float = 0.5) -> report.RungSummary:
+    return report.summarize_rung(name, [
+        report.SeedRun(k, [{"step": 0, ACC: 0.4}, *({"step": t, report.ENTROPY: h, report.TRUNCATED: 0.1,
+                                                       report.LENGTH: 30.0} for t in range(1, 5)),
+                           {"step": 4, ACC: acc + 0.01 * k, report.ENTROPY: h, report.TRUNCATED: 0.1,
+                            report.LENGTH: 30.0}])
+        for k, h in enumerate(entropies)])
+
+
+def test_technique_verdicts_say_whether_a_difference_exceeds_seed_noise():
+    symmetric = _rung("1_overlong_filtering", [0.30, 0.32, 0.31])
+    higher = _rung("2_clip_higher", [0.50, 0.52, 0.51])
+    text = report.technique_verdicts([_rung("0_naive_grpo", [0.3, 0.3, 0.31]), symmetric, higher])
+    clip = next(line for line in text.splitlines() if line.startswith("- **Clip-Higher**"))
+    assert "**exceeds seed noise** on entropy (last quarter)" in clip
+    assert "entropy (last quarter) 0.510 vs 0.310, +0.200 (+24.5 SE)" in clip
+    assert "final accuracy 0.510 vs 0.510, +0.000 (+0.0 SE)" in clip
+    assert "overlong filtering" in text and "dynamic sampling" not in text  # only techniques whose rungs ran
+    # Control: the same entropy with and without Clip-Higher is within seed noise.
+    same = report.technique_verdicts([symmetric, _rung("2_clip_higher", [0.31, 0.30, 0.32])])
+    assert "within seed noise on entropy (last quarter)" in same and "exceeds" not in same
+
+
+def test_dynamics_plot_writes_a_png(tmp_path):
+    runs = [_dynamics_run(k, entropy=[1.0 - 0.1 * t for t in range(8)], truncated=[0.2] * 8) for k in range(2)]
+    summaries = [report.summarize_rung("0_naive_grpo", runs), report.summarize_rung("2_clip_higher", runs)]
+    out = report.plot_dynamics(summaries, tmp_path / "curves.png", symmetric_clip=["0_naive_grpo"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
 # ------------------------------------------------------------------------------------------------ the driver
 
 
@@ -230,6 +285,33 @@ def test_the_ladder_and_rung_selection():
     assert [r.name for r in ablation.select_rungs(rungs, "5,0")] == ["0_naive_grpo", "5_dynamic_sampling"]
     with pytest.raises(ablation.AblationError, match=r"no rung \[7\]"):
         ablation.select_rungs(rungs, "0,7")
+
+
+def test_the_scratchpad_ladder_has_gspo_and_cispo_rows_and_skips_its_base(tmp_path):
+    rungs = ablation.discover_rungs(REPO / "examples" / "ablation" / "scratchpad")
+    assert [r.name for r in rungs] == ["0_naive_grpo", "1_overlong_filtering", "2_clip_higher",
+                                       "3_soft_overlong_punishment", "4_token_level_loss", "5_dynamic_sampling",
+                                       "6_gspo", "7_cispo"]
+    assert ablation.parse_args(["--ladder", "examples/ablation/scratchpad"]).ladder == rungs[0].config.parent
+    with pytest.raises(ablation.AblationError, match="not a folder of rung configs"):
+        ablation.parse_args(["--ladder", str(tmp_path / "missing")])
+    # Control: a yaml that is neither base.yaml nor numbered is still refused.
+    (tmp_path / "base.yaml").write_text("{}\n")
+    (tmp_path / "0_a.yaml").write_text("{}\n")
+    assert [r.name for r in ablation.discover_rungs(tmp_path)] == ["0_a"]
+    (tmp_path / "extra.yaml").write_text("{}\n")
+    with pytest.raises(ablation.AblationError, match="must start with its number"):
+        ablation.discover_rungs(tmp_path)
+
+
+def test_check_settings_tells_ladders_apart(tmp_path):
+    settings = {"steps": 60, "eval_overrides": [], "overrides": []}
+    old = tmp_path / "old"  # made before --ladder: its runs are the default ladder's
+    ablation.check_settings(old, settings)
+    ablation.check_settings(old, {**settings, "ladder": "examples/ablation"})
+    with pytest.raises(ablation.AblationError, match=r"made with ladder='examples/ablation', this call asks for "
+                                                     r"'examples/ablation/scratchpad'"):
+        ablation.check_settings(old, {**settings, "ladder": "examples/ablation/scratchpad"})
 
 
 def test_progress_counts_a_resumed_run_from_its_checkpoint(monkeypatch, capsys):
