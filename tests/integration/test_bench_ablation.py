@@ -13,6 +13,8 @@ import pytest
 
 import ablation  # bench/ is on sys.path (pyproject.toml's pytest `pythonpath`)
 import ablation_report as report
+from dapo_megatron.data.synthetic import make_split
+from dapo_megatron.data.synthetic_scratchpad import ScratchpadTaskConfig, make_scratchpad_split
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -379,3 +381,32 @@ def test_tiny_ladder_end_to_end_skips_finished_runs(tmp_path):
     assert (runs["0_naive_grpo"] / ablation.DONE_MARKER).is_file()
     assert report.read_rows(runs["0_naive_grpo"] / "metrics.jsonl") == [
         json.loads(line) for line in metrics_before["0_naive_grpo"].decode().splitlines()]
+
+
+@pytest.mark.slow
+def test_scratchpad_ladder_end_to_end_reports_truncation_and_the_clip(tmp_path):
+    out = tmp_path / "ladder"
+    command = [sys.executable, str(REPO / "bench" / "ablation.py"), "--ladder", "examples/ablation/scratchpad",
+               "--rungs", "1,2", "--seeds", "1", "--steps", "2", "--eval-every", "1", "--eval-problems", "4",
+               "--out", str(out), *(arg for override in TINY for arg in ("--set", override))]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = (out / "ablation.md").read_text()
+    assert (out / "ablation_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    heldout = [p.prompt_text for p in make_scratchpad_split(0, 200, 300, ScratchpadTaskConfig(2, 10)).heldout[:4]]
+    assert heldout != [p.prompt_text for p in make_split(0, 200, 300).heldout[:4]]
+    for name in ("1_overlong_filtering", "2_clip_higher"):
+        run_dir = out / "runs" / name / "seed0"
+        logged = [row[report.TRUNCATED] for row in report.read_rows(run_dir / "metrics.jsonl") if row["step"] > 0]
+        dynamics = _table_rows(table, name)[2]  # accuracy, efficiency, then the dynamics table
+        assert dynamics[2] == f"{sum(logged) / len(logged):.3f}"  # the table's truncation is the runs' metric
+        assert float(dynamics[2]) > 0  # 24 tokens cut most of a barely warm-started model's responses
+        val = [json.loads(line) for line in (run_dir / "val_generations.jsonl").open() if '"step": 0' in line]
+        val.sort(key=lambda g: g["index"])
+        assert [g["prompt"] for g in val] == [f"<|user|>{h}<|assistant|>" for h in heldout]  # the scratchpad task
+    # The config read back from each run: rung 1 has the symmetric clip, rung 2 (Clip-Higher) has not.
+    assert ablation.symmetric_clip(out / "runs" / "1_overlong_filtering" / "seed0")
+    assert not ablation.symmetric_clip(out / "runs" / "2_clip_higher" / "seed0")
+    clip = next(line for line in table.splitlines() if line.startswith("- **Clip-Higher**"))
+    assert "(2_clip_higher vs 1_overlong_filtering" in clip and "no SE: one seed" in clip
