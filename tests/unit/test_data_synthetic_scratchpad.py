@@ -40,12 +40,13 @@ def test_every_term_count_appears_and_solutions_grow_with_it(split):
 def test_solution_lengths_spread_widely(split):
     lengths = sorted(len(p.solution) for p in split.train)
     deciles = statistics.quantiles(lengths, n=10)
-    assert deciles[-1] > 3 * deciles[0], deciles  # the longest tenth needs 3x the characters of the shortest
-    assert statistics.pstdev(lengths) > 0.25 * statistics.fmean(lengths)
+    assert deciles[-1] >= 3 * deciles[0], deciles  # the longest tenth needs 3x the characters of the shortest
+    assert statistics.pstdev(lengths) > 0.35 * statistics.fmean(lengths)
     # Control: the default task's solutions (3-4 term chains, products) are nearly all the same length.
     default = sorted(len(p.solution) for p in make_split(seed=5, n_train=2000, n_heldout=0).train)
     default_deciles = statistics.quantiles(default, n=10)
-    assert not default_deciles[-1] > 3 * default_deciles[0]
+    assert default_deciles[-1] < 2 * default_deciles[0]
+    assert statistics.pstdev(default) < 0.25 * statistics.fmean(default)
 
 
 def test_the_rule_reward_accepts_every_reference_solution(split):
