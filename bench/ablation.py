@@ -258,8 +258,11 @@ DYNAMICS_NOTES = f"""\
 truncated: the fraction of responses cut at rollout.max_response_length, over the first {report.START_STEPS} training
 steps and over the whole run. entropy: the policy's mean token entropy on the step's responses (actor/entropy), over
 the first {report.START_STEPS} steps and the last quarter of the run. clipped tokens: actor/pg_clipfrac, the fraction
-of loss tokens whose importance ratio the objective clipped (GSPO: whole responses; CISPO: capped weights). In the
-figure the rungs with a symmetric clip (eps_high = eps_low, no Clip-Higher) are the thick solid lines."""
+of loss tokens whose importance ratio the objective clipped (GSPO: whole responses; CISPO: capped weights);
+upper-clipped: actor/pg_clipfrac_high, the upper bound alone (positive advantage, ratio above 1 + eps_high), the only
+one Clip-Higher changes. Lengths and truncation are over the step's training batch: with dynamic sampling, after the
+groups with no learning signal were dropped. In the figure the rungs with a symmetric clip (eps_high = eps_low, no
+Clip-Higher) are the thick solid lines."""
 
 
 def symmetric_clip(run_dir: Path) -> bool:

@@ -31,6 +31,7 @@ LENGTH = "response_length/mean"
 TRUNCATED = "response_length/clip_ratio"  # responses cut at max_response_length (what overlong shaping acts on)
 ENTROPY = "actor/entropy"
 CLIPFRAC = "actor/pg_clipfrac"  # tokens whose ratio the objective clipped (upper + lower bound)
+CLIPFRAC_HIGH = "actor/pg_clipfrac_high"  # the upper bound alone: what Clip-Higher moves
 STEP_SECONDS = "timing_s/step"
 # The per-step quantities drawn per rung in the dynamics figure, with their axis labels.
 DYNAMICS = {ENTROPY: "entropy (actor/entropy)", LENGTH: "response length (tokens)",
@@ -165,6 +166,7 @@ class RungSummary:
     entropy_late: Stat | None = None  # over the last quarter of the run: less noisy than one step
     length_late: Stat | None = None
     clipfrac: Stat | None = None
+    clipfrac_high: Stat | None = None
     dynamics: dict[str, dict[int, Stat]] | None = None  # DYNAMICS' keys by step, over the seeds logging the step
 
     @property
@@ -206,6 +208,7 @@ def summarize_rung(name: str, runs: Sequence[SeedRun]) -> RungSummary:
         entropy_late=stat([run.mean_of_steps(ENTROPY, last_fraction=0.25) for run in runs]),
         length_late=stat([run.mean_of_steps(LENGTH, last_fraction=0.25) for run in runs]),
         clipfrac=stat([run.mean_over_steps(CLIPFRAC) for run in runs]),
+        clipfrac_high=stat([run.mean_over_steps(CLIPFRAC_HIGH) for run in runs]),
         dynamics={key: _by_step([run.curve(key) for run in runs]) for key in DYNAMICS},
     )
 
@@ -365,7 +368,7 @@ TECHNIQUES = [
     ("overlong filtering", 1, 0, "masks truncated samples out of the loss: steadier training, higher accuracy",
      ("final accuracy", "entropy (last quarter)")),
     ("Clip-Higher", 2, 1, "a higher upper clip keeps entropy from collapsing (Figure 2)",
-     ("entropy (last quarter)", "final accuracy")),
+     ("entropy (last quarter)", "final accuracy", "upper-clipped tokens")),
     ("soft overlong punishment", 3, 2, "a length penalty near the limit: fewer truncated responses, less reward noise",
      ("truncated (run mean)", "final accuracy")),
     ("token-level loss", 4, 3, "long responses weigh per token: keeps long degenerate responses from growing",
@@ -381,6 +384,7 @@ MEASURES = {
     "entropy (last quarter)": lambda s: s.entropy_late,
     "truncated (run mean)": lambda s: s.truncated,
     "response length (last quarter)": lambda s: s.length_late,
+    "upper-clipped tokens": lambda s: s.clipfrac_high,
 }
 NOISE_SE = 2.0  # a difference of at least this many standard errors counts as beyond seed noise
 
@@ -426,9 +430,9 @@ def technique_verdicts(summaries: Sequence[RungSummary]) -> str:
 
 def format_dynamics_table(summaries: Sequence[RungSummary]) -> str:
     """Per rung: truncation at the start and over the run, entropy at the start and late, late response length and
-    the clipped-token fraction — what overlong shaping, Clip-Higher and the token-level loss act on."""
+    the clipped-token fractions — what overlong shaping, Clip-Higher and the token-level loss act on."""
     header = ["rung", f"truncated (first {START_STEPS} steps)", "truncated (run)", f"entropy (first {START_STEPS})",
-              "entropy (last quarter)", "response length (last quarter)", "clipped tokens"]
+              "entropy (last quarter)", "response length (last quarter)", "clipped tokens", "upper-clipped tokens"]
     rows = [[s.name, _cell(s.truncated_start), _cell(s.truncated), _cell(s.entropy_start), _cell(s.entropy_late),
-             _cell(s.length_late, ".1f"), _cell(s.clipfrac, ".4f")] for s in summaries]
+             _cell(s.length_late, ".1f"), _cell(s.clipfrac, ".4f"), _cell(s.clipfrac_high, ".4f")] for s in summaries]
     return _markdown(header, rows)

@@ -191,7 +191,8 @@ def _dynamics_run(seed: int, *, entropy: list[float], truncated: list[float], le
     rows = [{"step": 0, ACC: 0.4}]
     for step, (h, t) in enumerate(zip(entropy, truncated), 1):
         rows.append({"step": step, report.ENTROPY: h, report.TRUNCATED: t, report.LENGTH: length,
-                     report.CLIPFRAC: 0.01, **({ACC: 0.5} if step == len(entropy) else {})})
+                     report.CLIPFRAC: 0.01, report.CLIPFRAC_HIGH: 0.002 * (seed + 1),
+                     **({ACC: 0.5} if step == len(entropy) else {})})
     return report.SeedRun(seed, rows)
 
 
@@ -206,7 +207,7 @@ def test_start_and_late_means_and_the_dynamics_table():
         report.format_dynamics_table([s]), "2_clip_higher")[0]
     assert header[1:3] == ["truncated (first 5 steps)", "truncated (run)"]
     assert row[1:3] == ["0.300 ± 0.141", "0.225 ± 0.035"]
-    assert row[-1] == "0.0100 ± 0.0000"
+    assert row[-2:] == ["0.0100 ± 0.0000", "0.0030 ± 0.0014"]  # clipped tokens, of them at the upper bound
     # Control: a run that never truncates shows 0 in both truncation columns.
     flat = report.summarize_rung("0_naive_grpo", [_dynamics_run(0, entropy=[0.5] * 8, truncated=[0.0] * 8)])
     assert _table_rows(report.format_dynamics_table([flat]), "0_naive_grpo")[0][1:3] == ["0.000", "0.000"]
