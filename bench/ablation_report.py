@@ -343,10 +343,12 @@ def plot_dynamics(summaries: Sequence[RungSummary], out: Path, *, symmetric_clip
             symmetric = s.name in symmetric_clip
             (line,) = ax.plot(steps, mean, linestyle="-" if symmetric else "--", linewidth=2.2 if symmetric else 1.2,
                               label=f"{s.name}{' (symmetric clip)' if symmetric else ''}")
-            ax.fill_between(steps, [m - d for m, d in zip(mean, std)], [m + d for m, d in zip(mean, std)],
-                            color=line.get_color(), alpha=0.08, linewidth=0)
+            ax.fill_between(steps, [max(0.0, m - d) for m, d in zip(mean, std)],  # all four are >= 0
+                            [m + d for m, d in zip(mean, std)], color=line.get_color(), alpha=0.08, linewidth=0)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+        if key == CLIPFRAC:  # GSPO clips whole responses (tens of percent), DAPO a few tokens in a thousand
+            ax.set_yscale("symlog", linthresh=1e-3)
     for ax in axes[1]:
         ax.set_xlabel("training step")
     axes[0][0].legend(fontsize=7)
