@@ -362,7 +362,7 @@ def test_tiny_ladder_end_to_end_skips_finished_runs(tmp_path):
     table = (out / "ablation.md").read_text()
     assert "every run's step-0 accuracy is identical" in table
     for name in runs:
-        assert len(_table_rows(table, name)) == 2, name  # a row in both tables
+        assert len(_table_rows(table, name)) == 3, name  # a row in the accuracy, efficiency and dynamics tables
         assert f"{name} seed 0: starting" in first
     assert "×1.00" in _table_rows(table, "0_naive_grpo")[1][3]
     assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
