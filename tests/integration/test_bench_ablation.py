@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -411,3 +412,23 @@ def test_scratchpad_ladder_end_to_end_reports_truncation_and_the_clip(tmp_path):
     assert not ablation.symmetric_clip(out / "runs" / "2_clip_higher" / "seed0")
     clip = next(line for line in table.splitlines() if line.startswith("- **Clip-Higher**"))
     assert "(2_clip_higher vs 1_overlong_filtering" in clip and "no SE: one seed" in clip
+
+
+@pytest.mark.slow
+def test_the_warm_start_trains_on_the_configured_task(tmp_path):
+    """prepare-tiny's warm-start builds its prompts from data.synthetic.mode's problems: scratchpad prompts run to
+    10-term chains (over 20 tokens), the default task's stay under 20."""
+
+    def longest_warm_start_prompt(mode: str) -> int:
+        result = subprocess.run(
+            [sys.executable, "-m", "dapo_megatron.cli", "prepare-tiny", "examples/ablation/scratchpad/base.yaml",
+             f"data.synthetic.mode={mode}", "data.synthetic.num_train=400", "warm_start.max_steps=1",
+             "--out", str(tmp_path / mode)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lengths = re.findall(r"built 360 prompts \(longest (\d+) tokens\)", result.stdout + result.stderr)
+        assert len(lengths) == 1, (result.stdout + result.stderr)[-3000:]  # the warm-start's 400 - 40 validation
+        return int(lengths[0])
+
+    assert longest_warm_start_prompt("scratchpad") > 20
+    assert longest_warm_start_prompt("arith") < 20  # control: the default task's prompts
