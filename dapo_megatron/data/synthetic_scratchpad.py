@@ -2,15 +2,16 @@
 so that responses range from a dozen tokens to more than a length limit can hold.
 
 A problem is a left-to-right chain of ``k`` single-digit numbers joined by + and -, with ``k`` drawn uniformly from
-``[min_terms, max_terms]``, e.g. ``7+2-5+9``. The reference solution writes one line per partial result (``7+2=9``,
-``9-5=4``, ``4+9=13``) and ends with ``Answer: 13``: about six tokens per term, so a 2-term problem is answered in
+``[min_terms, max_terms]``, e.g. ``7+2-5+3``. The reference solution writes one line per partial result (``7+2=9``,
+``9-5=4``, ``4+3=7``) and ends with ``Answer: 7``: about six tokens per term, so a 2-term problem is answered in
 ~11 tokens and a 12-term one needs ~71. With ``rollout.max_response_length`` between the two, the longest problems
 cannot be finished and their (possibly correct) working is cut off unrewarded — the truncated samples that DAPO's
 overlong filtering and soft punishment act on, and the long responses a token-level loss weighs more.
 
 The running value stays a single digit (after a + the number is drawn from 0..9-value, after a - from 0..value), so
-every line is single-digit arithmetic the tiny model learns quickly (the default task's chains, which can reach two
-digits, took it longer); difficulty comes from the number of lines, not from the numbers.
+every line is single-digit arithmetic the tiny model learns quickly (a first version whose running value reached two
+digits was at 2% validation accuracy after 160 warm-start steps, this one at 15.5%); difficulty comes from the
+number of lines, not from the numbers.
 Prompts use the default task's templates (:data:`~dapo_megatron.data.synthetic.PROMPT_TEMPLATES`) and the split is
 :func:`~dapo_megatron.data.synthetic.make_split`'s: held-out expressions never appear in training, same seed same
 problems.
