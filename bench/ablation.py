@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
+import ablation_dynamics as dynamics
 import ablation_report as report
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 LADDER_DIR = REPO / "examples" / "ablation"
@@ -254,26 +254,6 @@ dynamic sampling dropped. groups w/o signal: all responses right or all wrong (z
 dynamic sampling. s/step: training seconds per step (generation, old log-probs, updates, weight handoff)."""
 
 
-DYNAMICS_NOTES = f"""\
-truncated: the fraction of responses cut at rollout.max_response_length, over the first {report.START_STEPS} training
-steps and over the whole run. entropy: the policy's mean token entropy on the step's responses (actor/entropy), over
-the first {report.START_STEPS} steps and the last quarter of the run. clipped tokens: actor/pg_clipfrac, the fraction
-of loss tokens whose importance ratio the objective clipped (GSPO: whole responses; CISPO: capped weights);
-upper-clipped: actor/pg_clipfrac_high, the upper bound alone (positive advantage, ratio above 1 + eps_high), the only
-one Clip-Higher changes. Lengths and truncation are over the step's training batch: with dynamic sampling, after the
-groups with no learning signal were dropped. In the figure the rungs with a symmetric clip (eps_high = eps_low, no
-Clip-Higher) are the thick solid lines."""
-
-
-def symmetric_clip(run_dir: Path) -> bool:
-    """Whether the run used DAPO's loss with eps_high = eps_low (no Clip-Higher), from its resolved config.yaml."""
-    try:
-        algorithm = yaml.safe_load((run_dir / "config.yaml").read_text())["algorithm"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
-        return False
-    return algorithm.get("policy_loss", "dapo") == "dapo" and algorithm.get("eps_high") == algorithm.get("eps_low")
-
-
 def write_report(out: Path, rungs: list[Rung], seeds: list[int], table_steps: list[int], header: str) -> str:
     """Tables + PNG + summary.json from the runs' metrics; returns the markdown."""
     summaries, every_run = [], []
@@ -294,15 +274,16 @@ def write_report(out: Path, rungs: list[Rung], seeds: list[int], table_steps: li
     tmp_png = out / "ablation.tmp.png"
     report.plot_curves(summaries, tmp_png, target=baseline.final.mean if baseline else None)
     tmp_png.replace(out / "ablation.png")
-    symmetric = [rung.name for rung in rungs if symmetric_clip(out / "runs" / rung.name / f"seed{seeds[0]}")]
-    report.plot_dynamics(summaries, tmp_png, symmetric_clip=symmetric)
+    symmetric = [rung.name for rung in rungs if dynamics.symmetric_clip(out / "runs" / rung.name / f"seed{seeds[0]}")]
+    dynamics.plot_dynamics(summaries, tmp_png, symmetric_clip=symmetric)
     tmp_png.replace(out / "ablation_curves.png")
-    verdicts = report.technique_verdicts(summaries)
+    verdicts = dynamics.technique_verdicts(summaries)
     markdown = "\n\n".join([
         header, f"Check: {start_check}.", report.format_tables(summaries, table_steps, baseline), NOTES,
-        "![held-out accuracy of every rung](ablation.png)", report.format_dynamics_table(summaries), DYNAMICS_NOTES,
+        "![held-out accuracy of every rung](ablation.png)", dynamics.format_dynamics_table(summaries),
+        dynamics.DYNAMICS_NOTES,
         "![entropy, response length, truncation and clipped tokens of every rung](ablation_curves.png)",
-        *([f"Each technique against the rung before it (|difference| >= {report.NOISE_SE:g} standard errors of the "
+        *([f"Each technique against the rung before it (|difference| >= {dynamics.NOISE_SE:g} standard errors of the "
            f"difference: beyond seed noise):\n\n{verdicts}"] if verdicts else [])]) + "\n"
     _write_atomically(out / "ablation.md", markdown)
     _write_atomically(out / "summary.json", json.dumps([asdict(s) for s in summaries], indent=2) + "\n")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import ablation  # bench/ is on sys.path (pyproject.toml's pytest `pythonpath`)
+import ablation_dynamics as dynamics
 import ablation_report as report
 from dapo_megatron.data.synthetic import make_split
 from dapo_megatron.data.synthetic_scratchpad import ScratchpadTaskConfig, make_scratchpad_split
@@ -204,14 +205,14 @@ def test_start_and_late_means_and_the_dynamics_table():
     s = report.summarize_rung("2_clip_higher", [run, _dynamics_run(1, entropy=[0.5] * 8, truncated=[0.2] * 8)])
     assert s.truncated_start.mean == pytest.approx(0.3) and s.truncated.mean == pytest.approx((0.25 + 0.2) / 2)
     assert s.dynamics[report.ENTROPY][1].mean == pytest.approx(0.75) and s.dynamics[report.ENTROPY][1].n == 2
-    header, row = _table_rows(report.format_dynamics_table([s]), "rung")[0], _table_rows(
-        report.format_dynamics_table([s]), "2_clip_higher")[0]
+    header, row = _table_rows(dynamics.format_dynamics_table([s]), "rung")[0], _table_rows(
+        dynamics.format_dynamics_table([s]), "2_clip_higher")[0]
     assert header[1:3] == ["truncated (first 5 steps)", "truncated (run)"]
     assert row[1:3] == ["0.300 ± 0.141", "0.225 ± 0.035"]
     assert row[-2:] == ["0.0100 ± 0.0000", "0.0030 ± 0.0014"]  # clipped tokens, of them at the upper bound
     # Control: a run that never truncates shows 0 in both truncation columns.
     flat = report.summarize_rung("0_naive_grpo", [_dynamics_run(0, entropy=[0.5] * 8, truncated=[0.0] * 8)])
-    assert _table_rows(report.format_dynamics_table([flat]), "0_naive_grpo")[0][1:3] == ["0.000", "0.000"]
+    assert _table_rows(dynamics.format_dynamics_table([flat]), "0_naive_grpo")[0][1:3] == ["0.000", "0.000"]
 
 
 def _rung(name: str, entropies: list[float], acc: float = 0.5) -> report.RungSummary:
@@ -226,21 +227,21 @@ def _rung(name: str, entropies: list[float], acc: float = 0.5) -> report.RungSum
 def test_technique_verdicts_say_whether_a_difference_exceeds_seed_noise():
     symmetric = _rung("1_overlong_filtering", [0.30, 0.32, 0.31])
     higher = _rung("2_clip_higher", [0.50, 0.52, 0.51])
-    text = report.technique_verdicts([_rung("0_naive_grpo", [0.3, 0.3, 0.31]), symmetric, higher])
+    text = dynamics.technique_verdicts([_rung("0_naive_grpo", [0.3, 0.3, 0.31]), symmetric, higher])
     clip = next(line for line in text.splitlines() if line.startswith("- **Clip-Higher**"))
     assert "**exceeds seed noise** on entropy (last quarter)" in clip
     assert "entropy (last quarter) 0.510 vs 0.310, +0.200 (+24.5 SE)" in clip
     assert "final accuracy 0.510 vs 0.510, +0.000 (+0.0 SE)" in clip
     assert "overlong filtering" in text and "dynamic sampling" not in text  # only techniques whose rungs ran
     # Control: the same entropy with and without Clip-Higher is within seed noise.
-    same = report.technique_verdicts([symmetric, _rung("2_clip_higher", [0.31, 0.30, 0.32])])
+    same = dynamics.technique_verdicts([symmetric, _rung("2_clip_higher", [0.31, 0.30, 0.32])])
     assert "within seed noise on entropy (last quarter)" in same and "exceeds" not in same
 
 
 def test_dynamics_plot_writes_a_png(tmp_path):
     runs = [_dynamics_run(k, entropy=[1.0 - 0.1 * t for t in range(8)], truncated=[0.2] * 8) for k in range(2)]
     summaries = [report.summarize_rung("0_naive_grpo", runs), report.summarize_rung("2_clip_higher", runs)]
-    out = report.plot_dynamics(summaries, tmp_path / "curves.png", symmetric_clip=["0_naive_grpo"])
+    out = dynamics.plot_dynamics(summaries, tmp_path / "curves.png", symmetric_clip=["0_naive_grpo"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
@@ -401,15 +402,15 @@ def test_scratchpad_ladder_end_to_end_reports_truncation_and_the_clip(tmp_path):
     for name in ("1_overlong_filtering", "2_clip_higher"):
         run_dir = out / "runs" / name / "seed0"
         logged = [row[report.TRUNCATED] for row in report.read_rows(run_dir / "metrics.jsonl") if row["step"] > 0]
-        dynamics = _table_rows(table, name)[2]  # accuracy, efficiency, then the dynamics table
-        assert dynamics[2] == f"{sum(logged) / len(logged):.3f}"  # the table's truncation is the runs' metric
-        assert float(dynamics[2]) > 0  # 24 tokens cut most of a barely warm-started model's responses
+        row = _table_rows(table, name)[2]  # accuracy, efficiency, then the dynamics table
+        assert row[2] == f"{sum(logged) / len(logged):.3f}"  # the table's truncation is the runs' metric
+        assert float(row[2]) > 0  # 24 tokens cut most of a barely warm-started model's responses
         val = [json.loads(line) for line in (run_dir / "val_generations.jsonl").open() if '"step": 0' in line]
         val.sort(key=lambda g: g["index"])
         assert [g["prompt"] for g in val] == [f"<|user|>{h}<|assistant|>" for h in heldout]  # the scratchpad task
     # The config read back from each run: rung 1 has the symmetric clip, rung 2 (Clip-Higher) has not.
-    assert ablation.symmetric_clip(out / "runs" / "1_overlong_filtering" / "seed0")
-    assert not ablation.symmetric_clip(out / "runs" / "2_clip_higher" / "seed0")
+    assert dynamics.symmetric_clip(out / "runs" / "1_overlong_filtering" / "seed0")
+    assert not dynamics.symmetric_clip(out / "runs" / "2_clip_higher" / "seed0")
     clip = next(line for line in table.splitlines() if line.startswith("- **Clip-Higher**"))
     assert "(2_clip_higher vs 1_overlong_filtering" in clip and "no SE: one seed" in clip
 
