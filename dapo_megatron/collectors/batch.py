@@ -29,6 +29,7 @@ RolloutBatch = tuple[list[RolloutGroup], dict[str, float]]  # the scored groups 
 _PER_GROUP = ("prompt_ids", "weight_version", "ground_truth", "data_source")
 _PER_RESPONSE = ("responses", "engine_logprobs", "finish_reasons", "accs", "scores", "overlong_penalties")
 _OPTIONAL_PER_TOKEN = ("token_versions", "loss_masks")  # None, or one list per response, as long as the response
+_ROUTING = ("routed_experts",)  # None, or per response an int16 [tokens, layers, k] tensor (or None)
 # Read by the step's rollout metrics on rank 0 before the batch travels: they stay behind (the defaults arrive).
 _METRICS_ONLY = ("source_name", "reward_errors", "reward_timeouts", "reward_extras", "format_weight", "format_matches",
                  "reflections", "tool_use")
@@ -41,7 +42,7 @@ def hand_over_rollouts(collect: Callable[[], RolloutBatch], *, what: str) -> Rol
 
 def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) -> Packed:
     fields = {f.name for f in dataclasses.fields(RolloutGroup)}
-    known = set(_PER_GROUP + _PER_RESPONSE + _OPTIONAL_PER_TOKEN + _METRICS_ONLY)
+    known = set(_PER_GROUP + _PER_RESPONSE + _OPTIONAL_PER_TOKEN + _ROUTING + _METRICS_ONLY)
     if fields != known:
         raise TypeError(f"pack_rollout_batch does not know RolloutGroup field(s) {sorted(fields ^ known)}")
     for index, group in enumerate(groups):
@@ -80,6 +81,16 @@ def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) ->
                                       torch.bool)
     meta = {"ground_truths": [g.ground_truth for g in groups], "data_sources": [g.data_source for g in groups],
             "finish_reason_names": reason_names, "metrics": metrics}
+    routed = [r for g in groups for r in (g.routed_experts or [None] * len(g.responses))]
+    if any(r is not None for r in routed):  # R3 only: a batch without routing packs as before
+        present = [torch.as_tensor(r) for r in routed if r is not None]
+        meta["routing_shape"] = tuple(present[0].shape[1:])
+        if any(tuple(r.shape[1:]) != meta["routing_shape"] for r in present):
+            raise ValueError("pack_rollout_batch: responses' routed experts differ in layers or top-k")
+        tensors["has_routed_experts"] = torch.tensor([r is not None for r in routed], dtype=torch.bool)
+        tensors["routed_lengths"] = torch.tensor([r.shape[0] for r in present], dtype=torch.int64)
+        # as bytes: gloo's broadcast has no int16
+        tensors["routed_experts"] = torch.cat([r.to(torch.int16).reshape(-1) for r in present]).view(torch.uint8)
     return Packed({name: _narrowest(tensor) for name, tensor in tensors.items()}, meta)
 
 
@@ -105,16 +116,27 @@ def unpack_rollout_batch(packed: Packed) -> RolloutBatch:
     masked_lengths = [len(r) for responses, has in zip(by_group["responses"], masked) if has for r in responses]
     loss_masks = iter(_split(_views(t["loss_masks"], masked_lengths), [s for s, has in zip(sizes, masked) if has])
                       if "loss_masks" in t else [])
+    routed = _split(_routed_experts(t, meta), sizes)
     groups = [
         RolloutGroup(prompt_ids=prompt, ground_truth=truth, data_source=source, weight_version=version,
                      token_versions=next(token_versions) if has else None,
                      loss_masks=next(loss_masks) if has_mask else None,
+                     routed_experts=routed[i] if any(r is not None for r in routed[i]) else None,
                      **{name: by_group[name][i] for name in _PER_RESPONSE})
         for i, (prompt, truth, source, version, has, has_mask) in enumerate(zip(
             prompts, meta["ground_truths"], meta["data_sources"], t["weight_versions"].tolist(), versioned, masked,
             strict=True))
     ]
     return groups, meta["metrics"]
+
+
+def _routed_experts(t: dict, meta: dict) -> list[torch.Tensor | None]:
+    """Per response, its routed experts as a view ``[tokens, layers, k]`` of the flat int16 tensor, or None."""
+    if "routed_experts" not in t:
+        return [None] * len(t["response_lengths"])
+    width = meta["routing_shape"][0] * meta["routing_shape"][1]
+    views = iter(_views(t["routed_experts"].view(torch.int16), [n * width for n in t["routed_lengths"].tolist()]))
+    return [next(views).view(-1, *meta["routing_shape"]) if has else None for has in t["has_routed_experts"].tolist()]
 
 
 def _lengths(lists: list[list]) -> torch.Tensor:

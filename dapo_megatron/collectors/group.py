@@ -61,6 +61,9 @@ class RolloutGroup:
     format_matches: list[bool] | None = None
     reflections: list[bool] | None = None  # which responses hold a reflection phrase
     tool_use: list[ToolUse] | None = None  # multi-turn: what each response did with its tools
+    # algorithm.moe_routing_replay: replay_rollout: per response, the engine's int16 [P + R - 1, layers, top-k]
+    # expert ids (dapo_megatron/policy/rollout_routing.py); None: the engine gave none
+    routed_experts: list[torch.Tensor | None] | None = None
 
     @property
     def truncated(self) -> list[bool]:
@@ -144,6 +147,8 @@ def score_groups(drawn: list[tuple[PromptRecord, list[Sample]]], tokenizer, conf
             format_matches=matches,
             reflections=[reflection.found_in(text) for text in group_texts],
             **_tool_fields(samples),
+            routed_experts=([s.routed_experts for s in samples]
+                            if any(s.routed_experts is not None for s in samples) else None),
         ))
     return groups
 

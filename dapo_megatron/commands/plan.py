@@ -10,6 +10,7 @@ from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.policy.memory import memory_table, plan_stages
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.policy.moe_routing import recorded_routing_bytes
+from dapo_megatron.policy.rollout_routing import rollout_routing_bytes
 from dapo_megatron.rollout.gpu_sharing import sharing_report
 from dapo_megatron.run.model_source import model_spec_for_plan
 
@@ -75,6 +76,14 @@ def routing_replay_line(config: DAPOConfig, spec: ModelSpec, stages, *, data_par
     tokens = int(samples * (c.data.max_prompt_length + c.rollout.max_response_length))
     layers = max(stage.layers for stage in stages)
     host = recorded_routing_bytes(tokens=tokens, layers=layers, topk=spec.moe.topk)
-    return (f"routing replay ({c.algorithm.moe_routing_replay}): up to {host / 1e9:.2f} GB of recorded routing per "
+    line = (f"routing replay ({c.algorithm.moe_routing_replay}): up to {host / 1e9:.2f} GB of recorded routing per "
             f"rank and step in pinned host memory ({tokens:,} tokens x {layers} layers x top-{spec.moe.topk}, int16), "
             f"none on the GPU")
+    if c.algorithm.moe_routing_replay != "replay_rollout":
+        return line
+    # R3: the engine's routing of every sample of the step travels with the batch, to every rank, on the host
+    per_sample = rollout_routing_bytes(tokens=c.data.max_prompt_length + c.rollout.max_response_length - 1,
+                                       layers=spec.num_layers, topk=spec.moe.topk)
+    batch = per_sample * c.trainer.train_batch_size * c.rollout.n_samples
+    return (f"{line}; plus the engine's routing of the step's batch on every rank's host: up to "
+            f"{per_sample / 1e6:.1f} MB a sample ({spec.num_layers} layers), {batch / 1e9:.2f} GB a step")

@@ -12,6 +12,8 @@ from dapo_megatron.config.errors import require, require_finite_numbers
 # a new objective is its registry entry, its name here, and its test.
 PolicyLossName = Literal["dapo", "gspo", "gspo_token", "cispo"]
 AdvantageEstimatorName = Literal["grpo"]
+# The SGLang server flag without which a server returns no routing (moe_routing_replay: replay_rollout needs it).
+SGLANG_ROUTING_FLAG = "--enable-return-routed-experts"
 
 
 @dataclass
@@ -73,10 +75,14 @@ class AlgorithmConfig:
     rollout_correction: Literal["none", "token_tis", "seq_mis", "both"] = "none"
     tis_cap: float = 2.0  # token_tis: weight = min(π_old / π_rollout, tis_cap)
     mis_threshold: float = 2.0  # seq_mis: drop a response whose geometric-mean ratio leaves [1/τ, τ]
-    # Mixture-of-experts policies: "replay_old" records which experts π_old's forward chose for every token and makes
-    # each update's forward use the same ones (megatron's RouterReplay), so a routing flip between the two passes
-    # cannot move the importance ratio; "none" lets each forward route by itself (dapo_megatron/policy/moe_routing.py).
-    moe_routing_replay: Literal["none", "replay_old"] = "none"
+    # Mixture-of-experts policies: "replay_old" (R2) records which experts π_old's forward chose for every token and
+    # makes each update's forward use the same ones (megatron's RouterReplay), so a routing flip between the two
+    # passes cannot move the importance ratio; "replay_rollout" (R3) makes π_old's forward and every update's use the
+    # experts the rollout engine chose (the embedded engine, or CUDA SGLang servers started with SGLANG_ROUTING_FLAG;
+    # not with partial rollouts or tools), so a flip between engine and trainer cannot either
+    # (dapo_megatron/policy/rollout_routing.py); "none" lets each forward
+    # route by itself (dapo_megatron/policy/moe_routing.py). When to choose which: docs/models.md.
+    moe_routing_replay: Literal["none", "replay_old", "replay_rollout"] = "none"
 
     @property
     def resolved_surplus_policy(self) -> Literal["keep", "drop"]:

@@ -29,17 +29,18 @@ class SyntheticDataConfig:
     seed: int = 0
     num_train: int = 4000
     num_heldout: int = 300
-    # arith: chains and products (data/synthetic.py); scratchpad: chains of min_terms..max_terms numbers, one working
-    # line per term, so response lengths spread widely (data/synthetic_scratchpad.py, the ablation's task).
-    mode: Literal["arith", "scratchpad"] = "arith"
+    # arith: chains and products (data/synthetic.py); tools: problems to solve with the python tool
+    # (data/synthetic_tools.py, examples/tiny_cpu_tools.yaml); scratchpad: chains of min_terms..max_terms numbers, one
+    # working line per term, so response lengths spread widely (data/synthetic_scratchpad.py, the ablation's task).
+    mode: Literal["arith", "tools", "scratchpad"] = "arith"
     scratchpad: ScratchpadDataConfig = field(default_factory=ScratchpadDataConfig)
 
     def validate(self) -> None:
         """Called by :meth:`DataConfig.validate`."""
         require(self.num_train >= 1, "data.synthetic.num_train", f"must be >= 1, got {self.num_train}")
         require(self.num_heldout >= 0, "data.synthetic.num_heldout", f"must be >= 0, got {self.num_heldout}")
-        require(self.mode in ("arith", "scratchpad"), "data.synthetic.mode",
-                f"must be arith or scratchpad, got {self.mode!r}")
+        require(self.mode in ("arith", "tools", "scratchpad"), "data.synthetic.mode",
+                f"must be arith, tools or scratchpad, got {self.mode!r}")
         self.scratchpad.validate()
 
 

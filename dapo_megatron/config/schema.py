@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from dapo_megatron.config.algorithm import SGLANG_ROUTING_FLAG as ROUTING_FLAG
 from dapo_megatron.config.algorithm import AlgorithmConfig
 from dapo_megatron.config.data import DataConfig
 from dapo_megatron.config.errors import require
@@ -60,7 +61,22 @@ class DAPOConfig:
                 f"expert parallelism needs a mixture-of-experts model (model.tiny.arch: qwen3_moe), "
                 f"got {self.parallel.expert}")
         require(not (dense_tiny and a.moe_routing_replay != "none"), "algorithm.moe_routing_replay",
-                "replay_old needs a mixture-of-experts model (model.tiny.arch: qwen3_moe)")
+                f"{a.moe_routing_replay} needs a mixture-of-experts model (model.tiny.arch: qwen3_moe)")
+        if a.moe_routing_replay == "replay_rollout":
+            self._validate_rollout_routing()
         require(not self.warm_start.enabled or self.data.source == "synthetic", "warm_start.enabled",
                 "needs reference solutions, which only data.source = synthetic provides")
         return self
+
+    def _validate_rollout_routing(self) -> None:
+        """R3 needs every trained token's routing from the engine, routed by the weights that sampled it."""
+        r, key = self.rollout, "algorithm.moe_routing_replay"
+        require(r.engine == "embedded" or r.sglang.urls or ROUTING_FLAG in r.sglang.extra_server_args, key,
+                f"replay_rollout needs the servers' routing: add {ROUTING_FLAG} to rollout.sglang.extra_server_args "
+                f"(without it rollout.engine: sglang servers return none)")
+        require(not (r.mode == "async" and r.partial_rollouts), key,
+                "replay_rollout cannot replay a partial rollout: a response continued across a weight update had its "
+                "earlier tokens re-routed by the new weights; set rollout.partial_rollouts: false")
+        require(not r.tools.enabled, key,
+                "replay_rollout does not follow multi-turn tool rollouts (tool output is never routed by the "
+                "engine); turn rollout.tools.enabled off, or use replay_old")

@@ -24,6 +24,7 @@ from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic import SyntheticSplit, make_split
 from dapo_megatron.data.synthetic_scratchpad import ScratchpadTaskConfig, make_scratchpad_split
+from dapo_megatron.data.synthetic_tools import make_tool_split
 from dapo_megatron.user_errors import DataError
 
 if TYPE_CHECKING:
@@ -37,7 +38,8 @@ def synthetic_split(config: DAPOConfig) -> SyntheticSplit:
     if s.mode == "scratchpad":
         task = ScratchpadTaskConfig(min_terms=s.scratchpad.min_terms, max_terms=s.scratchpad.max_terms)
         return make_scratchpad_split(s.seed, s.num_train, s.num_heldout, task)
-    return make_split(s.seed, s.num_train, s.num_heldout)
+    split = make_tool_split if s.mode == "tools" else make_split
+    return split(s.seed, s.num_train, s.num_heldout)
 
 
 def _synthetic_rows(config: DAPOConfig, split_name: str) -> list:

@@ -63,15 +63,7 @@ def policy_metrics(groups: list[RolloutGroup], samples: list["PolicySample"], ol
     engine's and the policy's log-probs of the sampled tokens, and the rollout correction's diagnostics."""
     if not samples:
         return {"train/skipped_empty_batch": 1.0, **staleness_of_batch(groups, policy_version)}
-    # Engine vs policy log-probs of the same tokens, over responses every token of which the policy's current
-    # weights sampled (stale ones differ by the updates since, not by the engine's numerics).
-    fresh = [g.weight_version == policy_version for g in groups for _ in g.responses]
-    flat_engine = [lps for g in groups for lps in g.engine_logprobs]
     responses = [(g, i) for g in groups for i in range(len(g.responses))]
-    gaps = [sampled_values(*responses[i],
-                           (torch.as_tensor(flat_engine[i], dtype=torch.float32) - old.logprobs[i]).abs())
-            for i, is_fresh in enumerate(fresh) if is_fresh]
-    gap = torch.cat(gaps) if gaps else torch.empty(0)
     entropy = torch.cat([sampled_values(*response, values) for response, values in zip(responses, old.entropy)])
     applied = [u for u in updates if not u["skipped"]]
 
@@ -93,13 +85,25 @@ def policy_metrics(groups: list[RolloutGroup], samples: list["PolicySample"], ol
         "actor/skipped_updates": float(len(updates) - len(applied)),
         "actor/packing_efficiency": mean("packing_efficiency"),
         **staleness_of_batch(groups, policy_version),
-        **({"rollout/logprob_diff/mean_abs": float(gap.mean()), "rollout/logprob_diff/max_abs": float(gap.max())}
-           if gap.numel() else {}),
+        **engine_logprob_gap(groups, old.logprobs, policy_version, "rollout/logprob_diff"),
         "perf/num_tokens": float(sum(s.length for s in samples)),
         **correction,
         # a mixture-of-experts policy's routing (policy/moe_routing.py): actor/moe_aux_loss, actor/moe_load_imbalance
         **{f"actor/{key}": mean(key) for key in (applied[0] if applied else {}) if key.startswith("moe_")},
     }
+
+
+def engine_logprob_gap(groups: list, logprobs: list[torch.Tensor], policy_version: int, name: str
+                       ) -> dict[str, float]:
+    """``name/{mean,max}_abs``: engine vs policy log-probs of the same tokens, over responses every token of which
+    the policy's current weights sampled (stale ones differ by the updates since, not by the engine's numerics)."""
+    fresh = [g.weight_version == policy_version for g in groups for _ in g.responses]
+    flat_engine = [lps for g in groups for lps in g.engine_logprobs]
+    responses = [(g, i) for g in groups for i in range(len(g.responses))]
+    gaps = [sampled_values(*responses[i], (torch.as_tensor(flat_engine[i], dtype=torch.float32) - logprobs[i]).abs())
+            for i, is_fresh in enumerate(fresh) if is_fresh]
+    gap = torch.cat(gaps) if gaps else torch.empty(0)
+    return {f"{name}/mean_abs": float(gap.mean()), f"{name}/max_abs": float(gap.max())} if gap.numel() else {}
 
 
 def step_metrics(rollout: dict[str, float], policy: dict[str, float], timer: StepTimer,

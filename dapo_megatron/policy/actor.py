@@ -59,6 +59,7 @@ from dapo_megatron.policy.model import (
 from dapo_megatron.policy.moe_routing import RecordedRouting, RouterLoadMonitor, RoutingReplay
 from dapo_megatron.policy.optimizer import sync_params, wrap_for_training
 from dapo_megatron.policy.packing import MicroBatch, PolicySample
+from dapo_megatron.policy.rollout_routing import RoutingAgreement, replaying_on_stage
 
 if TYPE_CHECKING:
     from dapo_megatron.backend.base import Backend
@@ -77,6 +78,7 @@ class PolicyLogProbs:
     logprobs: list[Tensor]
     entropy: list[Tensor]
     routing: RecordedRouting | None = None
+    routing_agreement: RoutingAgreement | None = None  # replaying the engine's routing: the routers' own choices
 
 
 def aligned_batching(batching: PackedBatching, multiple: int) -> PackedBatching:
@@ -94,7 +96,7 @@ def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", 
     ``model.precision`` picks the parameter dtype and ``model.recompute`` the activation recomputation (as the
     backend allows); ``parallel`` the sequence parallelism (where megatron supports it), the optimizer and the
     communication overlap; ``optim`` its settings; ``routing_replay`` builds a mixture-of-experts model whose
-    routers can replay recorded choices (``algorithm.moe_routing_replay: replay_old``); micro-batches are packed to
+    routers can replay recorded choices (``algorithm.moe_routing_replay``: R2 or R3); micro-batches are packed to
     ``micro_batch_tokens`` tokens and log-probs taken at the rollout ``temperature``.
     """
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
@@ -348,27 +350,32 @@ class Actor:
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[PolicySample], temperature: float | None = None,
-                         batching: PackedBatching | None = None, record_routing: bool = False) -> PolicyLogProbs:
+                         batching: PackedBatching | None = None, record_routing: bool = False,
+                         engine_routing: Sequence[Tensor | None] | None = None) -> PolicyLogProbs:
         """Per-token log-probs (and entropy) of every sample's response, on every rank, in input order.
 
         ``temperature`` defaults to the actor's rollout temperature, ``batching`` to the actor's (a forward pass
         keeps no activations for backward, so it can afford a larger token budget). ``record_routing``: also
-        return the experts this rank's routers chose (for :meth:`train_minibatch` of the same samples).
+        return the experts this rank's routers chose (for :meth:`train_minibatch` of the same samples);
+        ``engine_routing``: the engine's per-sample expert ids to replay instead (:mod:`.rollout_routing`).
         """
         temperature = self.temperature if temperature is None else temperature
         sync_params(self.model)  # with overlap_param_gather the last update's all-gather waits for a training forward
         plan = self.plan(samples, batching)
-        if record_routing and self.routing_replay is None:
+        if (record_routing or engine_routing is not None) and self.routing_replay is None:
             raise ValueError("record_routing needs a model built with routing replay (algorithm.moe_routing_replay)")
+        replay = self.routing_replay.recording() if record_routing else nullcontext()
+        if engine_routing is not None:
+            replay = replaying_on_stage(self.routing_replay, plan.micro_batches, samples, engine_routing, self.device)
         self.model.eval()
         try:
-            with self.routing_replay.recording() if record_routing else nullcontext() as routing:
-                outputs = self._run_schedule(
-                    plan.micro_batches, partial(self._collect_logprobs, temperature=temperature), forward_only=True
-                )
+            with replay as recorded:
+                collect = partial(self._collect_logprobs, temperature=temperature)
+                outputs = self._run_schedule(plan.micro_batches, collect, forward_only=True)
         finally:
             self.model.train()
-        return replace(self._per_sample(samples, outputs), routing=routing)
+        routing, agreement = recorded if engine_routing is not None else (recorded, None)
+        return replace(self._per_sample(samples, outputs), routing=routing, routing_agreement=agreement)
 
     def _per_sample(self, samples: Sequence[PolicySample], outputs: list[dict]) -> PolicyLogProbs:
         """The ``logprobs``/``entropy`` rows of the last stage's per-micro-batch outputs as per-sample tensors in

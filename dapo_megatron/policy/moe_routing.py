@@ -23,7 +23,8 @@ keeps the indices of every forward of a pass, per router, one entry per micro-ba
 in both passes: the π_old pass runs the update's very mini-batch with the update's batching
 (:class:`dapo_megatron.trainer.policy_update.PolicyUpdate`), and a token count that does not match is an error.
 Under 1F1B pipelining a stage runs its micro-batches' forwards in order, so the order holds with PP > 1; full
-activation recomputation would run a router twice per micro-batch and is refused.
+activation recomputation would run a router twice per micro-batch and is refused. R3 (``replay_rollout``) replays the
+rollout engine's routing through the same routers: :mod:`dapo_megatron.policy.rollout_routing`.
 """
 
 from __future__ import annotations

@@ -38,9 +38,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Iterable, Literal, Sequence
 
 from dapo_megatron.hf_format.buckets import Bucket
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -101,6 +104,10 @@ class Sample:
     # sampled the turn before it; only tokens with mask 1 are read as sampled (loss, correction, statistics).
     loss_mask: list[int] | None = None
     tool_use: "ToolUse | None" = None
+    # Mixture-of-experts engines asked for their routing (algorithm.moe_routing_replay: replay_rollout): int16
+    # [P + R - 1, layers, top-k] on the host, the experts of every prompt token and every response token but the last
+    # (dapo_megatron/policy/rollout_routing.py); None otherwise.
+    routed_experts: "torch.Tensor | None" = None
 
 
 @dataclass

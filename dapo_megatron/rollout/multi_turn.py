@@ -51,6 +51,7 @@ class ToolCallFormat:
         self.tokenizer = tokenizer
         self.end = tools.call_end
         self.end_ids = tuple(tokenizer.encode(tools.call_end, add_special_tokens=False))
+        self._call_open = tools.call_open
         before, after = tools.call_open.split("{tool}")
         names = "|".join(re.escape(name) for name in sorted(tool_names, key=len, reverse=True))
         self._opener = re.compile(f"{re.escape(before)}({names}){re.escape(after)}")
@@ -89,6 +90,10 @@ class ToolCallFormat:
             return None
         opener = openers[-1]
         return opener.group(1), text[opener.end():end]
+
+    def call_text(self, tool: str, text: str) -> str:
+        """A call of ``tool`` with ``text`` as the model writes it: what :meth:`find_call` reads back."""
+        return self._call_open.format(tool=tool) + text + self.end
 
     def output_ids(self, result: ToolResult) -> list[int]:
         encode = self.tokenizer.encode

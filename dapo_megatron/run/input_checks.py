@@ -48,6 +48,7 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, r
                      checkpoint: str | Path | None = None) -> None:
     """Raise the :class:`~dapo_megatron.user_errors.UserError` of the first bad input (see the module docstring).
     ``checkpoint``: the one ``eval`` reads (then nothing is trained, so the training memory is not checked)."""
+    check_rollout_routing(config, backend)
     if config.model.source == "hf":
         spec = check_user_model(config)
         if checkpoint is None:
@@ -80,6 +81,16 @@ def check_user_model(config: DAPOConfig):
         raise ConfigError(f"algorithm.moe_routing_replay={config.algorithm.moe_routing_replay} needs a "
                           f"mixture-of-experts model; {config.model.hf_path} is {spec.arch}")
     return spec
+
+
+def check_rollout_routing(config: DAPOConfig, backend: Backend) -> None:
+    """R3 on SGLang servers of this platform: SGLang 0.5.23's CPU server cannot capture routing (its routed-experts
+    host buffer registers itself with CUDA, ``pool_host/common.py``, and the server dies at start)."""
+    if (config.algorithm.moe_routing_replay == "replay_rollout" and config.rollout.engine == "sglang"
+            and backend.device_type == "cpu"):
+        raise ConfigError("algorithm.moe_routing_replay: replay_rollout with rollout.engine: sglang needs CUDA "
+                          "servers: SGLang 0.5.23's CPU server cannot capture routing (its routed-experts buffer "
+                          "registers with CUDA at start); use rollout.engine: embedded on CPU")
 
 
 def check_training_layout(config: DAPOConfig, spec, backend: Backend) -> None:

@@ -10,9 +10,10 @@ only: seconds for a 32B model).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dapo_megatron.config import ConfigError, DAPOConfig
 from dapo_megatron.hf_format import CONFIG_FILE, compare_shapes, list_tensors, load_hf_config
@@ -55,7 +56,24 @@ def prepare_initial_model(config: DAPOConfig) -> Path:
 def load_tokenizer(config: DAPOConfig, model_dir: str | Path):
     """``model.tokenizer_path`` for a user's model when given; else the tokenizer in the model folder."""
     custom = config.model.tokenizer_path if config.model.source == "hf" else None
-    return AutoTokenizer.from_pretrained(str(custom or model_dir))
+    path = Path(custom or model_dir)
+    if _generic_and_not_byte_level(path):
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _generic_and_not_byte_level(path: Path) -> bool:
+    """Whether the folder's tokenizer was saved as the generic class (``TokenizersBackend``: built from a
+    ``tokenizers`` object, as the tiny model's is) and is not byte-level. AutoTokenizer would load it as the
+    config.json model type's class (Qwen2Tokenizer), whose byte-level pre-tokenizer drops what such a vocabulary
+    spells as plain characters: the tiny model's "What is 6*7?\n" became "Whatis6*7?"."""
+    try:
+        saved = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+        pipeline = json.loads((path / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return saved == "TokenizersBackend" and "ByteLevel" not in json.dumps(
+        [pipeline.get("pre_tokenizer"), pipeline.get("decoder")])
 
 
 def check_model_folder(model_dir: str | Path, *, tokenizer_path: str | None = None):

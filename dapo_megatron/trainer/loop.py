@@ -76,7 +76,7 @@ class DAPOTrainer:
         self.spec = load_model_spec(self.model_dir)
         c = config
         self.actor = build_actor(self.spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim,
-                                 routing_replay=c.algorithm.moe_routing_replay == "replay_old",
+                                 routing_replay=c.algorithm.moe_routing_replay != "none",
                                  micro_batch_tokens=c.trainer.micro_batch_tokens,
                                  temperature=c.rollout.temperature)
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
@@ -102,6 +102,8 @@ class DAPOTrainer:
         self.eval_prompts = eval_prompts(c, self.tokenizer)
         self.reward = RewardScorer(c)  # your reward's worker processes, before the engine
         self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend)
+        if c.algorithm.moe_routing_replay == "replay_rollout":  # R3: the samples carry the engine's routing
+            self.engine.return_routed_experts = True
         collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
         self.collector = collector(self.engine, sampler, self.tokenizer, c, self.reward)
 
@@ -121,7 +123,7 @@ class DAPOTrainer:
                 self.hand_off_weights(version=done)
         # 9: metrics (+ validation on schedule) to TensorBoard and metrics.jsonl; a checkpoint on schedule.
         policy = policy_metrics(groups, update.samples, update.old, update.updates, update.correction,
-                                policy_version=step)
+                                policy_version=step) | update.routing
         metrics = step_metrics(rollout, policy, timer,
                                weight_version=self.engine.weight_version if self.engine else done)
         last = done == c.trainer.total_steps

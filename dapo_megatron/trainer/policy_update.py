@@ -17,6 +17,11 @@ Then every step, :meth:`PolicyUpdate.run`:
    by mini-batch with the update's own batching and records which experts every router chose; each update then routes
    its forward with π_old's choices (:mod:`dapo_megatron.policy.moe_routing`). The first mini-batch then reuses its
    own forward only when all of its samples qualify (its forward is then π_old's, routing included);
+   With ``replay_rollout`` (R3) the same mini-batch passes replay the experts the rollout engine chose for every
+   token it routed (``RolloutGroup.routed_experts``, :mod:`dapo_megatron.policy.rollout_routing`) and record what
+   they replayed for the updates; no forward is reused. Each step also runs one forward-only pass without replay
+   for the gap it closes (``rollout/logprob_diff_unreplayed/*`` beside ``rollout/logprob_diff/*``) and reports
+   ``rollout/routing_agreement``;
 6b. computes the rollout correction of tokens the policy did not sample itself once — before the updates when it
    changes the loss (importance weights as per-token advantages, masks), after them otherwise, when π_old of every
    sample is known and the correction is only reported (``rollout_corr/*``);
@@ -39,8 +44,9 @@ from dapo_megatron.config import DAPOConfig
 from dapo_megatron.policy.actor import Actor, PolicyLogProbs
 from dapo_megatron.policy.moe_routing import RecordedRouting
 from dapo_megatron.policy.packing import PolicySample
+from dapo_megatron.policy.rollout_routing import RoutingAgreement, routing_layout
 from dapo_megatron.collectors.group import RolloutGroup
-from dapo_megatron.metrics.step import StepTimer
+from dapo_megatron.metrics.step import StepTimer, engine_logprob_gap
 
 Progress = Callable[[list], Iterable]
 
@@ -54,6 +60,7 @@ class StepUpdate:
     old: PolicyLogProbs | None
     updates: list[dict[str, float]]
     correction: dict[str, float]
+    routing: dict[str, float] = dataclasses.field(default_factory=dict)  # R3's agreement and unreplayed gap
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,8 @@ class UpdatePlan:
     mini_batches: list[list[int]]
     reuse: list[bool]
     routing: dict[int, RecordedRouting] = dataclasses.field(default_factory=dict)
+    engine_routing: list | None = None  # R3: per sample, the engine's expert ids (or None)
+    agreement: RoutingAgreement = dataclasses.field(default_factory=RoutingAgreement)
 
     @property
     def forward_only(self) -> list[int]:
@@ -87,7 +96,8 @@ class PolicyUpdate:
         # tokens come only from `surplus_policy: keep`, the explicit choice to train the surplus as it is.
         self.masks_stale = a.rollout_correction == "none" and config.rollout.mode == "async"
         self.corrects_loss = a.rollout_correction != "none" or self.masks_stale
-        self.replays_routing = a.moe_routing_replay == "replay_old"
+        self.replays_rollout = a.moe_routing_replay == "replay_rollout"
+        self.replays_routing = a.moe_routing_replay in ("replay_old", "replay_rollout")
 
     def run(self, groups: list[RolloutGroup], step: int, timer: StepTimer, progress: Progress = iter) -> StepUpdate:
         """Steps 5–7 of step ``step``; the policy holds weight version ``step`` when it starts."""
@@ -97,6 +107,7 @@ class PolicyUpdate:
         plan = self.plan(groups, step)
         with timer.phase("old_logprob"):  # 6: forward only, where the first update cannot give π_old itself
             samples, forward_only = self.forward_only_old_logprobs(samples, plan)
+            routing = self.unreplayed_gap(samples, groups, plan, step) if self.replays_rollout else {}
         correction = None
         if self.corrects_loss:  # 6b, before the updates: the loss sees corrected samples
             correction = self.correction(samples, groups, policy_version=step)
@@ -105,7 +116,7 @@ class PolicyUpdate:
             updates, old = self.optimizer_updates(samples, plan, forward_only, progress)
         if correction is None:  # 6b, reported only: π_old of every sample is known now
             correction = self.correction(with_old_logprobs(samples, old.logprobs), groups, policy_version=step)
-        return StepUpdate(samples, old, updates, correction.metrics)
+        return StepUpdate(samples, old, updates, correction.metrics, routing=routing)
 
     # ------------------------------------------------------------------------------------------------ step 5
 
@@ -145,7 +156,22 @@ class PolicyUpdate:
             reuse[index] = versions[index] == step
         if self.replays_routing and not all(reuse[i] for i in batches[0]):
             reuse = [False] * len(versions)  # routing is recorded per mini-batch: all of the first one, or none
-        return UpdatePlan(batches, reuse)
+        if not self.replays_rollout:
+            return UpdatePlan(batches, reuse)
+        # R3: π_old's pass replays the engine's routing, which the first update's own forward would not
+        return UpdatePlan(batches, [False] * len(versions), engine_routing=self.engine_routing(groups))
+
+    def engine_routing(self, groups: list[RolloutGroup]) -> list:
+        """Per response, the engine's ``[P + R − 1, L, k]`` expert ids, checked against the response."""
+        if all(g.routed_experts is None for g in groups):
+            raise ValueError("algorithm.moe_routing_replay: replay_rollout, but the rollout engine returned no routing "
+                             "for any response of the step")
+        replay = self.actor.routing_replay
+        layers, topk = self.actor.model.config.num_layers, replay.routers[0].topk
+        return [routing_layout(None if g.routed_experts is None else g.routed_experts[i],
+                               prompt_length=len(g.prompt_ids), response_length=len(g.responses[i]), layers=layers,
+                               topk=topk, where=f"response {i} of group {number}")
+                for number, g in enumerate(groups) for i in range(len(g.responses))]
 
     # ------------------------------------------------------------------------------------------------ step 6
 
@@ -163,13 +189,27 @@ class PolicyUpdate:
         for number, members in enumerate(passes):
             if not members:
                 continue
-            old = self.actor.compute_logprobs([samples[i] for i in members], record_routing=self.replays_routing)
+            engine = None if plan.engine_routing is None else [plan.engine_routing[i] for i in members]
+            old = self.actor.compute_logprobs([samples[i] for i in members], engine_routing=engine,
+                                              record_routing=self.replays_routing and engine is None)
             if self.replays_routing:
                 plan.routing[number] = old.routing
+            if old.routing_agreement is not None:
+                plan.agreement.decisions += old.routing_agreement.decisions
+                plan.agreement.agreed += old.routing_agreement.agreed
             for i, sample in zip(members, with_old_logprobs([samples[i] for i in members], old.logprobs)):
                 samples[i] = sample
             forward_only.update({i: pair for i, pair in zip(members, zip(old.logprobs, old.entropy))})
         return samples, forward_only
+
+    def unreplayed_gap(self, samples: list[PolicySample], groups: list[RolloutGroup], plan: UpdatePlan,
+                       step: int) -> dict[str, float]:
+        """R3's diagnostics before the updates: how often the routers' own choice was the engine's
+        (``rollout/routing_agreement``, over the (token, layer) pairs the engine routed), and the engine–policy gap
+        of a forward that routes by itself (π_old's weights, no replay): what the replay removed."""
+        unreplayed = self.actor.compute_logprobs(samples)
+        return {"rollout/routing_agreement": plan.agreement.fraction(),
+                **engine_logprob_gap(groups, unreplayed.logprobs, step, "rollout/logprob_diff_unreplayed")}
 
     def correction(self, samples: list[PolicySample], groups: list[RolloutGroup], *,
                    policy_version: int) -> Correction:

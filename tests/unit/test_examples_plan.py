@@ -21,7 +21,8 @@ LAUNCH_LINE = re.compile(r"^#\s+(sbatch |torchrun |dapo-megatron train )", re.MU
 GPU_EXAMPLES = sorted(path for path in (REPO / "examples").glob("*.yaml") if load_config(path).model.source == "hf")
 # The hardware people have (issue 23): one 24 GB GPU, one 80 GB GPU, one node, 4 nodes, the paper's 16.
 EXPECTED = {"dapo_qwen2.5_0.5b_24gb.yaml": 24, "dapo_qwen2.5_math_1.5b_1gpu.yaml": 80, "dapo_qwen2.5_7b_1node.yaml": 80,
-            "dapo_qwen2.5_14b_4nodes.yaml": 80, "dapo_qwen2.5_32b.yaml": 80}
+            "dapo_qwen2.5_14b_4nodes.yaml": 80, "dapo_qwen2.5_32b.yaml": 80,
+            "retool_qwen2.5_7b_instruct.yaml": 80}  # and one node with tools (issue 36)
 
 
 def test_the_examples_cover_the_hardware_people_have():

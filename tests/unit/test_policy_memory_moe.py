@@ -102,3 +102,25 @@ def test_plan_of_a_colocated_qwen3_moe_node_counts_experts_graphs_handoff_window
     server_gb = float(handoff.split()[3].removesuffix("GB"))
     assert server_gb == pytest.approx(2 + 30.53e9 * 2 / 2 / 1e9, abs=0.2)  # context + all weights / TP, experts too
     assert "routing replay (replay_old): up to" in report and "pinned host memory" in report
+
+
+def test_plan_counts_the_engines_routing_r3_carries_to_every_rank(capsys):
+    """R3: the engine's routing of every sample (prompt + response − 1 tokens × 48 layers × top-8, int16) is on every
+    rank's host: ~15.7 MB for a 20k-token response of Qwen3-30B-A3B, and the step's batch of them."""
+    from dapo_megatron.cli import main
+    from dapo_megatron.config import load_config
+
+    overrides = ["model.hf_path=/models/Qwen3-30B-A3B-Instruct", "parallel.tensor=2", "parallel.expert=4",
+                 "parallel.data=4", "trainer.micro_batch_tokens=4096", "algorithm.moe_routing_replay=replay_rollout",
+                 "rollout.sglang.extra_server_args=[--enable-return-routed-experts]"]
+    example = REPO / "examples" / "dapo_qwen2.5_7b_1node.yaml"
+    code = main(["plan", str(example), *overrides, "--gpu-memory-gb", "141"])
+    report = capsys.readouterr().out
+    assert code == 0, report
+    c = load_config(example, overrides)
+    per_sample = (c.data.max_prompt_length + c.rollout.max_response_length - 1) * 48 * 8 * 2
+    batch = per_sample * c.trainer.train_batch_size * c.rollout.n_samples
+    assert f"up to {per_sample / 1e6:.1f} MB a sample (48 layers), {batch / 1e9:.2f} GB a step" in report
+    # control: replay_old records only the rank's share, and carries no engine routing
+    main(["plan", str(example), *overrides[:-2], "algorithm.moe_routing_replay=replay_old", "--gpu-memory-gb", "141"])
+    assert "a sample" not in capsys.readouterr().out

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from dapo_megatron.rollout.engine import RolloutError
+
+if TYPE_CHECKING:
+    from dapo_megatron.rollout.embedded.routing_capture import RoutingCapture
 
 
 class PreallocatedKVLayer(DynamicLayer):
@@ -112,14 +115,15 @@ def prefix_attention_mask(key_valid: torch.Tensor) -> torch.Tensor:
     return (causal & key_valid[:, None, None, :]) | diagonal
 
 
-def prefill(model: torch.nn.Module, input_ids: torch.Tensor, key_valid: torch.Tensor, cache: Cache
-            ) -> tuple[Cache, torch.Tensor]:
+def prefill(model: torch.nn.Module, input_ids: torch.Tensor, key_valid: torch.Tensor, cache: Cache,
+            capture: "RoutingCapture | None" = None) -> tuple[Cache, torch.Tensor]:
     """Fill the empty ``cache`` with the rows' left-padded prefixes ``input_ids [B, S]`` (the prompt, or after a weight
     update the prompt and the tokens so far) under the model's current weights; returns it and the logits of the
     next token ``[B, V]``. ``key_valid`` is the rows' ``[B, ≥S]`` slot mask of :class:`LeftPaddedBatch`.
 
     Rows with the same prefix — the ``n`` samples of a prompt — run through the model once and their cache rows
-    and logits are copied: a prefill of ``B`` rows costs as much as its distinct prefixes.
+    and logits are copied: a prefill of ``B`` rows costs as much as its distinct prefixes. ``capture``: its
+    ``routing`` becomes the prefixes' expert ids, ``[B, S, layers, k]``, copied to the rows the same way.
     """
     prefix_valid = key_valid[:, : input_ids.shape[1]]
     # Pads become -1 so that two prefixes are one only when their real tokens and their pad slots match.
@@ -137,6 +141,9 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, key_valid: torch.Te
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]
+    if capture is not None:
+        capture.routing = capture.take(*input_ids.shape)
+        capture.routing = capture.routing[row_of] if shared else capture.routing
     if shared:
         for layer in cache.layers:
             layer.batch_select_indices(row_of)

@@ -25,6 +25,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from dapo_megatron.rollout.embedded.decode_batch import LeftPaddedBatch, preallocated_kv_cache, prefill
+from dapo_megatron.rollout.embedded.routing_capture import RoutingCapture
 from dapo_megatron.rollout.engine import FinishReason, SamplingParams
 from dapo_megatron.rollout.sampling import TokenSampler, per_sample_uniforms
 
@@ -41,6 +42,7 @@ class GeneratedRow:
     logprobs: list[float]
     finish_reason: FinishReason
     token_versions: list[int]
+    routed_experts: torch.Tensor | None = None  # int16 [P + R - 1, layers, k] when the routing was captured
 
 
 class RowListener(Protocol):
@@ -57,7 +59,8 @@ class DecodingChunk:
     of the rows). ``seeds[i]`` seeds row ``i``'s sampling; ``listener`` is None when the call blocks."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], seeds: torch.Tensor, params: SamplingParams,
-                 sampler: TokenSampler, *, num_layers: int, listener: RowListener | None = None) -> None:
+                 sampler: TokenSampler, *, num_layers: int, listener: RowListener | None = None,
+                 capture: RoutingCapture | None = None) -> None:
         self.steps = params.max_new_tokens
         self.batch = LeftPaddedBatch.build(prompts, self.steps, pad_token_id=0)
         self.sampler = sampler
@@ -75,6 +78,11 @@ class DecodingChunk:
         self.aborted = torch.zeros(num_rows, dtype=torch.bool)
         self.step_versions: list[int] = []  # the weight version that sampled step t's tokens
         self.emitted: set[int] = set()  # rows already handed to the listener
+        # routing (capture given): the prompt slots' and each step's token's expert ids, per chunk row
+        self.capture = capture
+        if capture is not None:
+            shape = (num_rows, self.batch.padded_length + self.steps, capture.num_layers, capture.topk)
+            self.out_routing = torch.zeros(shape, dtype=torch.int16)
         # batch side
         self.rows = torch.arange(num_rows)
         self.key_valid = self.batch.key_valid
@@ -90,13 +98,16 @@ class DecodingChunk:
 
     def prefill(self, model: torch.nn.Module) -> None:
         """The prompts through ``model``: the cache and the first step's logits."""
-        self.cache, self.logits = prefill(model, self.batch.input_ids, self.key_valid, self._empty_cache())
+        self.cache, self.logits = prefill(model, self.batch.input_ids, self.key_valid, self._empty_cache(),
+                                          self.capture)
+        self._keep_routing(0)
 
     def re_prefill(self, model: torch.nn.Module, step: int) -> None:
         """The weights changed before ``step``: the cache holds the old weights' keys and values. Recompute it and
         the logits from the prompts and the tokens so far, with ``model``'s new weights."""
         prefix = torch.cat([self.batch.input_ids[self.rows], self.out_tokens[self.rows, :step]], 1)
-        self.cache, self.logits = prefill(model, prefix, self.key_valid, self._empty_cache())
+        self.cache, self.logits = prefill(model, prefix, self.key_valid, self._empty_cache(), self.capture)
+        self._keep_routing(0)  # the continuation attends to the new weights' keys: their routing replaces the old
 
     def stop_aborted_rows(self, step: int) -> None:
         """Streaming: rows whose request was aborted finish with the ``step`` tokens they have."""
@@ -151,6 +162,15 @@ class DecodingChunk:
         """Step ``step``'s tokens through the model: the logits of step ``step + 1``."""
         attended = self.key_valid[:, None, None, : self.batch.padded_length + step + 1]
         self.logits = decode_step(self.tokens, attended, (self.prompt_lengths + step)[:, None], self.cache)
+        if self.capture is not None:
+            self.capture.routing = self.capture.take(len(self.rows), 1)
+            self._keep_routing(self.batch.padded_length + step)
+
+    def _keep_routing(self, start: int) -> None:
+        """The rows' routing of the forward just run, from slot ``start`` on."""
+        if self.capture is not None:
+            routing = self.capture.routing
+            self.out_routing[self.rows, start:start + routing.shape[1]] = routing
 
     def results(self) -> list[GeneratedRow]:
         """Every row of the chunk, in order; the listener receives those it has not received yet."""
@@ -176,7 +196,16 @@ class DecodingChunk:
             logprobs=self.out_logprobs[row, :length].tolist(),
             finish_reason="abort" if bool(self.aborted[row]) else "stop" if bool(self.stopped[row]) else "length",
             token_versions=self.step_versions[:length],
+            routed_experts=self._routing(row, length),
         )
+
+    def _routing(self, row: int, length: int) -> torch.Tensor | None:
+        """Row ``row``'s ``[P + length − 1, L, k]``: its prompt's slots and its tokens but the last."""
+        if self.capture is None:
+            return None
+        padded = self.batch.padded_length
+        start = padded - int(self.batch.prompt_lengths[row])
+        return self.out_routing[row, start:padded + max(length - 1, 0)].clone()
 
     def _empty_cache(self) -> Cache:
         return preallocated_kv_cache(self.num_layers, self.batch.padded_length + self.steps - 1)

@@ -58,6 +58,7 @@ from dapo_megatron.rollout.engine import (
 )
 from dapo_megatron.rollout.embedded.lean_decode import decode_step_for
 from dapo_megatron.rollout.embedded.named_tensors import load_named_tensors
+from dapo_megatron.rollout.embedded.routing_capture import RoutingCapture
 from dapo_megatron.rollout.request_book import RequestBook
 from dapo_megatron.rollout.sampling import TokenSampler, per_sample_seeds, resolve_call_seed
 from dapo_megatron.rollout.embedded.weight_gate import WeightGate
@@ -98,6 +99,9 @@ class EmbeddedEngine(RolloutEngine):
         self._gate = gate or WeightGate()  # decode steps vs. weight updates
         self._book = RequestBook("EmbeddedEngine")  # streamed requests
         self._worker: StreamWorker | None = None
+        # algorithm.moe_routing_replay: replay_rollout sets it: every sample carries its routing (routing_capture.py)
+        self.return_routed_experts = False
+        self._capture: RoutingCapture | None = None
 
     @classmethod
     def from_hf_directory(cls, directory: str | Path, settings: EmbeddedConfig | None = None, *, version: int = 0,
@@ -155,6 +159,7 @@ class EmbeddedEngine(RolloutEngine):
                     finish_reason=results[prompt_index, sample_index].finish_reason,
                     weight_version=(results[prompt_index, sample_index].token_versions or [self._version])[0],
                     token_versions=results[prompt_index, sample_index].token_versions,
+                    routed_experts=results[prompt_index, sample_index].routed_experts,
                 )
                 for sample_index in range(params.n)
             ]
@@ -186,10 +191,17 @@ class EmbeddedEngine(RolloutEngine):
                     DecodingChunk([prompts[prompt_index] for prompt_index, _ in chunk_rows],
                                   seeds[chunk_index[:, 0], chunk_index[:, 1]], params, sampler,
                                   num_layers=self._config.num_hidden_layers,
-                                  listener=streamed.for_chunk(chunk_rows) if streamed is not None else None),
+                                  listener=streamed.for_chunk(chunk_rows) if streamed is not None else None,
+                                  capture=self._routing_capture()),
                 )
                 results.update(zip(chunk_rows, generated))
         return results
+
+    def _routing_capture(self) -> RoutingCapture | None:
+        """The routers' hooks, made at the first generation that asks for routing (None otherwise)."""
+        if self.return_routed_experts and self._capture is None:
+            self._capture = RoutingCapture(self._require_model())
+        return self._capture if self.return_routed_experts else None
 
     def _decode_chunk(self, model: torch.nn.Module, chunk: DecodingChunk) -> list[GeneratedRow]:
         """Run ``chunk``'s decode steps (:mod:`.decode_chunk`), each inside the weight gate; a

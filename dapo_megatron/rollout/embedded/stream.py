@@ -77,7 +77,8 @@ class ChunkListener:
         versions = list(row.token_versions)
         self.rows.add_sample(request_index, sample_index, Sample(
             prompt_index=0, token_ids=row.token_ids, logprobs=row.logprobs, finish_reason=row.finish_reason,
-            weight_version=versions[0] if versions else self.rows.version, token_versions=versions))
+            weight_version=versions[0] if versions else self.rows.version, token_versions=versions,
+            routed_experts=row.routed_experts))
 
 
 RowDecoder = Callable[[Sequence[Sequence[int]], torch.Tensor, SamplingParams, StreamedRows], object]

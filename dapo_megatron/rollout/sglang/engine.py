@@ -227,14 +227,25 @@ class SGLangEngine(RolloutEngine):
                 workers.shutdown(wait=False, cancel_futures=True)
         return results  # type: ignore[return-value]
 
+    @property
+    def return_routed_experts(self) -> bool:
+        """R3 (algorithm.moe_routing_replay: replay_rollout): every request asks for its routing (requests.py)."""
+        return self.streams is not None and self.streams.routed_experts
+
+    @return_routed_experts.setter
+    def return_routed_experts(self, value: bool) -> None:
+        self.streams.routed_experts = value
+
     def _generate_one(self, index: int, prompt: Sequence[int], params: SamplingParams,
                       seeded: bool) -> list[Sample]:
-        payload = build_generate_payload(prompt, index, params, seeded=seeded)
+        routed = self.return_routed_experts
+        payload = build_generate_payload(prompt, index, params, seeded=seeded, routed_experts=routed)
 
         def generate_on(slot: ServerSlot) -> list[Sample]:
             return generate_samples(self.reply_workers, slot.client, payload, partial(
                 samples_from_outputs, prompt_index=index, expected_count=params.n,
-                expected_version=self._weight_version, server=slot.client.base_url))
+                expected_version=self._weight_version, server=slot.client.base_url,
+                routed_prompt_length=len(prompt) if routed else None))
 
         return self.pool.send(generate_on, self.recover_server)
 

@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from dapo_megatron.rollout.engine import RolloutError, Sample
 from dapo_megatron.rollout.sglang.client import SGLangClient
@@ -186,15 +187,17 @@ def generate_samples(workers: ReplyWorkers | None, client: SGLangClient, payload
 
 
 def _compact(sample: Sample) -> tuple:
+    routing = None if sample.routed_experts is None else sample.routed_experts.numpy()
     return (sample.prompt_index, np.asarray(sample.token_ids, dtype=np.int64),
             np.asarray(sample.logprobs, dtype=np.float64), sample.finish_reason, sample.weight_version,
-            np.asarray(sample.token_versions, dtype=np.int64))
+            np.asarray(sample.token_versions, dtype=np.int64), routing)
 
 
 def _sample(fields: tuple) -> Sample:
-    prompt_index, token_ids, logprobs, finish_reason, weight_version, token_versions = fields
+    prompt_index, token_ids, logprobs, finish_reason, weight_version, token_versions, routing = fields
     return Sample(prompt_index=prompt_index, token_ids=token_ids.tolist(), logprobs=logprobs.tolist(),
-                  finish_reason=finish_reason, weight_version=weight_version, token_versions=token_versions.tolist())
+                  finish_reason=finish_reason, weight_version=weight_version, token_versions=token_versions.tolist(),
+                  routed_experts=None if routing is None else torch.from_numpy(routing))
 
 
 def _portable(error: BaseException) -> bytes:

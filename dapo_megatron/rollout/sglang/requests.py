@@ -20,6 +20,15 @@ Streamed requests (:func:`build_stream_payload`) always send the ``n`` copies wi
 ``meta_info.weight_versions`` (spans ``{"version", "start", "end"}`` over the output tokens, recorded by the
 scheduler when the version changes while the request is live; :func:`token_versions_from_meta`).
 
+Routing (R3, ``algorithm.moe_routing_replay: replay_rollout``): with ``routed_experts`` a payload asks for
+``return_routed_experts`` (``routed_experts_start_len`` 0: from the first prompt token), and each reply's
+``meta_info["routed_experts"]`` is read as SGLang 0.5.23 writes it: base64 of the int32 bytes of a
+``[seqlen − 1, layers, top-k]`` array (``state_capturer/base.py`` ``get_topk``, encoded in
+``detokenizer_manager._b64_encode_per_request``), i.e. every prompt token and every output token but the last; it
+becomes ``Sample.routed_experts`` as int16 ``[seqlen − 1, layers · top-k]`` (the reply does not say how the ids split
+into layers; the trainer, which knows, reshapes it). A server started without ``--enable-return-routed-experts`` has
+no capturer and leaves the key out: :func:`routed_experts_from_meta` names the flag.
+
 Log-probabilities (``return_logprob``): SGLang 0.5.23's sampler returns ``log_softmax(logits / T)`` of the sampled
 token, i.e. after temperature and before top-p/top-k truncation (``Sampler.forward``: ``logits.div_(temperatures)``,
 ``probs = softmax``, ``logprobs = log(probs)``; the top-k/top-p sampler sorts a copy), which is what
@@ -30,10 +39,16 @@ requests (``temperature == 0``) get ``log_softmax(logits)``, i.e. temperature 1.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from typing import Any, Sequence
 
+import numpy as np
+import torch
+
 from dapo_megatron.rollout.engine import FinishReason, GenerationRequest, RolloutError, Sample, SamplingParams
+from dapo_megatron.config.algorithm import SGLANG_ROUTING_FLAG as ROUTING_FLAG
+from dapo_megatron.user_errors import ServerError
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -64,34 +79,58 @@ def _sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
 
 
 def build_generate_payload(prompt: Sequence[int], prompt_index: int, params: SamplingParams, *,
-                           seeded: bool) -> dict[str, Any]:
+                           seeded: bool, routed_experts: bool = False) -> dict[str, Any]:
     """The ``/generate`` body for one prompt's ``params.n`` samples.
 
     ``seeded``: use per-sample ``sampling_seed`` values (only meaningful when ``params.seed`` is set and the server
-    runs deterministic inference); otherwise the samples share one request with ``n``.
+    runs deterministic inference); otherwise the samples share one request with ``n``. ``routed_experts``: ask for
+    the routing too.
     """
     if not prompt:
         raise ValueError(f"prompt {prompt_index} is empty; SGLang needs at least one input token")
     base = _sglang_sampling_params(params)
+    routing = _routing_fields(routed_experts)
     if seeded and params.seed is not None:
         sampling = [dict(base, n=1, sampling_seed=per_sample_seed(params.seed, prompt_index, j))
                     for j in range(params.n)]
-        return {"input_ids": [list(prompt)] * params.n, "sampling_params": sampling, "return_logprob": True}
-    return {"input_ids": [list(prompt)], "sampling_params": dict(base, n=params.n), "return_logprob": True}
+        return {"input_ids": [list(prompt)] * params.n, "sampling_params": sampling, "return_logprob": True,
+                **routing}
+    return {"input_ids": [list(prompt)], "sampling_params": dict(base, n=params.n), "return_logprob": True,
+            **routing}
+
+
+def _routing_fields(routed_experts: bool) -> dict[str, Any]:
+    return {"return_routed_experts": True, "routed_experts_start_len": 0} if routed_experts else {}
 
 
 def sample_rid(request_id: str, sample_index: int) -> str:
     return f"{request_id}.{sample_index}"
 
 
-def build_stream_payload(request: GenerationRequest, *, seeded: bool) -> dict[str, Any]:
+def build_stream_payload(request: GenerationRequest, *, seeded: bool, routed_experts: bool = False
+                         ) -> dict[str, Any]:
     """The ``/generate`` body of a streamed request: its ``n`` samples as copies of the prompt, one rid each."""
     params = request.params
     base = dict(_sglang_sampling_params(params), n=1)
     sampling = [dict(base, sampling_seed=per_sample_seed(params.seed, 0, j)) if seeded and params.seed is not None
                 else base for j in range(params.n)]
     return {"input_ids": [list(request.prompt)] * params.n, "sampling_params": sampling, "return_logprob": True,
-            "rid": [sample_rid(request.request_id, j) for j in range(params.n)]}
+            "rid": [sample_rid(request.request_id, j) for j in range(params.n)], **_routing_fields(routed_experts)}
+
+
+def routed_experts_from_meta(meta_info: dict[str, Any], *, tokens: int, server: str, what: Any) -> torch.Tensor:
+    """``meta_info["routed_experts"]`` of a reply with ``tokens`` prompt + output tokens as int16
+    ``[tokens − 1, layers · k]`` (see the module docstring)."""
+    encoded = meta_info.get("routed_experts")
+    if encoded is None:
+        raise ServerError(f"{server} returned no routed experts for {what}: algorithm.moe_routing_replay: "
+                          f"replay_rollout needs servers started with {ROUTING_FLAG} "
+                          "(rollout.sglang.extra_server_args)")
+    ids = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    rows = tokens - 1
+    if rows < 1 or ids.size % rows:
+        raise RolloutError(f"{server}: {ids.size} routed expert ids for {what} do not split over {rows} tokens")
+    return torch.from_numpy(ids.astype(np.int16)).reshape(rows, ids.size // rows)
 
 
 def token_versions_from_meta(meta_info: dict[str, Any], num_tokens: int, server: str) -> list[int]:
@@ -123,8 +162,9 @@ def finish_reason_from_sglang(meta_info: dict[str, Any]) -> FinishReason:
 
 
 def samples_from_outputs(outputs: list[dict[str, Any]], prompt_index: int, expected_count: int,
-                         expected_version: int, server: str) -> list[Sample]:
-    """Parse the outputs of one prompt's payload; check count and served weight version."""
+                         expected_version: int, server: str, routed_prompt_length: int | None = None) -> list[Sample]:
+    """Parse the outputs of one prompt's payload; check count and served weight version. ``routed_prompt_length``:
+    the payload asked for routing, of a prompt this long."""
     if len(outputs) != expected_count:
         raise RolloutError(f"{server} returned {len(outputs)} outputs for prompt {prompt_index}, "
                            f"expected {expected_count}")
@@ -136,14 +176,18 @@ def samples_from_outputs(outputs: list[dict[str, Any]], prompt_index: int, expec
             raise RolloutError(f"{server} generated prompt {prompt_index} with weight_version {served!r}, "
                                f"but the engine pushed version {expected_version}")
         token_ids, logprobs = _tokens_and_logprobs(output, meta, f"prompt {prompt_index}", server)
+        routing = None if routed_prompt_length is None else routed_experts_from_meta(
+            meta, tokens=routed_prompt_length + len(token_ids), server=server, what=f"prompt {prompt_index}")
         samples.append(Sample(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs,
                               finish_reason=finish_reason_from_sglang(meta), weight_version=expected_version,
-                              token_versions=[expected_version] * len(token_ids)))
+                              token_versions=[expected_version] * len(token_ids), routed_experts=routing))
     return samples
 
 
-def streamed_samples(outputs: list[dict[str, Any]], request: GenerationRequest, server: str) -> list[Sample]:
-    """The samples of a streamed request's reply, with per-token weight versions (they may span updates)."""
+def streamed_samples(outputs: list[dict[str, Any]], request: GenerationRequest, server: str,
+                     routed_experts: bool = False) -> list[Sample]:
+    """The samples of a streamed request's reply, with per-token weight versions (they may span updates) and, when
+    the payload asked for it, the routing."""
     if len(outputs) != request.params.n:
         raise RolloutError(f"{server} returned {len(outputs)} outputs for request {request.request_id}, "
                            f"expected {request.params.n}")
@@ -153,9 +197,11 @@ def streamed_samples(outputs: list[dict[str, Any]], request: GenerationRequest, 
         token_ids, logprobs = _tokens_and_logprobs(output, meta, request.request_id, server)
         versions = token_versions_from_meta(meta, len(token_ids), server)
         first = versions[0] if versions else _version_number(meta.get("weight_version"), server)
+        routing = routed_experts_from_meta(meta, tokens=len(request.prompt) + len(token_ids), server=server,
+                                           what=request.request_id) if routed_experts and token_ids else None
         samples.append(Sample(prompt_index=0, token_ids=token_ids, logprobs=logprobs,
                               finish_reason=finish_reason_from_sglang(meta), weight_version=first,
-                              token_versions=versions))
+                              token_versions=versions, routed_experts=routing))
     return samples
 
 

@@ -1,0 +1,61 @@
+"""The embedded engine's record of its MoE routing (rollout/embedded/routing_capture.py), in SGLang's layout: the
+top-k expert ids of the prompt and of every response token but the last, per layer, int16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import save_random_hf_model
+from tiny_qwen3 import tiny_qwen3_moe_config
+
+from dapo_megatron.rollout import SamplingParams
+from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
+from dapo_megatron.rollout.embedded.routing_capture import RoutingCapture, moe_gates
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("moe") / "hf"
+    save_random_hf_model(directory, tiny_qwen3_moe_config(num_experts=5, topk=2, num_layers=3), seed=2)
+    return directory
+
+
+def full_forward_routing(model, ids: list[int]) -> torch.Tensor:
+    """The model's own routing of ``ids`` in one plain forward: ``[len(ids), layers, k]``."""
+    capture = RoutingCapture(model)
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]))
+        return capture.take(1, len(ids))[0]
+    finally:
+        capture.close()
+
+
+def test_each_sample_carries_the_routing_of_its_prompt_and_all_response_tokens_but_the_last(moe_dir):
+    engine = EmbeddedEngine.from_hf_directory(moe_dir)
+    engine.return_routed_experts = True
+    prompts = [[5, 6, 7, 8, 9], [11, 3], [5, 6, 7, 8, 9]]  # prompts of different lengths: left padding
+    samples = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3,
+                                                      stop_token_ids=(4,)))
+    checked = 0
+    for prompt, group in zip(prompts, samples):
+        for sample in group:
+            routing = sample.routed_experts
+            assert routing.dtype == torch.int16
+            assert tuple(routing.shape) == (len(prompt) + len(sample.token_ids) - 1, 3, 2)
+            expected = full_forward_routing(engine.model, prompt + sample.token_ids[:-1])
+            assert torch.equal(routing.sort(-1).values, expected.sort(-1).values)
+            checked += 1
+    assert checked == 6
+    # control: the engine without the switch records nothing, and a dense model has no routers to capture
+    engine.return_routed_experts = False
+    plain = engine.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=3, seed=3))
+    assert plain[0][0].routed_experts is None
+
+
+def test_a_dense_model_has_no_routing_to_capture(tmp_path):
+    from tiny_qwen3 import tiny_qwen3_config
+    model = save_random_hf_model(tmp_path / "dense", tiny_qwen3_config(num_layers=2), seed=1)
+    assert moe_gates(model) == []
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        RoutingCapture(model)

@@ -1,0 +1,95 @@
+"""R3 on SGLang: the request asks for the routing, and the reply's ``meta_info["routed_experts"]`` is read in the
+format SGLang 0.5.23 writes (int32 ``[seqlen − 1, layers, k]`` from ``state_capturer/base.py``'s ``get_topk``,
+base64-encoded by ``DetokenizerManager._b64_encode_per_request``, the encoder the server runs), then laid out by the
+trainer. The CPU server itself cannot capture routing (``--enable-return-routed-experts`` makes it die at start:
+``pool_host/common.py`` registers the routed-experts host buffer with CUDA), so no live server answers here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapo_megatron.backend_registry import select_backend
+from dapo_megatron.config import ConfigError, load_config
+from dapo_megatron.policy.rollout_routing import routing_layout
+from dapo_megatron.rollout import GenerationRequest, RolloutError, SamplingParams
+from dapo_megatron.rollout.sglang.reply_workers import _compact, _sample
+from dapo_megatron.rollout.sglang.requests import (
+    build_generate_payload,
+    build_stream_payload,
+    routed_experts_from_meta,
+    samples_from_outputs,
+    streamed_samples,
+)
+from dapo_megatron.run.input_checks import check_rollout_routing
+from dapo_megatron.user_errors import ServerError
+
+LAYERS, TOPK = 3, 2
+PROMPT = [5, 6, 7, 8]
+
+
+def sglang_encoded(routing: torch.Tensor) -> str:
+    detokenizer = pytest.importorskip("sglang.srt.managers.detokenizer_manager")
+    return detokenizer.DetokenizerManager._b64_encode_per_request([routing])[0]
+
+
+def reply(output_ids: list[int], routing: torch.Tensor | None, version: int = 0) -> dict:
+    meta = {"weight_version": str(version), "finish_reason": {"type": "stop"},
+            "output_token_logprobs": [[-0.5, token, None] for token in output_ids]}
+    if routing is not None:
+        meta["routed_experts"] = sglang_encoded(routing)
+    return {"output_ids": output_ids, "meta_info": meta}
+
+
+def test_payloads_ask_for_the_routing_from_the_first_prompt_token_only_when_told():
+    params = SamplingParams(n=2, max_new_tokens=4)
+    asked = build_generate_payload(PROMPT, 0, params, seeded=False, routed_experts=True)
+    assert asked["return_routed_experts"] is True and asked["routed_experts_start_len"] == 0
+    assert "return_routed_experts" not in build_generate_payload(PROMPT, 0, params, seeded=False)  # control
+    streamed = build_stream_payload(GenerationRequest("r", tuple(PROMPT), params), seeded=False, routed_experts=True)
+    assert streamed["return_routed_experts"] is True
+
+
+def test_a_reply_in_sglangs_format_becomes_each_samples_routing_and_its_layout():
+    output = [9, 10, 11]
+    seqlen = len(PROMPT) + len(output)
+    routing = torch.randint(0, 6, (seqlen - 1, LAYERS, TOPK), dtype=torch.int32)  # get_topk: tokens [0, seqlen-1)
+    samples = samples_from_outputs([reply(output, routing)], 0, 1, 0, "s", routed_prompt_length=len(PROMPT))
+    got = samples[0].routed_experts
+    assert got.dtype == torch.int16 and tuple(got.shape) == (seqlen - 1, LAYERS * TOPK)
+    laid_out = routing_layout(got, prompt_length=len(PROMPT), response_length=len(output), layers=LAYERS, topk=TOPK,
+                              where="x")
+    assert torch.equal(laid_out, routing.to(torch.int16))
+    # the reply workers' processes hand it over unchanged
+    assert torch.equal(_sample(_compact(samples[0])).routed_experts, got)
+    request = GenerationRequest("r", tuple(PROMPT), SamplingParams(n=1, max_new_tokens=4))
+    streamed = streamed_samples([reply(output, routing)], request, "s", routed_experts=True)
+    assert torch.equal(streamed[0].routed_experts, got)
+    assert samples_from_outputs([reply(output, routing)], 0, 1, 0, "s")[0].routed_experts is None  # not asked
+
+
+def test_a_server_started_without_the_flag_is_named():
+    with pytest.raises(ServerError, match="http://s:1 returned no routed experts for prompt 0: .*"
+                                          "--enable-return-routed-experts"):
+        samples_from_outputs([reply([9, 10], None)], 0, 1, 0, "http://s:1", routed_prompt_length=len(PROMPT))
+
+
+def test_routing_that_does_not_fit_the_tokens_is_refused():
+    routing = torch.zeros(4, LAYERS, TOPK, dtype=torch.int32)  # 4 tokens' ids for a reply of 6 tokens (5 routed)
+    with pytest.raises(RolloutError, match="24 routed expert ids for p do not split over 5 tokens"):
+        routed_experts_from_meta({"routed_experts": sglang_encoded(routing)}, tokens=6, server="s", what="p")
+
+
+MOE = ["model.source=tiny", "model.tiny.arch=qwen3_moe", "data.source=synthetic",
+       "algorithm.moe_routing_replay=replay_rollout", "rollout.engine=sglang"]
+
+
+def test_r3_on_sglang_needs_the_flag_in_the_config_and_cuda_servers():
+    with pytest.raises(ConfigError, match="add --enable-return-routed-experts to rollout.sglang.extra_server_args"):
+        load_config(None, MOE)
+    flagged = load_config(None, MOE + ["rollout.sglang.extra_server_args=[--enable-return-routed-experts]"])
+    backend = select_backend()
+    assert backend.device_type == "cpu"
+    with pytest.raises(ConfigError, match="SGLang 0.5.23's CPU server cannot capture routing"):
+        check_rollout_routing(flagged, backend)
+    check_rollout_routing(load_config(None, MOE[:-1] + ["rollout.engine=embedded"]), backend)  # control
