@@ -1,7 +1,8 @@
 """The DAPO ablation ladder (``examples/ablation/``, the paper's Table 1) as a benchmark: every rung × S seeds from
 ONE warm-started tiny model, then a markdown table and a PNG of held-out accuracy.
 
-    python bench/ablation.py [--seeds 3] [--steps 60] [--rungs 0,1,2,3,4,5] [--eval-every 5]
+    python bench/ablation.py [--ladder examples/ablation/scratchpad] [--seeds 3] [--steps 60] [--rungs 0,1,2,3,4,5]
+                             [--eval-every 5]
                              [--out runs/ablation_ladder] [--eval-problems N] [--table-steps 0,20,40,60]
                              [--set dotted.key=value ...]
 
@@ -15,7 +16,9 @@ ONE warm-started tiny model, then a markdown table and a PNG of held-out accurac
    overwritten, vocab padding rows are zeroed, dropout is 0) and ``data.synthetic.seed`` — the problems — stays
    fixed. The stride 1000 keeps data orders apart: the sampler shuffles epoch e with ``seed + e``, so seeds 0 and 1
    would share an epoch order.
-3. ``OUT/ablation.md`` (the tables), ``OUT/ablation.png`` (the curves) and ``OUT/summary.json`` are written.
+3. ``OUT/ablation.md`` (the tables and, per technique, whether its effect exceeds seed noise), ``OUT/ablation.png``
+   (held-out accuracy), ``OUT/ablation_curves.png`` (entropy, response length, truncation, clipped tokens) and
+   ``OUT/summary.json`` are written.
 
 Resuming: a run with ``ablation_done.json`` in its directory is skipped; one that started but did not finish is
 continued with ``--resume``, which replays exactly from its last checkpoint
@@ -38,10 +41,12 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
+import ablation_dynamics as dynamics
 import ablation_report as report
 
 REPO = Path(__file__).resolve().parents[1]
 LADDER_DIR = REPO / "examples" / "ablation"
+BASE_CONFIG = "base.yaml"
 DONE_MARKER = "ablation_done.json"
 SETTINGS_FILE = "ablation.json"
 SEED_STRIDE = 1000
@@ -65,8 +70,12 @@ class Rung:
 
 
 def discover_rungs(ladder_dir: Path = LADDER_DIR) -> list[Rung]:
+    """The rungs of a ladder folder: its ``<number>_<name>.yaml`` files; a ``base.yaml`` there is the configuration
+    the rungs start from, not a rung."""
     rungs = []
     for path in sorted(ladder_dir.glob("*.yaml")):
+        if path.name == BASE_CONFIG:
+            continue
         prefix = path.stem.split("_", 1)[0]
         if not prefix.isdigit():
             raise AblationError(f"{path}: a rung's file name must start with its number, e.g. 0_naive_grpo.yaml")
@@ -174,11 +183,16 @@ def make_initial_model(base_config: Path, out: Path, overrides: list[str]) -> Pa
     return model_dir
 
 
+def _ladder_name(ladder: Path) -> str:
+    return str(ladder.relative_to(REPO)) if ladder.is_relative_to(REPO) else str(ladder)
+
+
 def check_settings(out: Path, settings: dict) -> None:
     """Record what the runs under ``out`` are, or insist that this call asks for the same."""
     path = out / SETTINGS_FILE
     if path.exists():
-        saved = json.loads(path.read_text())
+        # Folders made before --ladder existed hold runs of the default ladder.
+        saved = {"ladder": _ladder_name(LADDER_DIR), **json.loads(path.read_text())}
         for key, value in settings.items():
             if saved.get(key) != value:
                 raise AblationError(f"{out} holds runs made with {key}={saved.get(key)!r}, this call asks for "
@@ -260,8 +274,17 @@ def write_report(out: Path, rungs: list[Rung], seeds: list[int], table_steps: li
     tmp_png = out / "ablation.tmp.png"
     report.plot_curves(summaries, tmp_png, target=baseline.final.mean if baseline else None)
     tmp_png.replace(out / "ablation.png")
-    markdown = "\n\n".join([header, f"Check: {start_check}.", report.format_tables(summaries, table_steps, baseline),
-                            NOTES, "![held-out accuracy of every rung](ablation.png)"]) + "\n"
+    symmetric = [rung.name for rung in rungs if dynamics.symmetric_clip(out / "runs" / rung.name / f"seed{seeds[0]}")]
+    dynamics.plot_dynamics(summaries, tmp_png, symmetric_clip=symmetric)
+    tmp_png.replace(out / "ablation_curves.png")
+    verdicts = dynamics.technique_verdicts(summaries)
+    markdown = "\n\n".join([
+        header, f"Check: {start_check}.", report.format_tables(summaries, table_steps, baseline), NOTES,
+        "![held-out accuracy of every rung](ablation.png)", dynamics.format_dynamics_table(summaries),
+        dynamics.DYNAMICS_NOTES,
+        "![entropy, response length, truncation and clipped tokens of every rung](ablation_curves.png)",
+        *([f"Each technique against the rung before it (|difference| >= {dynamics.NOISE_SE:g} standard errors of the "
+           f"difference: beyond seed noise):\n\n{verdicts}"] if verdicts else [])]) + "\n"
     _write_atomically(out / "ablation.md", markdown)
     _write_atomically(out / "summary.json", json.dumps([asdict(s) for s in summaries], indent=2) + "\n")
     return markdown
@@ -269,6 +292,9 @@ def write_report(out: Path, rungs: list[Rung], seeds: list[int], table_steps: li
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ladder", type=Path, default=LADDER_DIR,
+                        help="the folder of rung configs (default: examples/ablation, the default task; "
+                             "examples/ablation/scratchpad: the scratchpad task, with GSPO and CISPO rows)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per rung: 0..N-1 (trainer.seed = 1000·k)")
     parser.add_argument("--steps", type=int, default=60, help="RL steps per run")
     parser.add_argument("--rungs", default=None, help="rung numbers, comma-separated (default: all)")
@@ -304,16 +330,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise AblationError(f"--table-steps: steps {missing} are not evaluated (0, every {args.eval_every}, "
                                 f"and {args.steps})")
     args.out = args.out.resolve()
+    args.ladder = args.ladder.resolve()
+    if not args.ladder.is_dir():
+        raise AblationError(f"--ladder {args.ladder}: not a folder of rung configs")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rungs = select_rungs(discover_rungs(), args.rungs)
+    rungs = select_rungs(discover_rungs(args.ladder), args.rungs)
     seeds = list(range(args.seeds))
     eval_overrides = [f"eval.every={args.eval_every}"] + (
         [f"eval.max_problems={args.eval_problems}"] if args.eval_problems else [])
-    check_settings(args.out, {"steps": args.steps, "eval_overrides": eval_overrides, "overrides": args.overrides})
+    check_settings(args.out, {"steps": args.steps, "eval_overrides": eval_overrides, "overrides": args.overrides,
+                              "ladder": _ladder_name(args.ladder)})
     started = time.monotonic()
     initial_model = make_initial_model(rungs[0].config, args.out, [*args.overrides, *eval_overrides])
 

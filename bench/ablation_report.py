@@ -30,7 +30,14 @@ ALL_WRONG = "train/filter/all_wrong_fraction"
 LENGTH = "response_length/mean"
 TRUNCATED = "response_length/clip_ratio"  # responses cut at max_response_length (what overlong shaping acts on)
 ENTROPY = "actor/entropy"
+CLIPFRAC = "actor/pg_clipfrac"  # tokens whose ratio the objective clipped (upper + lower bound)
+CLIPFRAC_HIGH = "actor/pg_clipfrac_high"  # the upper bound alone: what Clip-Higher moves
 STEP_SECONDS = "timing_s/step"
+# The per-step quantities drawn per rung in the dynamics figure, with their axis labels.
+DYNAMICS = {ENTROPY: "entropy (actor/entropy)", LENGTH: "response length (tokens)",
+            TRUNCATED: "truncated fraction (response_length/clip_ratio)",
+            CLIPFRAC: "clipped tokens (actor/pg_clipfrac)"}
+START_STEPS = 5  # "at the start": the first training steps
 
 
 def read_rows(metrics_file: Path) -> list[dict]:
@@ -97,6 +104,19 @@ class SeedRun:
         return sum((_number(r[ALL_CORRECT]) + _number(r[ALL_WRONG])) * _number(r[SAMPLES]) for r in rows) / total \
             if total else None
 
+    def curve(self, key: str) -> dict[int, float]:
+        """``key`` by training step (steps where it is missing or non-finite left out)."""
+        return {row["step"]: v for row in self.training_rows() if (v := _number(row.get(key))) is not None}
+
+    def mean_of_steps(self, key: str, *, first: int | None = None, last_fraction: float | None = None) -> float | None:
+        """Mean of ``key`` over the first ``first`` training steps, or over the last ``last_fraction`` of them."""
+        values = list(self.curve(key).values())
+        if first is not None:
+            values = values[:first]
+        if last_fraction is not None:
+            values = values[-max(1, round(len(values) * last_fraction)):] if values else values
+        return statistics.fmean(values) if values else None
+
     def last(self, key: str) -> float | None:
         values = [_number(row.get(key)) for row in self.training_rows()]
         values = [v for v in values if v is not None]
@@ -141,6 +161,13 @@ class RungSummary:
     filtered: Stat | None
     no_signal: Stat | None
     step_seconds: Stat | None
+    truncated_start: Stat | None = None  # over the first START_STEPS training steps
+    entropy_start: Stat | None = None
+    entropy_late: Stat | None = None  # over the last quarter of the run: less noisy than one step
+    length_late: Stat | None = None
+    clipfrac: Stat | None = None
+    clipfrac_high: Stat | None = None
+    dynamics: dict[str, dict[int, Stat]] | None = None  # DYNAMICS' keys by step, over the seeds logging the step
 
     @property
     def mean_curve(self) -> dict[int, float]:
@@ -176,7 +203,19 @@ def summarize_rung(name: str, runs: Sequence[SeedRun]) -> RungSummary:
         filtered=stat([None if (kept := run.mean_over_steps(KEPT, SAMPLES)) is None else 1.0 - kept for run in runs]),
         no_signal=stat([run.no_signal_fraction() for run in runs]),
         step_seconds=stat([run.mean_over_steps(STEP_SECONDS) for run in runs]),
+        truncated_start=stat([run.mean_of_steps(TRUNCATED, first=START_STEPS) for run in runs]),
+        entropy_start=stat([run.mean_of_steps(ENTROPY, first=START_STEPS) for run in runs]),
+        entropy_late=stat([run.mean_of_steps(ENTROPY, last_fraction=0.25) for run in runs]),
+        length_late=stat([run.mean_of_steps(LENGTH, last_fraction=0.25) for run in runs]),
+        clipfrac=stat([run.mean_over_steps(CLIPFRAC) for run in runs]),
+        clipfrac_high=stat([run.mean_over_steps(CLIPFRAC_HIGH) for run in runs]),
+        dynamics={key: _by_step([run.curve(key) for run in runs]) for key in DYNAMICS},
     )
+
+
+def _by_step(curves: Sequence[dict[int, float]]) -> dict[int, Stat]:
+    steps = sorted(set().union(*curves))
+    return {step: stat([c.get(step) for c in curves]) for step in steps}
 
 
 def step_zero_spread(runs: Sequence[SeedRun]) -> float | None:
@@ -279,3 +318,4 @@ def plot_curves(summaries: Sequence[RungSummary], out: Path, target: float | Non
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+

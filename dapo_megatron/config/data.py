@@ -10,19 +10,38 @@ from dapo_megatron.config.errors import require, require_finite_numbers
 
 
 @dataclass
+class ScratchpadDataConfig:
+    """``data.synthetic.scratchpad``: the number of terms per chain, drawn uniformly from min_terms..max_terms."""
+
+    min_terms: int = 2
+    max_terms: int = 12
+
+    def validate(self) -> None:
+        require(self.min_terms >= 2, "data.synthetic.scratchpad.min_terms", f"must be >= 2, got {self.min_terms}")
+        require(self.max_terms >= self.min_terms, "data.synthetic.scratchpad.max_terms",
+                f"must be >= min_terms ({self.min_terms}), got {self.max_terms}")
+
+
+@dataclass
 class SyntheticDataConfig:
     """The integer-answer synthetic task (the CPU demo)."""
 
     seed: int = 0
     num_train: int = 4000
     num_heldout: int = 300
-    # "tools": problems to solve with the python tool (data/synthetic_tools.py, examples/tiny_cpu_tools.yaml)
-    mode: Literal["arith", "tools"] = "arith"
+    # arith: chains and products (data/synthetic.py); tools: problems to solve with the python tool
+    # (data/synthetic_tools.py, examples/tiny_cpu_tools.yaml); scratchpad: chains of min_terms..max_terms numbers, one
+    # working line per term, so response lengths spread widely (data/synthetic_scratchpad.py, the ablation's task).
+    mode: Literal["arith", "tools", "scratchpad"] = "arith"
+    scratchpad: ScratchpadDataConfig = field(default_factory=ScratchpadDataConfig)
 
     def validate(self) -> None:
         """Called by :meth:`DataConfig.validate`."""
         require(self.num_train >= 1, "data.synthetic.num_train", f"must be >= 1, got {self.num_train}")
         require(self.num_heldout >= 0, "data.synthetic.num_heldout", f"must be >= 0, got {self.num_heldout}")
+        require(self.mode in ("arith", "tools", "scratchpad"), "data.synthetic.mode",
+                f"must be arith, tools or scratchpad, got {self.mode!r}")
+        self.scratchpad.validate()
 
 
 @dataclass

@@ -13,7 +13,9 @@ Everything is drawn from ``random.Random(seed)``: same seed and config, same pro
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,11 +158,17 @@ def draw_problem(rng: random.Random, config: SyntheticTaskConfig) -> SyntheticPr
 
 
 def make_split(
-    seed: int, n_train: int, n_heldout: int, config: SyntheticTaskConfig = SyntheticTaskConfig()
+    seed: int, n_train: int, n_heldout: int, config: SyntheticTaskConfig = SyntheticTaskConfig(),
+    draw: Callable[[random.Random], SyntheticProblem] | None = None,
 ) -> SyntheticSplit:
     """Held-out problems with ``n_heldout`` distinct expressions, then ``n_train`` training problems whose
-    expressions are never held-out ones (training may repeat an expression, in any template).
+    expressions are never held-out ones (training may repeat an expression, in any template). ``draw``: another
+    task's problem generator (e.g. :mod:`~dapo_megatron.data.synthetic_scratchpad`); by default this module's
+    problems with ``config``.
     """
+    task = "task" if draw else f"config: {config}"
+    if draw is None:
+        draw = functools.partial(draw_problem, config=config)
     if n_train < 0 or n_heldout < 0:
         raise ValueError(f"n_train and n_heldout must be >= 0, got {n_train} and {n_heldout}")
     rng = random.Random(seed)
@@ -173,9 +181,9 @@ def make_split(
         if draws > max_draws:
             raise ValueError(
                 f"found only {len(heldout)} distinct expressions in {max_draws} draws; n_heldout={n_heldout} is too "
-                f"many for this config: {config}"
+                f"many for this {task}"
             )
-        problem = draw_problem(rng, config)
+        problem = draw(rng)
         if problem.expression not in heldout_expressions:
             heldout_expressions.add(problem.expression)
             heldout.append(problem)
@@ -183,8 +191,8 @@ def make_split(
     while len(train) < n_train:
         draws += 1
         if draws > max_draws:
-            raise ValueError(f"held-out expressions cover almost every problem of this config: {config}")
-        problem = draw_problem(rng, config)
+            raise ValueError(f"held-out expressions cover almost every problem of this {task}")
+        problem = draw(rng)
         if problem.expression not in heldout_expressions:
             train.append(problem)
     return SyntheticSplit(train=tuple(train), heldout=tuple(heldout))

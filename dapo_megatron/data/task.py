@@ -23,6 +23,7 @@ from dapo_megatron.data.prompts import PromptRecord, build_prompt_records
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic import SyntheticSplit, make_split
+from dapo_megatron.data.synthetic_scratchpad import ScratchpadTaskConfig, make_scratchpad_split
 from dapo_megatron.data.synthetic_tools import make_tool_split
 from dapo_megatron.user_errors import DataError
 
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 def synthetic_split(config: DAPOConfig) -> SyntheticSplit:
     s = config.data.synthetic
+    if s.mode == "scratchpad":
+        task = ScratchpadTaskConfig(min_terms=s.scratchpad.min_terms, max_terms=s.scratchpad.max_terms)
+        return make_scratchpad_split(s.seed, s.num_train, s.num_heldout, task)
     split = make_tool_split if s.mode == "tools" else make_split
     return split(s.seed, s.num_train, s.num_heldout)
 

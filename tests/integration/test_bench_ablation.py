@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,10 @@ from pathlib import Path
 import pytest
 
 import ablation  # bench/ is on sys.path (pyproject.toml's pytest `pythonpath`)
+import ablation_dynamics as dynamics
 import ablation_report as report
+from dapo_megatron.data.synthetic import make_split
+from dapo_megatron.data.synthetic_scratchpad import ScratchpadTaskConfig, make_scratchpad_split
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -185,6 +189,62 @@ def test_plot_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def _dynamics_run(seed: int, *, entropy: list[float], truncated: list[float], length: float = 30.0) -> report.SeedRun:
+    rows = [{"step": 0, ACC: 0.4}]
+    for step, (h, t) in enumerate(zip(entropy, truncated), 1):
+        rows.append({"step": step, report.ENTROPY: h, report.TRUNCATED: t, report.LENGTH: length,
+                     report.CLIPFRAC: 0.01, report.CLIPFRAC_HIGH: 0.002 * (seed + 1),
+                     **({ACC: 0.5} if step == len(entropy) else {})})
+    return report.SeedRun(seed, rows)
+
+
+def test_start_and_late_means_and_the_dynamics_table():
+    run = _dynamics_run(0, entropy=[1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], truncated=[0.4] * 5 + [0.0] * 3)
+    assert run.mean_of_steps(report.TRUNCATED, first=5) == pytest.approx(0.4)
+    assert run.mean_of_steps(report.ENTROPY, last_fraction=0.25) == pytest.approx(0.35)  # the last 2 of 8 steps
+    s = report.summarize_rung("2_clip_higher", [run, _dynamics_run(1, entropy=[0.5] * 8, truncated=[0.2] * 8)])
+    assert s.truncated_start.mean == pytest.approx(0.3) and s.truncated.mean == pytest.approx((0.25 + 0.2) / 2)
+    assert s.dynamics[report.ENTROPY][1].mean == pytest.approx(0.75) and s.dynamics[report.ENTROPY][1].n == 2
+    header, row = _table_rows(dynamics.format_dynamics_table([s]), "rung")[0], _table_rows(
+        dynamics.format_dynamics_table([s]), "2_clip_higher")[0]
+    assert header[1:3] == ["truncated (first 5 steps)", "truncated (run)"]
+    assert row[1:3] == ["0.300 ± 0.141", "0.225 ± 0.035"]
+    assert row[-2:] == ["0.0100 ± 0.0000", "0.0030 ± 0.0014"]  # clipped tokens, of them at the upper bound
+    # Control: a run that never truncates shows 0 in both truncation columns.
+    flat = report.summarize_rung("0_naive_grpo", [_dynamics_run(0, entropy=[0.5] * 8, truncated=[0.0] * 8)])
+    assert _table_rows(dynamics.format_dynamics_table([flat]), "0_naive_grpo")[0][1:3] == ["0.000", "0.000"]
+
+
+def _rung(name: str, entropies: list[float], acc: float = 0.5) -> report.RungSummary:
+    return report.summarize_rung(name, [
+        report.SeedRun(k, [{"step": 0, ACC: 0.4}, *({"step": t, report.ENTROPY: h, report.TRUNCATED: 0.1,
+                                                       report.LENGTH: 30.0} for t in range(1, 5)),
+                           {"step": 4, ACC: acc + 0.01 * k, report.ENTROPY: h, report.TRUNCATED: 0.1,
+                            report.LENGTH: 30.0}])
+        for k, h in enumerate(entropies)])
+
+
+def test_technique_verdicts_say_whether_a_difference_exceeds_seed_noise():
+    symmetric = _rung("1_overlong_filtering", [0.30, 0.32, 0.31])
+    higher = _rung("2_clip_higher", [0.50, 0.52, 0.51])
+    text = dynamics.technique_verdicts([_rung("0_naive_grpo", [0.3, 0.3, 0.31]), symmetric, higher])
+    clip = next(line for line in text.splitlines() if line.startswith("- **Clip-Higher**"))
+    assert "**exceeds seed noise** on entropy (last quarter)" in clip
+    assert "entropy (last quarter) 0.510 vs 0.310, +0.200 (+24.5 SE)" in clip
+    assert "final accuracy 0.510 vs 0.510, +0.000 (+0.0 SE)" in clip
+    assert "overlong filtering" in text and "dynamic sampling" not in text  # only techniques whose rungs ran
+    # Control: the same entropy with and without Clip-Higher is within seed noise.
+    same = dynamics.technique_verdicts([symmetric, _rung("2_clip_higher", [0.31, 0.30, 0.32])])
+    assert "within seed noise on entropy (last quarter)" in same and "exceeds" not in same
+
+
+def test_dynamics_plot_writes_a_png(tmp_path):
+    runs = [_dynamics_run(k, entropy=[1.0 - 0.1 * t for t in range(8)], truncated=[0.2] * 8) for k in range(2)]
+    summaries = [report.summarize_rung("0_naive_grpo", runs), report.summarize_rung("2_clip_higher", runs)]
+    out = dynamics.plot_dynamics(summaries, tmp_path / "curves.png", symmetric_clip=["0_naive_grpo"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
 # ------------------------------------------------------------------------------------------------ the driver
 
 
@@ -232,6 +292,33 @@ def test_the_ladder_and_rung_selection():
         ablation.select_rungs(rungs, "0,7")
 
 
+def test_the_scratchpad_ladder_has_gspo_and_cispo_rows_and_skips_its_base(tmp_path):
+    rungs = ablation.discover_rungs(REPO / "examples" / "ablation" / "scratchpad")
+    assert [r.name for r in rungs] == ["0_naive_grpo", "1_overlong_filtering", "2_clip_higher",
+                                       "3_soft_overlong_punishment", "4_token_level_loss", "5_dynamic_sampling",
+                                       "6_gspo", "7_cispo"]
+    assert ablation.parse_args(["--ladder", "examples/ablation/scratchpad"]).ladder == rungs[0].config.parent
+    with pytest.raises(ablation.AblationError, match="not a folder of rung configs"):
+        ablation.parse_args(["--ladder", str(tmp_path / "missing")])
+    # Control: a yaml that is neither base.yaml nor numbered is still refused.
+    (tmp_path / "base.yaml").write_text("{}\n")
+    (tmp_path / "0_a.yaml").write_text("{}\n")
+    assert [r.name for r in ablation.discover_rungs(tmp_path)] == ["0_a"]
+    (tmp_path / "extra.yaml").write_text("{}\n")
+    with pytest.raises(ablation.AblationError, match="must start with its number"):
+        ablation.discover_rungs(tmp_path)
+
+
+def test_check_settings_tells_ladders_apart(tmp_path):
+    settings = {"steps": 60, "eval_overrides": [], "overrides": []}
+    old = tmp_path / "old"  # made before --ladder: its runs are the default ladder's
+    ablation.check_settings(old, settings)
+    ablation.check_settings(old, {**settings, "ladder": "examples/ablation"})
+    with pytest.raises(ablation.AblationError, match=r"made with ladder='examples/ablation', this call asks for "
+                                                     r"'examples/ablation/scratchpad'"):
+        ablation.check_settings(old, {**settings, "ladder": "examples/ablation/scratchpad"})
+
+
 def test_progress_counts_a_resumed_run_from_its_checkpoint(monkeypatch, capsys):
     clock = [100.0]
     monkeypatch.setattr(ablation.time, "monotonic", lambda: clock[0])
@@ -277,7 +364,7 @@ def test_tiny_ladder_end_to_end_skips_finished_runs(tmp_path):
     table = (out / "ablation.md").read_text()
     assert "every run's step-0 accuracy is identical" in table
     for name in runs:
-        assert len(_table_rows(table, name)) == 2, name  # a row in both tables
+        assert len(_table_rows(table, name)) == 3, name  # a row in the accuracy, efficiency and dynamics tables
         assert f"{name} seed 0: starting" in first
     assert "×1.00" in _table_rows(table, "0_naive_grpo")[1][3]
     assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -297,3 +384,52 @@ def test_tiny_ladder_end_to_end_skips_finished_runs(tmp_path):
     assert (runs["0_naive_grpo"] / ablation.DONE_MARKER).is_file()
     assert report.read_rows(runs["0_naive_grpo"] / "metrics.jsonl") == [
         json.loads(line) for line in metrics_before["0_naive_grpo"].decode().splitlines()]
+
+
+@pytest.mark.slow
+def test_scratchpad_ladder_end_to_end_reports_truncation_and_the_clip(tmp_path):
+    out = tmp_path / "ladder"
+    command = [sys.executable, str(REPO / "bench" / "ablation.py"), "--ladder", "examples/ablation/scratchpad",
+               "--rungs", "1,2", "--seeds", "1", "--steps", "2", "--eval-every", "1", "--eval-problems", "4",
+               "--out", str(out), *(arg for override in TINY for arg in ("--set", override))]
+    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = (out / "ablation.md").read_text()
+    assert (out / "ablation_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    heldout = [p.prompt_text for p in make_scratchpad_split(0, 200, 300, ScratchpadTaskConfig(2, 10)).heldout[:4]]
+    assert heldout != [p.prompt_text for p in make_split(0, 200, 300).heldout[:4]]
+    for name in ("1_overlong_filtering", "2_clip_higher"):
+        run_dir = out / "runs" / name / "seed0"
+        logged = [row[report.TRUNCATED] for row in report.read_rows(run_dir / "metrics.jsonl") if row["step"] > 0]
+        row = _table_rows(table, name)[2]  # accuracy, efficiency, then the dynamics table
+        assert row[2] == f"{sum(logged) / len(logged):.3f}"  # the table's truncation is the runs' metric
+        assert float(row[2]) > 0  # 24 tokens cut most of a barely warm-started model's responses
+        val = [json.loads(line) for line in (run_dir / "val_generations.jsonl").open() if '"step": 0' in line]
+        val.sort(key=lambda g: g["index"])
+        assert [g["prompt"] for g in val] == [f"<|user|>{h}<|assistant|>" for h in heldout]  # the scratchpad task
+    # The config read back from each run: rung 1 has the symmetric clip, rung 2 (Clip-Higher) has not.
+    assert dynamics.symmetric_clip(out / "runs" / "1_overlong_filtering" / "seed0")
+    assert not dynamics.symmetric_clip(out / "runs" / "2_clip_higher" / "seed0")
+    clip = next(line for line in table.splitlines() if line.startswith("- **Clip-Higher**"))
+    assert "(2_clip_higher vs 1_overlong_filtering" in clip and "no SE: one seed" in clip
+
+
+@pytest.mark.slow
+def test_the_warm_start_trains_on_the_configured_task(tmp_path):
+    """prepare-tiny's warm-start builds its prompts from data.synthetic.mode's problems: scratchpad prompts run to
+    10-term chains (over 20 tokens), the default task's stay under 20."""
+
+    def longest_warm_start_prompt(mode: str) -> int:
+        result = subprocess.run(
+            [sys.executable, "-m", "dapo_megatron.cli", "prepare-tiny", "examples/ablation/scratchpad/base.yaml",
+             f"data.synthetic.mode={mode}", "data.synthetic.num_train=400", "warm_start.max_steps=1",
+             "--out", str(tmp_path / mode)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lengths = re.findall(r"built 360 prompts \(longest (\d+) tokens\)", result.stdout + result.stderr)
+        assert len(lengths) == 1, (result.stdout + result.stderr)[-3000:]  # the warm-start's 400 - 40 validation
+        return int(lengths[0])
+
+    assert longest_warm_start_prompt("scratchpad") > 20
+    assert longest_warm_start_prompt("arith") < 20  # control: the default task's prompts
