@@ -59,3 +59,43 @@ def test_a_dense_model_has_no_routing_to_capture(tmp_path):
     assert moe_gates(model) == []
     with pytest.raises(ValueError, match="mixture-of-experts"):
         RoutingCapture(model)
+
+
+def test_two_threads_forwarding_the_same_model_each_take_their_own_routing(moe_dir):
+    """Async mode: validation's generate and the streaming thread run forwards of one model at once (the failure
+    this guards: a hook of one thread's forward overwrote the other's, "stack expects each tensor to be equal
+    size"). Thread A forwards, thread B forwards and takes, then A takes: A must get its own tokens' routing."""
+    import threading
+
+    engine = EmbeddedEngine.from_hf_directory(moe_dir)
+    model = engine.model
+    long_ids, short_ids = list(range(5, 17)), [7, 8, 9]
+    expected_long, expected_short = full_forward_routing(model, long_ids), full_forward_routing(model, short_ids)
+    capture = RoutingCapture(model)
+    a_forwarded, b_done = threading.Event(), threading.Event()
+    taken = {}
+
+    def thread_a():
+        with torch.no_grad():
+            model(input_ids=torch.tensor([long_ids]))
+        a_forwarded.set()
+        b_done.wait(timeout=60)
+        taken["a"] = capture.take(1, len(long_ids))[0]
+
+    def thread_b():
+        a_forwarded.wait(timeout=60)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([short_ids]))
+        taken["b"] = capture.take(1, len(short_ids))[0]
+        b_done.set()
+
+    try:
+        threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        capture.close()
+    assert torch.equal(taken["a"].sort(-1).values, expected_long.sort(-1).values)
+    assert torch.equal(taken["b"].sort(-1).values, expected_short.sort(-1).values)

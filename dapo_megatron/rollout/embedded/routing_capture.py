@@ -7,9 +7,14 @@ positions of that forward (the prefill's prompts, or one decode step's tokens); 
 row, and a finished row's routing is that of its prompt and every generated token but the last
 (``[P + R − 1, L, k]``): the last sampled token never goes through the model — SGLang's ``routed_experts`` covers
 the same tokens.
+
+The engine's streaming thread and a synchronous ``generate`` (validation in async mode) run forwards of the same
+model at the same time, so what a hook keeps, and a prefill's ``routing``, belong to the thread whose forward it is.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -29,14 +34,27 @@ class RoutingCapture:
         if not self.gates:
             raise ValueError("routing capture needs a mixture-of-experts model (every layer's mlp.gate a router)")
         self.topk = self.gates[0].top_k
-        self._last: list[torch.Tensor | None] = [None] * len(self.gates)
-        self.routing: torch.Tensor | None = None  # a prefill's, per row (decode_batch.prefill)
+        self._local = threading.local()  # per thread: ``last`` (a forward's ids per layer), ``routing``
         self._hooks = [gate.register_forward_hook(self._keep(i)) for i, gate in enumerate(self.gates)]
 
     def _keep(self, layer: int):
         def hook(module, args, output) -> None:
-            self._last[layer] = output[2].to(torch.int16)  # (logits, scores, indices [tokens, k])
+            self._kept()[layer] = output[2].to(torch.int16)  # (logits, scores, indices [tokens, k])
         return hook
+
+    def _kept(self) -> list[torch.Tensor | None]:
+        if not hasattr(self._local, "last"):
+            self._local.last = [None] * len(self.gates)
+        return self._local.last
+
+    @property
+    def routing(self) -> torch.Tensor | None:
+        """This thread's last prefill's expert ids, per row (set by decode_batch.prefill)."""
+        return getattr(self._local, "routing", None)
+
+    @routing.setter
+    def routing(self, value: torch.Tensor | None) -> None:
+        self._local.routing = value
 
     @property
     def num_layers(self) -> int:
@@ -44,10 +62,11 @@ class RoutingCapture:
 
     def take(self, rows: int, positions: int) -> torch.Tensor:
         """The last forward's expert ids as ``[rows, positions, layers, k]`` int16 (its tokens are row-major)."""
-        if any(last is None for last in self._last):
+        kept = self._kept()
+        if any(last is None for last in kept):
             raise RuntimeError("routing capture: a router did not run in the last forward")
-        routing = torch.stack(self._last, dim=1).reshape(rows, positions, len(self.gates), self.topk)
-        self._last = [None] * len(self.gates)
+        routing = torch.stack(kept, dim=1).reshape(rows, positions, len(self.gates), self.topk)
+        self._local.last = [None] * len(self.gates)
         return routing
 
     def close(self) -> None:
