@@ -68,7 +68,12 @@ def test_a_signal_to_the_process_group_of_a_piped_run_keeps_its_checkpoint_and_e
     complete = list_checkpoints(run_dir / "checkpoints")
     assert complete and all(checkpoint_problems(path, world_size=1) == [] for path in complete)
     assert "step 1/30" in run.text()  # tee copied the run's output until the signal killed it
-    assert "its reader is gone" in console and "Traceback" not in console, console[-3000:]
+    assert "Traceback" not in console + run.text(), (console + run.text())[-3000:]
+    if signum == signal.SIGINT and not console:
+        # Ctrl-C stops the trainer at once: on a loaded machine its last line can reach the pipe before tee has
+        # died (then tee may copy it, or die with it unread), so nothing is written after the reader is gone.
+        return
+    assert "its reader is gone" in console, console[-3000:]
     if signum != signal.SIGINT:
         last = read_run_metrics(run_dir)[-1]["step"]
         assert complete[-1].name == f"step_{last:06d}" and last >= 3  # the step reached
