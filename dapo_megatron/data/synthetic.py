@@ -76,6 +76,13 @@ class SyntheticProblem:
     prompt_text: str
     solution: str
 
+    @classmethod
+    def worked(cls, kind: str, expression: str, lines: list[str], answer: int, template: str) -> "SyntheticProblem":
+        """A problem asked in ``template`` whose reference solution is ``lines`` then ``Answer: N``."""
+        return cls(kind=kind, expression=expression, answer=answer, template=template,
+                   prompt_text=PROMPT_TEMPLATES[template].format(expression=expression),
+                   solution="\n".join(lines + [f"{ANSWER_PREFIX}{answer}"]))
+
     def to_row(self, index: int, split: str) -> dict[str, Any]:
         """The problem as a row in the DAPO-Math-17K schema."""
         return {
@@ -146,15 +153,7 @@ def draw_problem(rng: random.Random, config: SyntheticTaskConfig) -> SyntheticPr
     kind = "mul" if rng.random() < config.mul_fraction else "chain"
     draw = _draw_multiplication if kind == "mul" else _draw_chain
     expression, lines, answer = draw(rng, config)
-    template = rng.choice(config.templates)
-    return SyntheticProblem(
-        kind=kind,
-        expression=expression,
-        answer=answer,
-        template=template,
-        prompt_text=PROMPT_TEMPLATES[template].format(expression=expression),
-        solution="\n".join(lines + [f"{ANSWER_PREFIX}{answer}"]),
-    )
+    return SyntheticProblem.worked(kind, expression, lines, answer, rng.choice(config.templates))
 
 
 def make_split(

@@ -24,7 +24,6 @@ import random
 from dataclasses import dataclass
 
 from dapo_megatron.data.synthetic import (
-    ANSWER_PREFIX,
     PROMPT_TEMPLATES,
     SyntheticProblem,
     SyntheticSplit,
@@ -67,15 +66,7 @@ def draw_scratchpad_problem(rng: random.Random, config: ScratchpadTaskConfig) ->
         operators.append(operator)
     lines, answer = chain_solution(numbers, operators)
     expression = str(numbers[0]) + "".join(f"{op}{n}" for op, n in zip(operators, numbers[1:]))
-    template = rng.choice(config.templates)
-    return SyntheticProblem(
-        kind=SCRATCHPAD_KIND,
-        expression=expression,
-        answer=answer,
-        template=template,
-        prompt_text=PROMPT_TEMPLATES[template].format(expression=expression),
-        solution="\n".join(lines + [f"{ANSWER_PREFIX}{answer}"]),
-    )
+    return SyntheticProblem.worked(SCRATCHPAD_KIND, expression, lines, answer, rng.choice(config.templates))
 
 
 def make_scratchpad_split(seed: int, n_train: int, n_heldout: int,

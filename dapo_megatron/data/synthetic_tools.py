@@ -66,10 +66,7 @@ def draw_tool_problem(rng: random.Random, config: ToolTaskConfig) -> SyntheticPr
     kind = "muladd" if rng.random() < config.muladd_fraction else "mul"
     expression = f"{numbers[0]}*{numbers[1]}" + (f"+{numbers[2]}" if kind == "muladd" else "")
     answer = numbers[0] * numbers[1] + (numbers[2] if kind == "muladd" else 0)
-    template = rng.choice(config.templates)
-    return SyntheticProblem(kind=kind, expression=expression, answer=answer, template=template,
-                            prompt_text=PROMPT_TEMPLATES[template].format(expression=expression),
-                            solution=f"{ANSWER_PREFIX}{answer}")
+    return SyntheticProblem.worked(kind, expression, [], answer, rng.choice(config.templates))
 
 
 def tool_trace(problem: SyntheticProblem) -> ToolTrace:
