@@ -65,3 +65,19 @@ def build_tiny_qwen3_folder(directory: str | Path, *, moe: bool, seed: int = 0) 
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def write_dormant_expert_model(directory: Path, *, num_experts: int, vocab_size: int = 101) -> Path:
+    """Qwen3-MoE, 2 layers, top-2, whose expert 0 no token chooses: every router row is a fixed direction (0, v, −v,
+    u, −u and, with 6 experts, 0.3·w), so a trainer copy that raises row 0 routes differently from this model."""
+    from tiny_models import save_random_hf_model
+
+    config = tiny_qwen3_moe_config(num_experts=num_experts, topk=2, vocab_size=vocab_size, num_layers=2)
+    model = save_random_hf_model(directory, config, seed=3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight  # [num_experts, hidden]
+            v, u, *w = torch.randn(num_experts - 3, gate.shape[1], generator=torch.Generator().manual_seed(4)) * 0.5
+            gate.copy_(torch.stack([torch.zeros_like(v), v, -v, u, -u] + [0.3 * row for row in w]))
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory

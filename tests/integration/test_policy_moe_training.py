@@ -19,6 +19,7 @@ from actor_harness import actor_settings, build_test_actor, gather_hf_weights, l
 from spawn_ranks import run_distributed
 from tiny_models import save_random_hf_model
 from tiny_qwen3 import EVEN_EXPERTS, ODD_EXPERTS, tiny_qwen3_moe_config
+from tiny_qwen3 import write_dormant_expert_model as write_dormant_model
 
 from dapo_megatron.config import ModelConfig, MoEConfig, OptimConfig, load_config
 from dapo_megatron.policy.moe_routing import moe_routers
@@ -30,16 +31,7 @@ VOCAB = 101
 
 
 def write_dormant_expert_model(directory: Path) -> Path:
-    """Qwen3-MoE, 5 experts, top-2, whose expert 0 no token chooses (see the module docstring)."""
-    config = tiny_qwen3_moe_config(num_experts=ODD_EXPERTS, topk=2, vocab_size=VOCAB, num_layers=2)
-    model = save_random_hf_model(directory, config, seed=3)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gate = layer.mlp.gate.weight  # [5, hidden]
-            v, u = torch.randn(2, gate.shape[1], generator=torch.Generator().manual_seed(4)) * 0.5
-            gate.copy_(torch.stack([torch.zeros_like(v), v, -v, u, -u]))
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
+    return write_dormant_model(directory, num_experts=ODD_EXPERTS, vocab_size=VOCAB)
 
 
 def moe_settings(replay: str = "replay_old", aux_loss_coeff: float = 0.0, lr: float = 1e-2) -> dict:

@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import run_distributed
-from tiny_models import save_random_hf_model
-from tiny_qwen3 import EVEN_EXPERTS, tiny_qwen3_moe_config
+from tiny_qwen3 import write_dormant_expert_model as write_dormant_model, EVEN_EXPERTS
 
 from dapo_megatron.collectors.group import RolloutGroup
 
@@ -31,15 +30,7 @@ VOCAB = 101
 
 
 def write_dormant_expert_model(directory: Path) -> Path:
-    config = tiny_qwen3_moe_config(num_experts=EVEN_EXPERTS, topk=2, vocab_size=VOCAB, num_layers=2)
-    model = save_random_hf_model(directory, config, seed=3)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gate = layer.mlp.gate.weight  # [6, hidden]
-            v, u, w = torch.randn(3, gate.shape[1], generator=torch.Generator().manual_seed(4)) * 0.5
-            gate.copy_(torch.stack([torch.zeros_like(v), v, -v, u, -u, 0.3 * w]))
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
+    return write_dormant_model(directory, num_experts=EVEN_EXPERTS, vocab_size=VOCAB)
 
 
 def engine_groups(hf_dir: str) -> list[RolloutGroup]:
