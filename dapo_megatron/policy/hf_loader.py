@@ -35,7 +35,7 @@ class HFCheckpointError(HFFormatError):
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
-    """:func:`load_hf_config` then :func:`~dapo_megatron.policy.model.model_spec_from_hf`."""
+    """:func:`load_hf_config` then :func:`~dapo_megatron.policy.model_spec.model_spec_from_hf`."""
     return model_spec_from_hf(load_hf_config(model_dir))
 
 

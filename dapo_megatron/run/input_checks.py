@@ -17,7 +17,7 @@
 * ``trainer.loggers``: their libraries installed (:func:`dapo_megatron.metrics.loggers.check_logger_libraries`);
 * the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory without
   missing or truncated files (:func:`dapo_megatron.checkpoint.newest_sound_checkpoint`; none is fine: the run starts
-  at step 0), written with the settings this run has where they cannot change (:mod:`.run_config`), at a step no
+  at step 0), written with the settings this run has where they cannot change (:mod:`.config_record`), at a step no
   later than ``trainer.total_steps``; ``eval --ckpt`` the one named.
 """
 

@@ -112,7 +112,7 @@ def read_api_key(config: SGLangConfig) -> str | None:
 class ServerPool:
     """``config.urls`` non-empty: attach to those servers; otherwise launch ``config.num_servers`` on ``device``
     serving ``dtype`` (SGLang's ``--dtype``), in the environment ``server_environment`` makes of the one they
-    would get (the backend's: :meth:`dapo_megatron.backend.Backend.sglang_server_environment`), placed as
+    would get (the backend's: :meth:`dapo_megatron.backend.base.Backend.sglang_server_environment`), placed as
     ``placement`` says (``rollout.placement``)."""
 
     def __init__(self, config: SGLangConfig, *, model_path: str, run_dir: Path, device: Literal["cpu", "cuda"],
