@@ -1,0 +1,106 @@
+"""Sandboxes started ahead of demand: each runs exactly one call and then dies, but its start (namespaces, mounts,
+the interpreter's own start) is paid before the call arrives.
+
+One thread owns every sandbox process of a :class:`~dapo_megatron.tools.sandbox.CodeSandbox`, the cold ones too:
+the fresh session keyring each gets is joined by that thread, and bubblewrap's ``--die-with-parent`` follows the
+thread that forked it, so the thread lives as long as the pool. It keeps ``size`` sandboxes waiting (``size`` 0:
+none; each call then waits for its own start) and starts one more for each call that finds none waiting.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Callable, Generic, Protocol, TypeVar
+
+RETRY_S = 1.0  # a failed start is retried after this, or at once for a call that comes to wait
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+Item = TypeVar("Item", bound=Closable)
+
+
+class PoolClosed(Exception):
+    """The pool was closed while a call waited for a sandbox."""
+
+
+class _Failed:
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class WarmPool(Generic[Item]):
+    def __init__(self, start: Callable[[], Item], size: int, name: str = "dapo-sandbox-start"):
+        self._start = start
+        self._size = size
+        self._ready: collections.deque[Item | _Failed] = collections.deque()
+        self._waiting = 0  # calls waiting for a sandbox
+        self._closed = False
+        self._condition = threading.Condition()
+        self._thread = threading.Thread(target=self._fill, name=name, daemon=True)
+        self._thread.start()
+
+    def take(self) -> Item:
+        """A started sandbox, the caller's to run one call in; raises the error of a start that failed."""
+        with self._condition:
+            self._waiting += 1
+            self._condition.notify_all()
+            try:
+                while not self._ready and not self._closed:
+                    self._condition.wait()
+                if self._closed:
+                    raise PoolClosed("the code sandbox is closed")
+                item = self._ready.popleft()
+            finally:
+                self._waiting -= 1
+            self._condition.notify_all()  # the filler starts the next
+        if isinstance(item, _Failed):
+            raise item.error
+        return item
+
+    def ready(self) -> int:
+        """How many started sandboxes are waiting for a call."""
+        with self._condition:
+            return sum(not isinstance(item, _Failed) for item in self._ready)
+
+    def close(self) -> None:
+        """Stop starting sandboxes and end the ones waiting (calls running in taken ones finish on their own)."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        while self._ready:
+            item = self._ready.popleft()
+            if not isinstance(item, _Failed):
+                item.close()
+
+    def _wanted(self) -> bool:
+        failed = sum(isinstance(item, _Failed) for item in self._ready)
+        return len(self._ready) - failed < self._size + max(self._waiting - failed, 0)
+
+    def _fill(self) -> None:
+        while True:
+            with self._condition:
+                while not self._closed and not self._wanted():
+                    self._condition.wait()
+                if self._closed:
+                    return
+            try:
+                item: Item | _Failed = self._start()
+            except Exception as error:  # handed to a call waiting for it; the pool goes on
+                item = _Failed(error)
+            with self._condition:
+                if self._closed:
+                    if not isinstance(item, _Failed):
+                        item.close()
+                    return
+                failed = isinstance(item, _Failed)
+                if not failed or self._waiting > sum(isinstance(i, _Failed) for i in self._ready):
+                    self._ready.append(item)
+                self._condition.notify_all()
+                if failed:
+                    self._condition.wait(RETRY_S)
