@@ -352,7 +352,7 @@ def test_memory_is_limited_for_the_call_as_a_whole(code):
             pool.close()
         rises[mode] = memory.mb
     assert rises["per_call"] < 256 + 64, rises
-    assert rises[RLIMITS_ONLY] > 900, rises
+    assert rises[RLIMITS_ONLY] > 600, rises  # ~1000 MB held; under load the children overlap less
     limited = results["per_call"]
     assert (limited.ok, limited.kind) == (False, "memory"), limited
     assert "held more than 256 MB together" in limited.text
