@@ -32,10 +32,11 @@ import weakref
 from dataclasses import replace
 
 from dapo_megatron.config.tools import OPT_OUT, PREFIX, RLIMITS_ONLY, SandboxConfig, ToolsError
+from dapo_megatron.overrides.bubblewrap import sandbox_init as bubblewrap_init
 from dapo_megatron.tools.cgroups import CallCgroups, CgroupUnavailable
 from dapo_megatron.tools.process import run_process
 from dapo_megatron.tools.result import ToolResult, failure
-from dapo_megatron.tools.sandbox_process import SETPRIV, SHELL, SandboxCommand, start_sandbox
+from dapo_megatron.tools.sandbox_process import SETPRIV, SandboxCommand, start_sandbox
 from dapo_megatron.tools.seccomp import filter_program
 from dapo_megatron.tools.warm_pool import PoolClosed, WarmPool
 
@@ -64,7 +65,8 @@ class CodeSandbox:
                 raise ToolsError(f"{PREFIX}.sandbox: {SETPRIV} (util-linux) is missing; a trainer running as root "
                                  f"starts the sandbox as {PREFIX}.sandbox.uid with it")
             command = SandboxCommand(bwrap, self._bwrap_options(_supports(bwrap, "--disable-userns")),
-                                     self._sandboxed_command(), ENV, _seccomp_filter(), self._user, self.limits)
+                                     bubblewrap_init.with_own_init(self._limited_python()), ENV, _seccomp_filter(),
+                                     self._user, self.limits)
             cgroups = _call_cgroups(sandbox)
             self._pool = WarmPool(functools.partial(start_sandbox, command, cgroups), sandbox.warm)
             # Whoever drops the sandbox without close() (the tool pool does not call it yet) still ends its
@@ -110,19 +112,10 @@ class CodeSandbox:
                 f"--nproc={limits.processes}", f"--nofile={limits.open_files}", f"--fsize={limits.file_mb << 20}",
                 "--", self.config.python, "-I", "-"]
 
-    def _sandboxed_command(self) -> list[str]:
-        # The sandbox's init (pid 1, --as-pid-1) is a shell that runs the interpreter as its child, reaps the
-        # orphans of the code while it waits, and exits with the interpreter's status (128 + n for signal n). bwrap's
-        # own init would exit after its outer process, which leaves it an orphan: a zombie wherever its new parent
-        # does not reap (a trainer that is a child subreaper or a container's PID 1, issue 41). This one is bwrap's
-        # direct child, reaped by it. Its own messages ("Killed") go nowhere; the interpreter keeps the output pipe.
-        return [SHELL, "-c", 'exec 3>&2 2>/dev/null; "$@" 2>&3 3>&-; exit $?', "sandbox-init",
-                *self._limited_python()]
-
     def _bwrap_options(self, nested_userns_flag: bool) -> list[str]:
         workdir_bytes = str(self.limits.workdir_mb << 20)
         argv = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv",
-                "--as-pid-1", "--ro-bind", "/usr", "/usr"]
+                *bubblewrap_init.OPTIONS, "--ro-bind", "/usr", "/usr"]
         for path in SYSTEM_LINKS:
             if os.path.islink(path):
                 argv += ["--symlink", os.readlink(path), path]

@@ -398,6 +398,28 @@ def test_no_zombie_is_left_under_a_child_subreaper():
         trainer.wait()
 
 
+BWRAP_INIT_UNDER_A_SUBREAPER = """
+import ctypes, os, subprocess, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+for _ in range(5):
+    subprocess.run(["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--", "/bin/true"],
+                   check=True)
+time.sleep(0.3)
+print(sum(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[:2] == ["Z", str(os.getpid())]
+          for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/stat")))
+"""
+
+
+def test_can_the_own_sandbox_init_go():
+    """dapo_megatron/overrides/bubblewrap/sandbox_init.py: bubblewrap's own init still outlives bwrap's outer process
+    and is left to the subreaper as a zombie. When a bubblewrap version reaps it first, this fails: delete the
+    override (its OPTIONS and with_own_init in tools/sandbox.py) and this test."""
+    completed = subprocess.run([sys.executable, "-c", BWRAP_INIT_UNDER_A_SUBREAPER], capture_output=True, text=True,
+                               timeout=60)
+    assert completed.returncode == 0, completed.stderr
+    assert int(completed.stdout) >= 1, "bubblewrap's init no longer outlives bwrap: the own init can go"
+
+
 CPU_SPINNERS = """
 import os
 children = []
