@@ -61,14 +61,16 @@ class StartedSandbox:
     the outer process first would leave the init an orphan: a zombie wherever its new parent does not reap (a
     trainer that is a child subreaper, a container's PID 1; issue 41)."""
 
-    def __init__(self, process: subprocess.Popen, cgroup: CallCgroup | None):
+    def __init__(self, process: subprocess.Popen, cgroup: CallCgroup | None, info_read: int):
         self.process = process
         self.cgroup = cgroup
-        self.init_pidfd: int | None = None
+        self._info_read: int | None = info_read  # where bwrap reports its init's pid, read when first needed
+        self._init_pidfd: int | None = None
 
     def run(self, tool: str, code: bytes, limits: SandboxLimits, start: float) -> ToolResult:
         """Run ``code``; ``start``: when the call arrived (the wall time it reports counts from there)."""
         cgroup, cpu_before = self.cgroup, self.cgroup.cpu_seconds() if self.cgroup else 0.0
+        self._find_init()  # while the sandbox waits for its code: its init cannot have exited yet
 
         def watch() -> Stop | None:
             if cgroup.oom_kills():
@@ -98,17 +100,27 @@ class StartedSandbox:
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None and not pipe.closed:
                 pipe.close()
-        if self.init_pidfd is not None:
-            os.close(self.init_pidfd)
-            self.init_pidfd = None
+        for fd in (self._info_read, self._init_pidfd):
+            if fd is not None:
+                os.close(fd)
+        self._info_read = self._init_pidfd = None
         if self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None
 
-    def _kill(self, process: subprocess.Popen) -> None:
-        if self.init_pidfd is not None:
+    def _find_init(self) -> None:
+        if self._info_read is not None:
             try:
-                signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
+                self._init_pidfd = _init_pidfd(self._info_read)
+            finally:
+                os.close(self._info_read)
+                self._info_read = None
+
+    def _kill(self, process: subprocess.Popen) -> None:
+        self._find_init()
+        if self._init_pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
                 process.wait(timeout=EXIT_S)
                 return
             except (ProcessLookupError, subprocess.TimeoutExpired):
@@ -150,17 +162,14 @@ def start_sandbox(command: SandboxCommand, cgroups: CallCgroups | None) -> Start
     finally:
         os.close(seccomp_read)
         os.close(info_write)
-    sandbox = StartedSandbox(process, cgroup)
+    sandbox = StartedSandbox(process, cgroup, info_read)
     try:
         if cgroup is not None:
             cgroup.attach(process.pid)
         os.write(process.stdin.fileno(), b"\n")
-        sandbox.init_pidfd = _init_pidfd(info_read)
     except BaseException:
         sandbox.close()
         raise
-    finally:
-        os.close(info_read)
     return sandbox
 
 
