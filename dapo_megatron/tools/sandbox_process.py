@@ -70,7 +70,6 @@ class StartedSandbox:
     def run(self, tool: str, code: bytes, limits: SandboxLimits, start: float) -> ToolResult:
         """Run ``code``; ``start``: when the call arrived (the wall time it reports counts from there)."""
         cgroup, cpu_before = self.cgroup, self.cgroup.cpu_seconds() if self.cgroup else 0.0
-        self._find_init()  # while the sandbox waits for its code: its init cannot have exited yet
 
         def watch() -> Stop | None:
             if cgroup.oom_kills():
@@ -82,6 +81,7 @@ class StartedSandbox:
             return None
 
         try:
+            self._find_init()  # while the sandbox waits for its code: its init cannot have exited yet
             result = finish_process(tool, self.process, code, start=start, wall_s=limits.wall_s,
                                     output_bytes=limits.output_bytes, signal_base=128,
                                     watch=watch if cgroup else None, kill=self._kill)
@@ -117,7 +117,10 @@ class StartedSandbox:
                 self._info_read = None
 
     def _kill(self, process: subprocess.Popen) -> None:
-        self._find_init()
+        try:
+            self._find_init()
+        except (OSError, TimeoutError):
+            pass  # no pidfd: the process group below
         if self._init_pidfd is not None:
             try:
                 signal.pidfd_send_signal(self._init_pidfd, signal.SIGKILL)
