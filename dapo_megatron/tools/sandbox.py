@@ -90,7 +90,10 @@ class CodeSandbox:
             except Exception as error:
                 return failure(self.tool, "crashed", f"[the sandbox did not start: {type(error).__name__}: "
                                                      f"{error}]", time.monotonic() - start)
-            return sandbox.run(self.tool, data, self.limits, start)
+            try:
+                return sandbox.run(self.tool, data, self.limits, start)
+            finally:
+                self._pool.finished()
         folder = tempfile.mkdtemp(prefix="dapo-tool-")
         try:
             return run_process(self.tool, self._limited_python(), stdin=data, cwd=folder,
@@ -155,7 +158,10 @@ class CodeSandbox:
         except Exception as error:
             raise ToolsError(f"{PREFIX}.sandbox.isolation=bubblewrap: the sandbox did not start: "
                              f"{type(error).__name__}: {error}; {_opt_out_hint()}") from None
-        result = sandbox.run(self.tool, PROBE.encode(), replace(self.limits, wall_s=PROBE_WALL_S), start)
+        try:
+            result = sandbox.run(self.tool, PROBE.encode(), replace(self.limits, wall_s=PROBE_WALL_S), start)
+        finally:
+            self._pool.finished()
         words = result.text.split()
         if not result.ok or len(words) != 2 or words[0] != "sandbox-ok":
             detail = result.text.strip().splitlines()[0] if result.text.strip() else f"{result.kind}"

@@ -59,6 +59,8 @@ def test_it_keeps_size_started_and_hands_each_out_once():
         _settle(lambda: pool.ready() == 3)
         assert len(starts.made) == 8
     finally:
+        for _ in taken:
+            pool.finished()
         pool.close()
     assert [s.closed for s in starts.made] == [False] * 5 + [True] * 3, "close ends the waiting ones only"
 
@@ -73,6 +75,8 @@ def test_size_zero_starts_one_per_call_when_it_arrives():
         time.sleep(0.05)
         assert len(starts.made) == 2 and pool.ready() == 0
     finally:
+        pool.finished()
+        pool.finished()
         pool.close()
 
 
@@ -84,7 +88,22 @@ def test_a_failed_start_reaches_the_waiting_call_and_the_pool_goes_on():
             pool.take()
         assert pool.take().number == 1  # the next start, a retry after RETRY_S, works
     finally:
+        pool.finished()
         pool.close()
+
+
+def test_the_starting_thread_stays_until_every_taken_sandbox_has_ended():
+    """bwrap's --die-with-parent follows the thread that started it: the pool's thread may not end under a call."""
+    pool = WarmPool(Starts(), size=1)
+    taken = pool.take()
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    time.sleep(0.1)
+    assert closer.is_alive() and not taken.closed, "close waits for the call running in the taken sandbox"
+    taken.close()
+    pool.finished()
+    closer.join(timeout=5)
+    assert not closer.is_alive()
 
 
 def test_a_call_waiting_when_the_pool_closes_is_refused():
