@@ -50,10 +50,16 @@ def ddp_config(*, use_distributed_optimizer: bool, overlap_grad_reduce: bool = F
 
 
 def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distributed_optimizer: bool,
-                      overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
-    """``(DistributedDataParallel(stage), optimizer, scheduler)``; the stage is an unwrapped ``GPTModel``."""
+                      overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                      lr_multiplier: float = 1.0):
+    """``(DistributedDataParallel(stage), optimizer, scheduler)``; the stage is an unwrapped ``GPTModel``.
+
+    Only the parameters that require a gradient are trained: megatron's DDP gives the others no gradient buffer and
+    its optimizer no main copy or moments (with LoRA, :func:`dapo_megatron.policy.lora.add_adapters` froze the base).
+    ``lr_multiplier`` scales ``optim.lr`` (``model.lora.lr_multiplier``: adapters train at a higher rate)."""
 
     tconfig = stage.config
+    lr = optim.lr * lr_multiplier
     ddp_model = DistributedDataParallel(
         tconfig, ddp_config(use_distributed_optimizer=use_distributed_optimizer,
                             overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather),
@@ -65,8 +71,8 @@ def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distr
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
-            lr=optim.lr,
-            min_lr=optim.lr,
+            lr=lr,
+            min_lr=lr,
             weight_decay=optim.weight_decay,
             adam_beta1=optim.adam_beta1,
             adam_beta2=optim.adam_beta2,
@@ -81,9 +87,9 @@ def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distr
     )
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if optim.warmup_steps else optim.lr,
-        max_lr=optim.lr,
-        min_lr=optim.lr,
+        init_lr=0.0 if optim.warmup_steps else lr,
+        max_lr=lr,
+        min_lr=lr,
         lr_warmup_steps=optim.warmup_steps,
         lr_decay_steps=optim.warmup_steps + 1,  # unused by the constant style; must exceed warmup
         lr_decay_style="constant",
