@@ -184,6 +184,7 @@ class LoRAAdapter(torch.nn.Module):
         for parameter in (self.lora_a, self.lora_b):
             parameter.allreduce = getattr(weight, "allreduce", True)  # False for experts: megatron's expert DP
         self._norm_weight = getattr(linear, "layer_norm_weight", None) if p.norm_eps is not None else None
+        self._base_weight = [weight]  # in a list: an attribute would register the base's weight as the adapter's
         self._hook = linear.register_forward_hook(self._add_to_output)
 
     def extra_repr(self) -> str:
@@ -222,6 +223,14 @@ class LoRAAdapter(torch.nn.Module):
                 h = (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if p.sequence_parallel
                      else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
         return F.linear(h, self.lora_b) * self.scale
+
+    @torch.no_grad()
+    def merge_into_base(self) -> None:
+        """``W += s · B A`` on this rank's shard (column: its rows of B; row: its columns of A: a local product),
+        then stop adding to the linear's output. For exports: the model then holds merged weights, not the base."""
+        weight = self._base_weight[0]
+        weight.add_((self.lora_b.float() @ self.lora_a.float() * self.scale).to(weight.dtype))
+        self._hook.remove()
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -294,6 +303,15 @@ def add_adapters(model: torch.nn.Module, settings: "LoRAConfig", *, seed: int) -
     return adapters
 
 
-def trainable_parameter_names(model: torch.nn.Module) -> list[str]:
-    """Names of the parameters that require a gradient (with LoRA: the adapters only)."""
-    return [name for name, parameter in model.named_parameters() if parameter.requires_grad]
+def merge_adapters(model: torch.nn.Module) -> int:
+    """Merge every adapter of the stage into its base linear (:meth:`LoRAAdapter.merge_into_base`) and remove it;
+    returns how many. The model then computes what it computed with the adapters, as plain weights."""
+    merged = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, LoRAAdapter):
+                child.merge_into_base()
+                delattr(parent, name)
+                merged += 1
+    return merged
+
