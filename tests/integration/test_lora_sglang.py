@@ -1,0 +1,68 @@
+"""LoRA adapters handed to a real SGLang 0.5.23 server on CPU (``model.lora.handoff: adapter``): two DAPO steps of the
+Megatron policy at TP=2 with examples/tiny_cpu_sglang.yaml. The server starts with ``--enable-lora`` (which a CPU
+server survives only with dapo_megatron/overrides/sglang/pinned_memory.py), takes the frozen base once and then one
+adapter per step (``/load_lora_adapter_from_tensors``, ``policy_v<version>``), the requests name it, and its log-probs
+agree with the policy's recomputed ones as closely as without LoRA (tests/integration/test_trainer_sglang.py's bound).
+The control: the same prompt without the adapter's name gives other log-probs, so the bound would catch a server
+that ignored the adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from trainer_harness import build_trainer, small_sglang_run
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.lr_multiplier=10"]
+
+
+def lora_run(overrides: list[str]) -> dict | None:
+    from dapo_megatron.metrics.writer import read_metrics
+    from dapo_megatron.policy.lora_sizes import adapter_sizes
+
+    trainer = build_trainer(overrides, REPO / "examples" / "tiny_cpu_sglang.yaml")
+    try:
+        trainer.run()
+        if trainer.rank != 0:
+            return None
+        engine = trainer.engine
+        slot = engine.pool.available()[0]
+        _, models = slot.client.request("GET", "/v1/models")
+        prompt = {"input_ids": [5, 17, 33, 9], "sampling_params": {"temperature": 0.0, "max_new_tokens": 6},
+                  "return_logprob": True}
+        with engine.adapters.request() as (adapter, _):
+            adapted = slot.client.generate({**prompt, **adapter})[0]
+        base = slot.client.generate(prompt)[0]
+        lora = trainer.config.model.lora
+        return dict(metrics=read_metrics(trainer.run_dir), models=[card["id"] for card in models["data"]],
+                    held=engine.adapters.held_versions(), adapted=adapted, base=base,
+                    sizes=adapter_sizes(trainer.spec, rank=lora.rank, target_modules=lora.target_modules))
+    finally:
+        trainer.shutdown()
+
+
+def _first_logprob_gap(one: dict, other: dict) -> float:
+    first = [entry[0] for entry in one["meta_info"]["output_token_logprobs"]][0]
+    second = [entry[0] for entry in other["meta_info"]["output_token_logprobs"]][0]
+    return abs(first - second)
+
+
+def test_adapters_reach_the_server_and_sample_what_the_policy_computes(tmp_path):
+    from spawn_ranks import run_distributed
+
+    result, _ = run_distributed(lora_run, 2, [*small_sglang_run(tmp_path), *LORA], timeout_s=1200)
+    rows = result["metrics"]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    adapter_bytes = result["sizes"].handoff * 4  # fp32: the adapters alone, in PEFT's form
+    for row in rows[1:]:
+        assert row["rollout/weight_version"] == row["step"]
+        assert row["rollout/logprob_diff/max_abs"] < 1e-3, row["rollout/logprob_diff/max_abs"]
+        assert row["handoff/bytes"] == adapter_bytes  # rank 4 on a hidden size of 32: 15 % of this tiny model
+        assert row["lora/handoff_fraction"] == pytest.approx(adapter_bytes / (result["sizes"].model * 4))
+    # one adapter per step was loaded under its version's name; the older ones are unloaded
+    assert result["held"] == [2]
+    assert result["models"][1:] == ["policy_v2"]
+    # the control: without the adapter the server answers differently, by far more than the bound above
+    assert _first_logprob_gap(result["adapted"], result["base"]) > 1e-2
