@@ -112,3 +112,23 @@ def sync_params(ddp_model) -> bool:
         return False
     ddp_model.start_param_sync(force_sync=True)
     return True
+
+
+def training_state_bytes(ddp_model, optimizer) -> dict[str, int]:
+    """Bytes this rank holds for training, measured on the objects: ``weights`` (every parameter of the stage),
+    ``grad_buffers`` (megatron DDP's gradient buffers: only parameters that require a gradient get a slot),
+    ``main_params`` (the optimizer's fp32 copies of 16-bit parameters) and ``moments`` (Adam's state tensors, which
+    exist once a step was applied). With LoRA the last three are the adapters' alone."""
+    def size(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    grad_buffers = sum(size(buffer.grad_data) for buffer in ddp_model.buffers + ddp_model.expert_parallel_buffers)
+    main_params = moments = 0
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for groups in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            main_params += sum(size(param) for group in getattr(chained, groups, None) or [] for param in group)
+        for state in chained.optimizer.state.values():
+            moments += sum(size(value) for value in state.values() if isinstance(value, torch.Tensor)
+                           and value.dim() > 0)
+    return {"weights": sum(size(param) for param in ddp_model.module.parameters()), "grad_buffers": grad_buffers,
+            "main_params": main_params, "moments": moments}
