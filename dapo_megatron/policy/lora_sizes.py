@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from dapo_megatron.policy.memory import layer_parameters, moe_layer_parameters
 from dapo_megatron.policy.model_spec import ModelSpec
 
 HF_MODULES = {"linear_qkv": 3, "linear_proj": 1, "linear_fc1": 2, "linear_fc2": 1}  # HF modules per megatron linear
@@ -36,7 +37,7 @@ class AdapterSizes:
         return self.handoff / self.model
 
 
-def _linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int, int]]:
+def linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int, int]]:
     """(in, out, copies per layer) of each adaptable linear."""
     q, k, h = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
     ffn, copies = (spec.ffn_hidden_size, 1) if spec.moe is None else (spec.moe.ffn_hidden_size, spec.moe.num_experts)
@@ -45,20 +46,16 @@ def _linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, int, int]]:
 
 
 def model_parameter_count(spec: ModelSpec) -> int:
-    """Every parameter of the HF model (the unpadded vocabulary; a tied output layer once)."""
-    q, k, h = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
-    linears = sum(n_in * n_out * copies for n_in, n_out, copies in _linear_shapes(spec).values())
-    router = spec.moe.num_experts * h if spec.moe is not None else 0
-    norms = 2 * h + (2 * spec.head_dim if spec.qk_norm else 0)
-    layer = linears + router + norms + ((q + 2 * k) if spec.qkv_bias else 0)
-    embeddings = spec.vocab_size * h * (1 if spec.tie_embeddings else 2)
-    return spec.num_layers * layer + embeddings + h
+    """Every parameter of the HF model (the unpadded vocabulary; a tied output layer once; a MoE model's experts)."""
+    layer = layer_parameters(spec, 1) + moe_layer_parameters(spec, 1, 1)
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2)
+    return spec.num_layers * layer + embeddings + spec.hidden_size
 
 
 def adapter_sizes(spec: ModelSpec, *, rank: int, target_modules: Sequence[str]) -> AdapterSizes:
     """The sizes of rank-``rank`` adapters on ``target_modules`` of every layer of ``spec``."""
     trainable = handoff = 0
-    for name, (n_in, n_out, copies) in _linear_shapes(spec).items():
+    for name, (n_in, n_out, copies) in linear_shapes(spec).items():
         if name in target_modules:
             trainable += copies * rank * (n_in + n_out)
             handoff += copies * rank * (HF_MODULES[name] * n_in + n_out)

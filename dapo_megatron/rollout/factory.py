@@ -31,7 +31,8 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
     sglang, lora = r.sglang, config.model.lora
     if lora.enabled and lora.handoff == "adapter":  # servers that take the trainer's adapters (lora_adapters.py)
         sglang = replace(sglang, extra_server_args=[*sglang.extra_server_args,
-                                                    *lora_server_arguments(lora, backend.device_type)])
+                                                    *lora_server_arguments(lora, backend.device_type,
+                                                                           colocated=r.placement == "colocated")])
     return SGLangEngine.launch(sglang, model_path=hf_dir, run_dir=Path(run_dir) / "sglang",
                                dtype=served_dtype(config.model.precision), backend=backend, placement=r.placement,
                                samples_per_request=r.n_samples)

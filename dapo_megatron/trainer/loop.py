@@ -144,10 +144,13 @@ class DAPOTrainer:
         """The policy as ``version`` to the engine: its weights, or with LoRA what ``model.lora.handoff`` says
         (:func:`~dapo_megatron.trainer.weight_sync.sync_engine_policy`); the bytes sent are logged."""
         self.colocation.before_handoff()
+        r = self.config.rollout
+        # SGLang servers this run launched load the model folder, which is a LoRA policy's frozen base
+        launched_from_base = r.engine == "sglang" and not r.sglang.urls
         self.handoff_bytes = sync_engine_policy(
             self.actor.model, self.spec, self.engine, version=version, lora=self.config.model.lora,
-            base_served=self.handoff_bytes is not None, bucket_bytes=int(self.config.rollout.handoff_bucket_mb * 2**20),
-            tp_gather=self.backend.tp_gather)
+            base_served=self.handoff_bytes is not None or launched_from_base,
+            bucket_bytes=int(r.handoff_bucket_mb * 2**20), tp_gather=self.backend.tp_gather)
 
     def validate(self, step: int = 0) -> dict[str, float]:
         """Validation metrics on every rank; rank 0 also logs a sample of the generations at ``step``."""

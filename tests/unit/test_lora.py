@@ -202,5 +202,34 @@ def test_servers_for_adapters_start_with_the_rank_and_the_hf_modules():
 
     lora = LoRAConfig(enabled=True, rank=8, target_modules=["linear_qkv", "linear_fc2"])
     assert lora_server_arguments(lora, "cuda") == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
-                                                   "q_proj", "k_proj", "v_proj", "down_proj"]
+                                                   "q_proj", "k_proj", "v_proj", "down_proj",
+                                                   "--max-loras-per-batch", "2"]
     assert lora_server_arguments(lora, "cpu")[-2:] == ["--lora-backend", "torch_native"]
+    # colocated on GPUs the released weights must come back with the base in them (the handoff sends no base)
+    assert lora_server_arguments(lora, "cuda", colocated=True)[-1] == "--enable-weights-cpu-backup"
+    assert "--enable-weights-cpu-backup" not in lora_server_arguments(lora, "cpu", colocated=True)
+
+
+COLOCATED = ["rollout.engine=sglang", "rollout.placement=colocated", "rollout.sglang.mem_fraction_static=0.5"]
+
+
+def test_the_frozen_base_leaves_the_device_and_comes_back_whole():
+    """FrozenWeights (trainer/colocation.py) on CPU tensors: the storage of the parameters that do not train is
+    freed and restored bit for bit; the trained ones are never touched. Colocation uses it only colocated on GPUs."""
+    from dapo_megatron.config import load_config
+    from dapo_megatron.trainer.colocation import Colocation, FrozenWeights
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    frozen = FrozenWeights(model)
+    frozen.release()
+    assert model[0].weight.numel() == 0 and model[0].bias.numel() == 0 and model[1].weight.shape == (2, 3)
+    frozen.release()  # twice: nothing more happens
+    frozen.restore()
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    config = load_config("examples/tiny_cpu_lora.yaml", COLOCATED)
+    assert not Colocation(config, None, lambda: None, device_type="cpu", model=model).offload_frozen_weights
+    assert Colocation(config, None, lambda: None, device_type="cuda", model=model).offload_frozen_weights
+    plain = load_config("examples/tiny_cpu.yaml", COLOCATED)
+    assert not Colocation(plain, None, lambda: None, device_type="cuda", model=model).offload_frozen_weights

@@ -15,6 +15,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = REPO_ROOT / "dapo_megatron" / "cpu" / "sglang"
+FIX = REPO_ROOT / "dapo_megatron" / "overrides" / "sglang" / "pinned_memory.py"
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -65,7 +66,7 @@ def test_the_cpu_servers_stand_in_applies_it():
         assert batch.pin_memory() is batch
         wrapped = torch.zeros
         from importlib import util
-        spec = util.spec_from_file_location("again", {str(REPO_ROOT / "dapo_megatron/overrides/sglang/pinned_memory.py")!r})
+        spec = util.spec_from_file_location("again", {str(FIX)!r})
         module = util.module_from_spec(spec)
         spec.loader.exec_module(module)
         assert module.allow_pin_memory_without_accelerator() and torch.zeros is wrapped

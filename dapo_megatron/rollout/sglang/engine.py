@@ -338,6 +338,8 @@ class SGLangEngine(RolloutEngine):
             slots = self.pool.available()
             if not slots:
                 raise RolloutError("SGLangEngine.update_adapter: no SGLang server is available")
+            # colocated: weights released for the update come back from the servers' host copy (the base)
+            self.memory.move(slots, ServerMemory.for_weight_update, release=False)
             self.adapters.push(adapter, version)
             for slot in slots:
                 slot.client.set_weight_version(str(version))

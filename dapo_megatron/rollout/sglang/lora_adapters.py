@@ -15,7 +15,10 @@ the books:
 * an older adapter is unloaded (``/unload_lora_adapter``) once the last request naming it is back. SGLang's unload
   waits for the requests using the adapter while holding its LoRA lock, which would hold up the next load: unloading
   only adapters with nothing in flight keeps every load immediate;
-* a server restarted after a failure serves the base only: :meth:`ServedAdapters.reload` loads what the others hold.
+* a server restarted after a failure serves the base only: :meth:`ServedAdapters.reload` loads what the others hold;
+* colocated on GPUs, a server releases its weights for the policy update; it is started with a host copy of them
+  (``--enable-weights-cpu-backup``), and the handoff resumes them — the base comes back — before the adapter loads
+  (:meth:`~dapo_megatron.rollout.sglang.engine.SGLangEngine.update_adapter`).
 
 Payload: ``serialized_named_tensors`` is one entry per server TP rank, each a base64 pickle of the ``{PEFT name:
 tensor}`` dict (SGLang's TP workers each slice their share); ``config_dict`` is PEFT's ``adapter_config``.
@@ -47,12 +50,19 @@ def adapter_name(version: int) -> str:
     return f"policy_v{version}"
 
 
-def lora_server_arguments(lora: LoRAConfig, device: Literal["cpu", "cuda"]) -> list[str]:
-    """SGLang's flags for servers that take the trainer's adapters: LoRA on, the largest rank, the HF modules;
-    on CPU the ``torch_native`` kernels (the default ones are Triton's)."""
+LORA_SLOTS = 2  # adapters a batch may mix: the newest and the one requests started before a handoff still name
+
+
+def lora_server_arguments(lora: LoRAConfig, device: Literal["cpu", "cuda"], *, colocated: bool = False) -> list[str]:
+    """SGLang's flags for servers that take the trainer's adapters: LoRA on, the largest rank, the HF modules, two
+    adapter slots per batch (SGLang preallocates each; the default is 8); on CPU the ``torch_native`` kernels (the
+    default ones are Triton's); colocated on GPUs, a host copy of the base that resuming the released weights restores
+    (no full weights are pushed after the start: the handoff brings adapters alone)."""
     modules = [module for target in lora.target_modules for module in HF_TARGET_MODULES[target]]
     return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *modules,
-            *(["--lora-backend", "torch_native"] if device == "cpu" else [])]
+            "--max-loras-per-batch", str(LORA_SLOTS),
+            *(["--lora-backend", "torch_native"] if device == "cpu" else []),
+            *(["--enable-weights-cpu-backup"] if colocated and device == "cuda" else [])]
 
 
 def adapter_payload(adapter: PeftAdapter, tp_size: int) -> list[bytes]:
