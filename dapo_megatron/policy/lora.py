@@ -92,12 +92,12 @@ def is_adapter_parameter(name: str) -> bool:
 
 def adapter_parameter_names(base_weight_name: str) -> tuple[str, str]:
     """The names of the ``lora_a`` and ``lora_b`` of the adapter on the linear whose weight is ``base_weight_name``
-    (``decoder.layers.0.self_attention.linear_qkv.weight``)."""
+    (``decoder.layers.0.self_attention.linear_qkv.weight``; a grouped linear's ``weight{expert}`` keeps its suffix)."""
     module, leaf = base_weight_name.rsplit(".", 1)
-    if leaf != "weight":
+    if not leaf.startswith("weight"):
         raise ValueError(f"{base_weight_name} is not a linear's weight")
-    adapter = adapter_module_name(module)
-    return f"{adapter}.lora_a", f"{adapter}.lora_b"
+    adapter, suffix = adapter_module_name(module), leaf.removeprefix("weight")
+    return f"{adapter}.lora_a{suffix}", f"{adapter}.lora_b{suffix}"
 
 
 def parallel_mode(linear: torch.nn.Module) -> ParallelMode | None:
@@ -218,7 +218,7 @@ class LoRAAdapter(torch.nn.Module):
         if not p.expert and p.tensor_parallel > 1:
             if p.mode == "column":
                 h = (gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
-                     if p.sequence_parallel else copy_to_tensor_model_parallel_region(h, group=self.tp_group))
+                     if p.sequence_parallel else h)
             else:
                 h = (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if p.sequence_parallel
                      else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))

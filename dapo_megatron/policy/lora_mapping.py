@@ -64,8 +64,8 @@ def adapter_stage_mappings(model: torch.nn.Module, spec: ModelSpec) -> list[Boun
     names = {name for name, _ in unwrap_model(model).named_parameters()}
     found = []
     for mapping in model_stage_mappings(model, spec):
-        if not mapping.megatron_name.endswith(".weight") or adapter_parameter_names(mapping.megatron_name)[0] \
-                not in names:
+        if mapping.split not in (*COLUMN_SPLITS, Split.ROW) or ".weight" not in mapping.megatron_name \
+                or adapter_parameter_names(mapping.megatron_name)[0] not in names:
             continue
         found += [adapter_mapping(mapping, "A"), adapter_mapping(mapping, "B")]
     return found

@@ -16,7 +16,7 @@ from actor_harness import actor_settings, build_test_actor, gather_hf_weights, l
     write_tiny_qwen2
 from spawn_ranks import run_distributed
 
-pytestmark = pytest.mark.slow  # spawned ranks: 2 spawns, ~35 s alone on the 2-core machine
+pytestmark = pytest.mark.slow  # spawned ranks: 2 spawns
 
 RANK, ALPHA, UPDATES = 4, 8.0, 3
 
@@ -74,9 +74,42 @@ def tp1(world_one):
     return world_one["lora"]
 
 
+def moe_job(moe_dir: str) -> dict:
+    """Qwen3-MoE (6 experts, top 2) at EP 2: each rank holds 3 experts, each with its adapters."""
+    from megatron.core import parallel_state
+
+    from dapo_megatron.handoff.adapter import gather_adapter_to_rank0
+    from dapo_megatron.policy.lora_sizes import adapter_sizes
+
+    parallel_state.destroy_model_parallel()  # the dense job's TP 2 layout, in the same processes
+    actor, spec = build_test_actor(moe_dir, 1, 1, lora_settings(), expert_parallel=2)
+    base_before = gather_hf_weights(actor, spec)
+    metrics = actor.train_minibatch(random_samples(8, seed=11), loss_of())
+    adapter = gather_adapter_to_rank0(actor.model, spec, rank=RANK, alpha=ALPHA, tp_gather=actor.backend.tp_gather)
+    base_after = gather_hf_weights(actor, spec)
+    lora = lora_settings()["model"].lora
+    return dict(metrics=metrics, adapter=None if adapter is None else adapter.tensors,
+                base_moved=None if base_before is None else [n for n in base_before
+                                                             if not torch.equal(base_before[n], base_after[n])],
+                handoff=adapter_sizes(spec, rank=RANK, target_modules=lora.target_modules).handoff)
+
+
+def tp2_job(hf_dir: str, moe_dir: str) -> dict:
+    """Every two-rank job in one spawn: the dense model at TP 2, then the MoE model at EP 2."""
+    return dict(dense=training_job(hf_dir, 2, lora_settings()), moe=moe_job(moe_dir))
+
+
 @pytest.fixture(scope="module")
-def tp2(hf_dir):
-    return run_distributed(training_job, 2, hf_dir, 2, lora_settings())
+def two_ranks(hf_dir, tmp_path_factory):
+    from tiny_qwen3 import build_tiny_qwen3_folder
+
+    moe_dir = str(build_tiny_qwen3_folder(tmp_path_factory.mktemp("lora_moe") / "hf", moe=True))
+    return run_distributed(tp2_job, 2, hf_dir, moe_dir)
+
+
+@pytest.fixture(scope="module")
+def tp2(two_ranks):
+    return [rank["dense"] for rank in two_ranks]
 
 
 def test_tp2_trains_the_same_adapters_with_the_same_loss_as_tp1(tp1, tp2):
@@ -125,3 +158,19 @@ def test_bf16_adapters_train_on_fp32_main_copies_with_the_distributed_optimizer(
     assert run["state"]["moments"] == 2 * run["sizes"].trainable * 4
     assert all(torch.equal(run["base_after"][n], run["base_before"][n]) for n in run["base_before"])
     assert all(np.isfinite(m["pg_loss"]) for m in run["metrics"])
+
+
+def test_every_expert_of_a_moe_layer_gets_its_adapters_at_ep2(two_ranks):
+    """The experts (megatron's SequentialMLP, 3 per EP rank) take adapters like dense linears: all 6 experts' are
+    gathered across the EP ranks under their global index, their B moved, the base did not."""
+    moe = two_ranks[0]["moe"]
+    assert np.isfinite(moe["metrics"]["pg_loss"]) and moe["base_moved"] == []
+    adapter = moe["adapter"]
+    assert sum(t.numel() for t in adapter.values()) == moe["handoff"]
+    for expert in range(6):
+        b = adapter[f"base_model.model.model.layers.0.mlp.experts.{expert}.down_proj.lora_B.weight"]
+        assert b.shape == (48, RANK)
+    moved = [e for e in range(6) if adapter[f"base_model.model.model.layers.0.mlp.experts.{e}.gate_proj.lora_B.weight"]
+             .any()]
+    assert len(moved) >= 4  # top-2 of 6 over 8 samples' tokens: most experts got some, and trained
+    assert two_ranks[1]["moe"]["adapter"] is None
