@@ -55,7 +55,12 @@ VARIANTS = (
     Variant("full", REPO / "examples" / "tiny_cpu.yaml"),
     Variant("lora_r4", REPO / "examples" / "tiny_cpu_lora.yaml"),
     Variant("lora_r1", REPO / "examples" / "tiny_cpu_lora.yaml", ("model.lora.rank=1",)),
+    # the learning-rate multiplier is the setting that matters most ("LoRA Without Regret"): 30x as well
+    Variant("lora_r4_lr30x", REPO / "examples" / "tiny_cpu_lora.yaml", ("model.lora.lr_multiplier=30",)),
+    Variant("lora_r1_lr30x", REPO / "examples" / "tiny_cpu_lora.yaml", ("model.lora.rank=1",
+                                                                         "model.lora.lr_multiplier=30")),
 )
+DEFAULT_VARIANTS = "full,lora_r4,lora_r1"
 
 
 def run_dir(out: Path, variant: Variant, seed: int) -> Path:
@@ -71,8 +76,10 @@ def summarize(out: Path, seeds: list[int], steps: int) -> dict:
         per_seed = {}
         for seed, rows in runs:
             accuracy = report.SeedRun(seed, rows).accuracy()
-            fractions = {key: report.SeedRun(seed, rows).last(key)
+            run = report.SeedRun(seed, rows)
+            fractions = {key: run.last(key)
                          for key in ("lora/trainable_fraction", "lora/handoff_fraction", "handoff/bytes")}
+            fractions["logprob_gap"] = max(run.curve("rollout/logprob_diff/max_abs").values(), default=None)
             wall = json.loads((run_dir(out, variant, seed) / ablation.DONE_MARKER).read_text())["wall_s"]
             per_seed[seed] = {"acc0": accuracy[0], "acc_end": accuracy[steps], "gain": accuracy[steps] - accuracy[0],
                               "wall_s": wall, **fractions}
@@ -99,8 +106,8 @@ def format_report(summary: dict, header: str) -> str:
     full_mean = statistics.fmean(full_gains) if full_gains else None
     lines = [header, "",
              "| variant | seeds | acc step 0 | acc end | gain | gain / full's gain (seed means) | per seed | "
-             "trainable fraction | handoff fraction | handoff bytes/step | wall s/run |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "trainable fraction | handoff fraction | handoff bytes/step | trainer-engine log-prob gap | wall s/run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for name, per_seed in summary.items():
         rows = list(per_seed.values())
@@ -110,14 +117,16 @@ def format_report(summary: dict, header: str) -> str:
         ratio = statistics.fmean(gains) / full_mean if name != "full" and full_mean else None
         per = ", ".join(f"{row['gain_ratio']:.2f}" for row in rows if "gain_ratio" in row) or "—"
         fractions = {key: [row[key] for row in rows if row.get(key) is not None]
-                     for key in ("lora/trainable_fraction", "lora/handoff_fraction", "handoff/bytes")}
+                     for key in ("lora/trainable_fraction", "lora/handoff_fraction", "handoff/bytes", "logprob_gap")}
         lines.append(
             f"| {name} | {len(rows)} | {_mean_std([r['acc0'] for r in rows])} | "
             f"{_mean_std([r['acc_end'] for r in rows])} | {_mean_std(gains)} | "
             f"{f'{ratio:.2f}' if ratio is not None else '—'} | {per} | "
             f"{_mean_std(fractions['lora/trainable_fraction'], '.4f')} | "
             f"{_mean_std(fractions['lora/handoff_fraction'], '.4f')} | "
-            f"{_mean_std(fractions['handoff/bytes'], '.0f')} | {_mean_std([r['wall_s'] for r in rows], '.0f')} |")
+            f"{_mean_std(fractions['handoff/bytes'], '.0f')} | "
+            f"{max(fractions['logprob_gap'], default=float('nan')):.1e} | "
+            f"{_mean_std([r['wall_s'] for r in rows], '.0f')} |")
         if ratio is not None:
             small = all(v <= MAX_FRACTION for v in fractions["lora/trainable_fraction"]
                         + fractions["lora/handoff_fraction"])
@@ -128,8 +137,11 @@ def format_report(summary: dict, header: str) -> str:
              "(every run starts from the same model, so acc step 0 is one number). gain / full's gain: the LoRA "
              "variant's mean gain over full fine-tuning's mean gain; per seed: the same ratio seed by seed (the same "
              "prompts and sampling seeds). trainable fraction: trained parameters / the model's (logged "
-             "lora/trainable_fraction); handoff fraction: bytes sent to the engine per step / the full weights' bytes "
-             "(lora/handoff_fraction; the full variant sends the full weights).")
+             "lora/trainable_fraction); handoff fraction: bytes sent to the engine per step / the full weights' "
+             "bytes (lora/handoff_fraction; the full variant sends the full weights). trainer-engine log-prob gap: "
+             "the largest rollout/logprob_diff/max_abs of any step of any seed (the embedded engine's log-probs of "
+             "the tokens it sampled vs the policy's recomputed ones; with LoRA the engine merged the adapter into "
+             "its weights, megatron applies it on the side).")
     return "\n".join(lines + ["", notes, "", *verdicts]) + "\n"
 
 
@@ -138,7 +150,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per variant: 0..N-1 (trainer.seed = 1000·k)")
     parser.add_argument("--steps", type=int, default=60, help="RL steps per run")
     parser.add_argument("--eval-every", type=int, default=10, help="held-out evaluation interval in steps")
-    parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS),
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help="comma-separated subset of " + ", ".join(v.name for v in VARIANTS))
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "lora_vs_full", help="output folder")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
