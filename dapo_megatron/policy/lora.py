@@ -59,7 +59,6 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -68,36 +67,16 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from torch import Tensor
 
+from dapo_megatron.policy.lora_names import adapter_module_name
+
 if TYPE_CHECKING:
     from dapo_megatron.config.model import LoRAConfig
 
-ADAPTER_SUFFIX = "_lora"
 ParallelMode = Literal["column", "row"]
 
 
 class LoRALayoutError(ValueError):
     """LoRA cannot be put on this model at this layout (a linear kind or an expert split it does not support)."""
-
-
-def adapter_module_name(linear_name: str) -> str:
-    """``linear_qkv`` → ``linear_qkv_lora``: the adapter's attribute name next to its linear."""
-    return linear_name + ADAPTER_SUFFIX
-
-
-def is_adapter_parameter(name: str) -> bool:
-    """Whether a parameter name (``...linear_qkv_lora.lora_a``) is an adapter's."""
-    module = name.rsplit(".", 2)
-    return len(module) == 3 and module[1].endswith(ADAPTER_SUFFIX) and module[2] in ("lora_a", "lora_b")
-
-
-def adapter_parameter_names(base_weight_name: str) -> tuple[str, str]:
-    """The names of the ``lora_a`` and ``lora_b`` of the adapter on the linear whose weight is ``base_weight_name``
-    (``decoder.layers.0.self_attention.linear_qkv.weight``; a grouped linear's ``weight{expert}`` keeps its suffix)."""
-    module, leaf = base_weight_name.rsplit(".", 1)
-    if not leaf.startswith("weight"):
-        raise ValueError(f"{base_weight_name} is not a linear's weight")
-    adapter, suffix = adapter_module_name(module), leaf.removeprefix("weight")
-    return f"{adapter}.lora_a{suffix}", f"{adapter}.lora_b{suffix}"
 
 
 def parallel_mode(linear: torch.nn.Module) -> ParallelMode | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import REPO, check_run, cli_command, kill_after_checkpoint, read_run_metrics
+from cli_runs import REPO, check_run, cli_command, kill_after_checkpoint, read_run_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_sigkill_then_resume_logs_identical_metrics(straight, tmp_path):
 def test_a_checkpoint_holds_the_adapters_alone(straight):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from dapo_megatron.policy.lora import is_adapter_parameter
+    from dapo_megatron.policy.lora_names import is_adapter_parameter
 
     stored = FileSystemReader(str(straight / "checkpoints" / "step_000002" / "model")).read_metadata()
     keys = list(stored.state_dict_metadata)
@@ -55,6 +55,13 @@ def test_a_checkpoint_holds_the_adapters_alone(straight):
     assert sorted(key.removeprefix("decoder.layers.") for key in keys if key.endswith("lora_a")) == [
         "mlp.linear_fc1_lora.lora_a", "mlp.linear_fc2_lora.lora_a", "self_attention.linear_proj_lora.lora_a",
         "self_attention.linear_qkv_lora.lora_a"]
+
+
+def test_megatron_to_hf_names_the_tool_for_an_adapter_checkpoint(straight, tmp_path):
+    result = run_cli("--ckpt", str(straight / "checkpoints" / "step_000002"), "--out", str(tmp_path / "hf"),
+                     module="checkpoint_tools.megatron_to_hf")
+    last = result.stderr.strip().splitlines()[-1]  # (megatron-core's import warnings come before it)
+    assert result.returncode == 2 and last.startswith("megatron_to_hf: error:") and "lora_export" in last, last
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
