@@ -278,9 +278,11 @@ class SGLangEngine(RolloutEngine):
         if slot.generation != generation or not slot.available:
             return  # another thread handles (or handled) this failure; no need to wait for a push
         with self._serving_lock:
-            reload = (lambda client: self.adapters.reload(client, slot.tp_size)) if self.adapters.enabled else None
+            # LoRA: the restarted server gets the adapters before it takes requests
+            reload = {"after_restart": lambda client: self.adapters.reload(client, slot.tp_size)} \
+                if self.adapters.enabled else {}
             if self.pool.recover(slot, generation, error, version=self._weight_version,
-                                 restart_path=self._restart_model_path(), after_restart=reload):
+                                 restart_path=self._restart_model_path(), **reload):
                 self.transport.reset()
 
     def _restart_model_path(self) -> str | None:
