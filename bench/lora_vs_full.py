@@ -55,10 +55,11 @@ VARIANTS = (
     Variant("full", REPO / "examples" / "tiny_cpu.yaml"),
     Variant("lora_r4", REPO / "examples" / "tiny_cpu_lora.yaml"),
     Variant("lora_r1", REPO / "examples" / "tiny_cpu_lora.yaml", ("model.lora.rank=1",)),
-    # the learning-rate multiplier is the setting that matters most ("LoRA Without Regret"): 30x as well
+    # the learning-rate multiplier is the setting that matters most ("LoRA Without Regret"): 30x collapses rank 4
+    # here (one seed: 0.48 -> 0.38); rank 1, whose alpha / rank is 32, at 3x
     Variant("lora_r4_lr30x", REPO / "examples" / "tiny_cpu_lora.yaml", ("model.lora.lr_multiplier=30",)),
-    Variant("lora_r1_lr30x", REPO / "examples" / "tiny_cpu_lora.yaml", ("model.lora.rank=1",
-                                                                         "model.lora.lr_multiplier=30")),
+    Variant("lora_r1_lr3x", REPO / "examples" / "tiny_cpu_lora.yaml", ("model.lora.rank=1",
+                                                                        "model.lora.lr_multiplier=3")),
 )
 DEFAULT_VARIANTS = "full,lora_r4,lora_r1"
 
