@@ -59,6 +59,7 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -197,7 +198,7 @@ class LoRAAdapter(torch.nn.Module):
         if not p.expert and p.tensor_parallel > 1:
             if p.mode == "column":
                 h = (gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=self.tp_group)
-                     if p.sequence_parallel else h)
+                     if p.sequence_parallel else copy_to_tensor_model_parallel_region(h, group=self.tp_group))
             else:
                 h = (reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if p.sequence_parallel
                      else reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
