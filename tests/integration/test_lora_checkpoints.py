@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import REPO, check_run, cli_command, kill_after_checkpoint, read_run_metrics, run_cli
+from cli_runs import REPO, check_run, cli_command, kill_after_checkpoint, read_run_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +58,12 @@ def test_a_checkpoint_holds_the_adapters_alone(straight):
 
 
 def test_megatron_to_hf_names_the_tool_for_an_adapter_checkpoint(straight, tmp_path):
-    result = run_cli("--ckpt", str(straight / "checkpoints" / "step_000002"), "--out", str(tmp_path / "hf"),
-                     module="checkpoint_tools.megatron_to_hf")
-    last = result.stderr.strip().splitlines()[-1]  # (megatron-core's import warnings come before it)
-    assert result.returncode == 2 and last.startswith("megatron_to_hf: error:") and "lora_export" in last, last
+    """Checked before any rank starts (the CLI prints the ConversionError as its one error line, exit 2)."""
+    from checkpoint_tools.errors import ConversionError
+    from checkpoint_tools.megatron_to_hf import plan_megatron_to_hf
+
+    with pytest.raises(ConversionError, match="holds LoRA adapters alone.*checkpoint_tools.lora_export"):
+        plan_megatron_to_hf(straight / "checkpoints" / "step_000002", tmp_path / "hf")
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
