@@ -1,5 +1,5 @@
 """LoRA adapters handed to a real SGLang 0.5.23 server on CPU (``model.lora.handoff: adapter``): two DAPO steps of the
-Megatron policy at TP=2 with examples/tiny_cpu_sglang.yaml. The server starts with ``--enable-lora`` (which a CPU
+Megatron policy with examples/tiny_cpu_sglang.yaml. The server starts with ``--enable-lora`` (which a CPU
 server survives only with dapo_megatron/overrides/sglang/pinned_memory.py), takes the frozen base once and then one
 adapter per step (``/load_lora_adapter_from_tensors``, ``policy_v<version>``), the requests name it, and its log-probs
 agree with the policy's recomputed ones as closely as without LoRA (tests/integration/test_trainer_sglang.py's bound).
@@ -56,7 +56,9 @@ def _largest_logprob_gap(one: dict, other: dict) -> float:
 def test_adapters_reach_the_server_and_sample_what_the_policy_computes(tmp_path):
     from spawn_ranks import run_distributed
 
-    result, _ = run_distributed(lora_run, 2, [*small_sglang_run(tmp_path), *LORA], timeout_s=1200)
+    # TP 1 (the TP-2 gather of adapters is tests/integration/test_lora_policy.py's): one rank less to start
+    (result,) = run_distributed(lora_run, 1, [*small_sglang_run(tmp_path), *LORA, "parallel.tensor=1"],
+                                timeout_s=1200)
     rows = result["metrics"]
     assert [r["step"] for r in rows] == [0, 1, 2]
     adapter_bytes = result["sizes"].handoff * 4  # fp32: the adapters alone, in PEFT's form
