@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 
 from dapo_megatron.config import ConfigError, DAPOConfig
+from dapo_megatron.policy.lora_memory import with_lora
+from dapo_megatron.policy.lora_sizes import adapter_sizes
 from dapo_megatron.policy.memory import memory_table, plan_stages
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.policy.moe_routing import recorded_routing_bytes
@@ -41,6 +43,11 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         raise ConfigError(f"parallel.expert: {p.expert} expert-parallel ranks must divide the data-parallel size, "
                           f"{dp} ({source})")
     stages, sequence_parallel = plan_stages(config, spec, data_parallel=dp, local_spec=local_spec)
+    lora = config.model.lora
+    if lora.enabled:  # the base frozen, the adapters trained (policy/lora_memory.py)
+        stages = with_lora(stages, spec, lora, tensor_parallel=p.tensor, data_parallel=dp, expert_parallel=p.expert,
+                           precision=config.model.precision, distributed_optimizer=p.use_distributed_optimizer,
+                           micro_batch_tokens=config.trainer.micro_batch_tokens, transformer_engine=not local_spec)
     routing = routing_replay_line(config, spec, stages, data_parallel=dp)
     sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
     fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
@@ -53,6 +60,7 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         f"per micro-batch: {config.trainer.micro_batch_tokens} tokens; recompute: {config.model.recompute}; "
         f"sequence parallel: {'on' if sequence_parallel else 'off'}; attention: "
         f"{'megatron local spec (unfused)' if local_spec else 'Transformer Engine (fused)'}",
+        *([lora_line(config, spec)] if lora.enabled else []),
         "",
         memory_table(stages, gpu_memory_gb=gpu_memory_gb),
         *([routing] if routing else []),
@@ -63,6 +71,14 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         f"(the memory model: dapo_megatron/policy/memory.py)",
     ]
     return "\n".join(lines), fits
+
+
+def lora_line(config: DAPOConfig, spec: ModelSpec) -> str:
+    lora = config.model.lora
+    sizes = adapter_sizes(spec, rank=lora.rank, target_modules=lora.target_modules)
+    return (f"LoRA: rank {lora.rank} on {', '.join(lora.target_modules)}: {sizes.trainable / 1e6:.1f}M trained "
+            f"parameters ({100 * sizes.trainable_fraction:.2f} % of {sizes.model / 1e9:.2f}B), the base frozen "
+            f"(no gradients, no optimizer state); handoff: {lora.handoff}")
 
 
 def routing_replay_line(config: DAPOConfig, spec: ModelSpec, stages, *, data_parallel: int) -> str | None:

@@ -33,7 +33,7 @@ before asking for the next (its tensors may be views of one receive buffer).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,9 +62,15 @@ def _is_expert_export_member(spec: ModelSpec) -> bool:
     return spec.moe is not None and parallel_state.get_expert_data_parallel_rank() == 0
 
 
-def _split_mappings(model: torch.nn.Module, spec: ModelSpec) -> tuple[list[BoundMapping], list[BoundMapping]]:
+StageMappings = Callable[[torch.nn.Module, ModelSpec], list[BoundMapping]]
+"""Which parameters an export moves: the model's HF weights (:func:`model_stage_mappings`, the default) or its LoRA
+adapters (:func:`dapo_megatron.policy.lora_mapping.adapter_stage_mappings`)."""
+
+
+def _split_mappings(model: torch.nn.Module, spec: ModelSpec, mappings: StageMappings = model_stage_mappings
+                    ) -> tuple[list[BoundMapping], list[BoundMapping]]:
     """This stage's exported mappings: (the dense ones, this rank's experts), each in model order."""
-    mappings = [m for m in model_stage_mappings(model, spec) if m.exported]
+    mappings = [m for m in mappings(model, spec) if m.exported]
     return [m for m in mappings if m.expert is None], [m for m in mappings if m.expert is not None]
 
 
@@ -102,11 +108,12 @@ def _full_tensors(mapping: BoundMapping, geometry: ShardGeometry, shards: list[t
 
 
 def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None,
-                      tp_gather: TensorParallelGather) -> Iterator[tuple[str, torch.Tensor]]:
+                      tp_gather: TensorParallelGather, mappings: StageMappings = model_stage_mappings
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for this stage, on its source (TP rank 0 of DP rank 0), in
     :func:`stage_export_mappings` order; the other members only take part in the gathers."""
     params = dict(unwrap_model(model).named_parameters())
-    dense, experts = _split_mappings(model, spec)
+    dense, experts = _split_mappings(model, spec, mappings)
     if _is_export_source_group_member():
         yield from _dense_hf_tensors(dense, params, spec, dtype, tp_gather)
     if experts and _is_expert_export_member(spec):
@@ -164,20 +171,21 @@ def _expert_hf_tensors(mappings: list[BoundMapping], params: dict, spec: ModelSp
 
 
 def export_hf_buckets(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      dtype: torch.dtype | None = None, tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER
-                      ) -> Iterator[Bucket]:
+                      dtype: torch.dtype | None = None, tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER,
+                      mappings: StageMappings = model_stage_mappings) -> Iterator[Bucket]:
     """This pipeline stage's HF tensors in buckets of ≤ ``bucket_bytes``, yielded on the stage's source rank only.
 
     Every rank of the model must drain the iterator (the TP ranks of DP rank 0 take part in collectives while it
     runs). ``dtype`` casts the exported tensors (e.g. bf16 for the inference engine); default: the parameters' dtype.
     ``tp_gather``: how the TP shards reach the source (the backend's; see :mod:`dapo_megatron.handoff.tp_gather`).
+    ``mappings``: which parameters (:data:`StageMappings`).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     sync_params(model)  # every DP rank takes part; a no-op unless overlap_param_gather deferred the gather
     if not (_is_export_source_group_member() or _is_expert_export_member(spec)):
         return
-    yield from bucketed(_stage_hf_tensors(model, spec, dtype, tp_gather), bucket_bytes)
+    yield from bucketed(_stage_hf_tensors(model, spec, dtype, tp_gather, mappings), bucket_bytes)
 
 
 def _aligned(n: int) -> int:
@@ -227,7 +235,8 @@ def _this_stage_source() -> tuple[bool, int, int]:
 
 def gather_hf_buckets_to_rank0(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                                dtype: torch.dtype | None = None,
-                               tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER) -> Iterator[Bucket]:
+                               tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER,
+                               mappings: StageMappings = model_stage_mappings) -> Iterator[Bucket]:
     """Every stage's buckets, yielded on global rank 0 in stage order; every rank must drain it.
 
     Stage 0's buckets come straight from :func:`export_hf_buckets`; then each later stage's source broadcasts its
@@ -239,7 +248,8 @@ def gather_hf_buckets_to_rank0(model: torch.nn.Module, spec: ModelSpec, *, bucke
     if rank == 0 and not (is_source and stage == 0):
         raise RuntimeError("global rank 0 is not TP 0 / DP 0 / PP 0: unexpected megatron rank order")
     stages = stage_broadcast_groups() if num_stages > 1 else None
-    buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype, tp_gather=tp_gather)
+    buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype, tp_gather=tp_gather,
+                                mappings=mappings)
     if rank == 0:
         yield from buckets
         device = next(unwrap_model(model).parameters()).device

@@ -49,6 +49,7 @@ from dapo_megatron.algorithm.loss import TOKEN_MEAN_METRICS
 from dapo_megatron.overrides.megatron_core.optimizer_step import clip_and_step
 from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
+from dapo_megatron.policy.lora import add_adapters
 from dapo_megatron.policy.model import (
     build_model,
     config_row_multiple,
@@ -90,14 +91,16 @@ def aligned_batching(batching: PackedBatching, multiple: int) -> PackedBatching:
 
 
 def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", parallel: "ParallelConfig",
-                optim: "OptimConfig", routing_replay: bool, micro_batch_tokens: int, temperature: float) -> "Actor":
+                optim: "OptimConfig", routing_replay: bool, micro_batch_tokens: int, temperature: float,
+                seed: int = 0) -> "Actor":
     """This rank's model stage for ``spec`` at the initialized TP/PP layout on ``backend``, ready to train.
 
     ``model.precision`` picks the parameter dtype and ``model.recompute`` the activation recomputation (as the
     backend allows); ``parallel`` the sequence parallelism (where megatron supports it), the optimizer and the
     communication overlap; ``optim`` its settings; ``routing_replay`` builds a mixture-of-experts model whose
     routers can replay recorded choices (``algorithm.moe_routing_replay``: R2 or R3); micro-batches are packed to
-    ``micro_batch_tokens`` tokens and log-probs taken at the rollout ``temperature``.
+    ``micro_batch_tokens`` tokens and log-probs taken at the rollout ``temperature``. ``model.lora.enabled``: the
+    base is frozen and adapters drawn from ``seed`` are all that trains (:mod:`dapo_megatron.policy.lora`).
     """
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
     sequence_parallel = sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,
@@ -116,9 +119,13 @@ def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", 
         moe_aux_loss_coeff=model.moe.aux_loss_coeff,
         moe_routing_replay=routing_replay,
     )
+    stage = build_model(spec, tconfig, backend)
+    if model.lora.enabled:
+        add_adapters(stage, model.lora, seed=seed)
     ddp_model, optimizer, scheduler = wrap_for_training(
-        build_model(spec, tconfig, backend), optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
-        overlap_grad_reduce=parallel.overlap_grad_reduce, overlap_param_gather=parallel.overlap_param_gather)
+        stage, optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
+        overlap_grad_reduce=parallel.overlap_grad_reduce, overlap_param_gather=parallel.overlap_param_gather,
+        lr_multiplier=model.lora.lr_multiplier if model.lora.enabled else 1.0)
     return Actor(ddp_model, optimizer, scheduler, backend=backend, real_vocab_size=spec.vocab_size,
                  batching=PackedBatching(token_budget=micro_batch_tokens),
                  temperature=temperature)

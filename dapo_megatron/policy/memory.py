@@ -95,6 +95,7 @@ class StageMemory:
     logits_bytes: int
     margin_bytes: int
     expert_parameters: int = 0  # of ``parameters``, a MoE model's experts (optimizer state sharded over DP / EP)
+    frozen_parameters: int = 0  # of ``parameters``, those that never train (a LoRA run's base: policy/lora_memory.py)
 
     @property
     def total_bytes(self) -> int:

@@ -18,6 +18,13 @@ megatron's own RL loop calls them around inference the same way), the gradient b
 ``DistributedDataParallel.offload_grad_buffers`` / ``restore_grad_buffers`` (their storage freed and reallocated
 zeroed: between steps they hold nothing); the bf16 weights stay. Ranks on other nodes, or on GPUs without a server,
 move nothing (:func:`~dapo_megatron.rollout.placement.rank_shares_a_server_gpu`).
+
+With LoRA the frozen base (every parameter that does not train) is on the GPU only for the policy update
+(:class:`FrozenWeights`): it leaves on entry to a generation turn and before an adapter handoff (which reads the
+adapters alone), and comes back once the servers released their weights for the update. It never changes, so its
+host copy is made once; each return is one host-to-device copy. That is what puts a 7B policy and its server on one
+24 GB GPU (examples/lora_qwen2.5_7b_24gb.yaml; the servers there restore their own base from host memory,
+``--enable-weights-cpu-backup``, rollout/sglang/lora_adapters.py).
 """
 
 from __future__ import annotations
@@ -41,6 +48,38 @@ from dapo_megatron.rollout.placement import (
 logger = logging.getLogger(__name__)
 
 
+class FrozenWeights:
+    """The parameters of ``model`` that never train (a LoRA policy's base), off the device between policy updates:
+    :meth:`release` frees their device storage (the first time after copying them to host memory, pinned when the
+    device is a GPU), :meth:`restore` copies them back. Megatron's DDP and optimizer hold no buffer for them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.parameters = [p for p in model.parameters() if not p.requires_grad]
+        self._host: list[torch.Tensor] | None = None
+        self.on_device = True
+
+    def release(self) -> None:
+        if not self.on_device or not self.parameters:
+            return
+        if self._host is None:
+            pinned = self.parameters[0].is_cuda
+            self._host = [p.detach().to("cpu", copy=True) for p in self.parameters]
+            self._host = [h.pin_memory() for h in self._host] if pinned else self._host
+        for parameter in self.parameters:
+            parameter.data = parameter.data.new_empty(0)
+        self.on_device = False
+
+    def restore(self) -> None:
+        if self.on_device:
+            return
+        device = self.parameters[0].device
+        for parameter, host in zip(self.parameters, self._host, strict=True):
+            parameter.data = host.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.on_device = True
+
+
 class Colocation:
     """``engine`` gives the rollout engine when it exists (rank 0), else None; ``device_type``: the backend's;
     ``model``: the DDP-wrapped stage, whose gradient buffers wait freed while the servers generate (None: they stay).
@@ -58,6 +97,7 @@ class Colocation:
         self.engine = engine
         self.config = config
         self.shares_a_server_gpu = True  # until locate_servers() knows this rank's GPU
+        self.frozen = FrozenWeights(model) if model is not None and config.model.lora.enabled else None
 
     @property
     def offload_optimizer(self) -> bool:
@@ -68,6 +108,11 @@ class Colocation:
         """The gradient buffers hold nothing between steps (the next update zeroes them first): while the servers
         generate they are freed (megatron-core's ``offload_grad_buffers``), leaving the KV cache that much more."""
         return self.colocated and self.on_gpu and self.shares_a_server_gpu and self.model is not None
+
+    @property
+    def offload_frozen_weights(self) -> bool:
+        """A LoRA policy's frozen base leaves the GPU outside the update (see the module docstring)."""
+        return self.colocated and self.on_gpu and self.shares_a_server_gpu and self.frozen is not None
 
     def locate_servers(self) -> None:
         """Before the servers launch (on GPUs; every rank, so every rank stops with the same error): each colocated
@@ -94,6 +139,8 @@ class Colocation:
             self.model.offload_grad_buffers()
         if self.offload_optimizer:
             self.optimizer.offload_to_cpu()
+        if self.offload_frozen_weights:
+            self.frozen.release()  # back in before_policy_update, once the servers released their weights
         self._return_cached_blocks()
         self._engine_turn("before_generation", "colocated servers taking their KV cache back")
         yield
@@ -106,8 +153,12 @@ class Colocation:
     def before_policy_update(self) -> None:
         if self.colocated:
             self._engine_turn("before_policy_update", "colocated servers releasing their weights")
+        if self.offload_frozen_weights:
+            self.frozen.restore()
 
     def before_handoff(self) -> None:
+        if self.offload_frozen_weights and self.config.model.lora.handoff == "adapter":
+            self.frozen.release()  # the servers take their base back from host memory: one copy on the GPU
         if self.colocated:
             self._return_cached_blocks()
 

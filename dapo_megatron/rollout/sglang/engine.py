@@ -66,6 +66,7 @@ from dapo_megatron.rollout.engine import (
 from dapo_megatron.rollout.placement import Placement, ServerMemory
 from dapo_megatron.rollout.sglang.client import ServerFailure
 from dapo_megatron.rollout.sglang.colocated_memory import ColocatedMemory
+from dapo_megatron.rollout.sglang.lora_adapters import ServedAdapters
 from dapo_megatron.rollout.sglang.pool import ServerPool, ServerSlot, concurrent_requests
 from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers, generate_samples
 from dapo_megatron.rollout.sglang.requests import build_generate_payload, samples_from_outputs
@@ -144,6 +145,8 @@ class SGLangEngine(RolloutEngine):
         self.streams: SGLangStreams | None = None
         self.reply_workers: ReplyWorkers | None = None
         self._weight_version = 0  # until the pool reports the servers' version; shutdown reads it on a failed start
+        # LoRA (model.lora.handoff: adapter): the adapters the servers hold and the one each request names
+        self.adapters = ServedAdapters(lambda: [(slot.client, slot.tp_size) for slot in self.pool.available()])
         atexit.register(self.shutdown)
         try:
             self._weight_version = self.pool.start()
@@ -157,7 +160,7 @@ class SGLangEngine(RolloutEngine):
                     self.max_concurrent_requests / config.reply_processes))
             self.streams = SGLangStreams(self.pool, max_concurrent_requests=self.max_concurrent_requests,
                                          served_version=lambda: self._weight_version, on_failure=self.recover_server,
-                                         reply_workers=self.reply_workers)
+                                         reply_workers=self.reply_workers, adapters=self.adapters)
             self.transport = self._make_transport() if transport is None else transport
         except BaseException:
             self.shutdown()
@@ -239,15 +242,17 @@ class SGLangEngine(RolloutEngine):
     def _generate_one(self, index: int, prompt: Sequence[int], params: SamplingParams,
                       seeded: bool) -> list[Sample]:
         routed = self.return_routed_experts
-        payload = build_generate_payload(prompt, index, params, seeded=seeded, routed_experts=routed)
+        with self.adapters.request() as (adapter, _):  # generate and update_adapter take turns: the newest adapter
+            payload = build_generate_payload(prompt, index, params, seeded=seeded, routed_experts=routed,
+                                             adapter=adapter)
 
-        def generate_on(slot: ServerSlot) -> list[Sample]:
-            return generate_samples(self.reply_workers, slot.client, payload, partial(
-                samples_from_outputs, prompt_index=index, expected_count=params.n,
-                expected_version=self._weight_version, server=slot.client.base_url,
-                routed_prompt_length=len(prompt) if routed else None))
+            def generate_on(slot: ServerSlot) -> list[Sample]:
+                return generate_samples(self.reply_workers, slot.client, payload, partial(
+                    samples_from_outputs, prompt_index=index, expected_count=params.n,
+                    expected_version=self._weight_version, server=slot.client.base_url,
+                    routed_prompt_length=len(prompt) if routed else None))
 
-        return self.pool.send(generate_on, self.recover_server)
+            return self.pool.send(generate_on, self.recover_server)
 
     # ---- streaming -------------------------------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
@@ -273,13 +278,17 @@ class SGLangEngine(RolloutEngine):
         if slot.generation != generation or not slot.available:
             return  # another thread handles (or handled) this failure; no need to wait for a push
         with self._serving_lock:
+            # LoRA: the restarted server gets the adapters before it takes requests
+            reload = {"after_restart": lambda client: self.adapters.reload(client, slot.tp_size)} \
+                if self.adapters.enabled else {}
             if self.pool.recover(slot, generation, error, version=self._weight_version,
-                                 restart_path=self._restart_model_path()):
+                                 restart_path=self._restart_model_path(), **reload):
                 self.transport.reset()
 
     def _restart_model_path(self) -> str | None:
-        """A model directory holding the served version's weights, to relaunch a failed server from."""
-        if self._weight_version == 0:
+        """A model directory holding the served version's weights, to relaunch a failed server from (with LoRA
+        adapters: the frozen base's, the adapters being loaded again after it)."""
+        if self._weight_version == 0 or self.adapters.enabled:
             return self.model_path
         return self.transport.restart_model_path(self._weight_version)
 
@@ -316,6 +325,30 @@ class SGLangEngine(RolloutEngine):
             self.verify_served_version(version, slots)
             logger.info("weights v%d pushed to %d server(s) over %s in %.1f s", version, len(slots),
                         self.transport.name, time.monotonic() - started)
+
+    def update_adapter(self, adapter, version: int) -> None:
+        """Serve the LoRA ``adapter`` (on the base the servers hold) as ``version``: loaded on every server as
+        ``policy_v<version>`` while requests in flight finish on the adapter they named; the older adapters are
+        unloaded as their last request comes back (:mod:`.lora_adapters`). No pause: requests are bound to their
+        adapter, not to the server's weights."""
+        self._check_open()
+        if version < self._weight_version:
+            raise ValueError(f"SGLangEngine.update_adapter: version {version} is older than the served version "
+                             f"{self._weight_version}")
+        with self._update_lock, self._serving_lock:
+            started = time.monotonic()
+            slots = self.pool.available()
+            if not slots:
+                raise RolloutError("SGLangEngine.update_adapter: no SGLang server is available")
+            # colocated: weights released for the update come back from the servers' host copy (the base)
+            self.memory.move(slots, ServerMemory.for_weight_update, release=False)
+            self.adapters.push(adapter, version)
+            for slot in slots:
+                slot.client.set_weight_version(str(version))
+            self._weight_version = version
+            self.verify_served_version(version, slots)
+            logger.info("LoRA adapter v%d (%.1f MB) loaded on %d server(s) in %.1f s", version, adapter.nbytes / 1e6,
+                        len(slots), time.monotonic() - started)
 
     # ---- turns on GPUs shared with the trainer (colocated placement) ------------------------------------------------
     def before_generation(self) -> None:

@@ -251,11 +251,12 @@ class ServerPool:
 
     # ---- failover ----------------------------------------------------------------------------------------------
     def recover(self, slot: ServerSlot, generation: int, error: Exception, *, version: int,
-                restart_path: str | None) -> bool:
+                restart_path: str | None, after_restart: Callable[[SGLangClient], None] | None = None) -> bool:
         """Restart ``slot``'s server from ``restart_path`` serving ``version``, or take it out of rotation.
 
         The first thread to report a failure does it; returns True when this call restarted the server.
         ``restart_path`` None: no model directory holds ``version`` (the transport keeps no copy).
+        ``after_restart(client)``: what the restarted server needs before it takes requests (the LoRA adapters).
         """
         with self._dispatch:
             if slot.generation != generation or not slot.available:
@@ -287,6 +288,8 @@ class ServerPool:
             logger.warning("SGLang server %d restarted in %.0f s (restart %d of at most %d)", slot.index,
                            time.monotonic() - started, slot.restarts, self.config.max_restarts)
             new_client = SGLangClient(process.url, process.api_key, self.config.request_timeout_s)
+            if after_restart is not None:
+                after_restart(new_client)
             with self._dispatch:
                 slot.client = new_client
                 slot.generation += 1

@@ -79,17 +79,18 @@ def _sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
 
 
 def build_generate_payload(prompt: Sequence[int], prompt_index: int, params: SamplingParams, *,
-                           seeded: bool, routed_experts: bool = False) -> dict[str, Any]:
+                           seeded: bool, routed_experts: bool = False, adapter: dict | None = None) -> dict[str, Any]:
     """The ``/generate`` body for one prompt's ``params.n`` samples.
 
     ``seeded``: use per-sample ``sampling_seed`` values (only meaningful when ``params.seed`` is set and the server
     runs deterministic inference); otherwise the samples share one request with ``n``. ``routed_experts``: ask for
-    the routing too.
+    the routing too. ``adapter``: the LoRA adapter's fields (``{"lora_path": name}``,
+    :mod:`.lora_adapters`).
     """
     if not prompt:
         raise ValueError(f"prompt {prompt_index} is empty; SGLang needs at least one input token")
     base = _sglang_sampling_params(params)
-    routing = _routing_fields(routed_experts)
+    routing = {**_routing_fields(routed_experts), **(adapter or {})}
     if seeded and params.seed is not None:
         sampling = [dict(base, n=1, sampling_seed=per_sample_seed(params.seed, prompt_index, j))
                     for j in range(params.n)]
@@ -107,15 +108,17 @@ def sample_rid(request_id: str, sample_index: int) -> str:
     return f"{request_id}.{sample_index}"
 
 
-def build_stream_payload(request: GenerationRequest, *, seeded: bool, routed_experts: bool = False
-                         ) -> dict[str, Any]:
-    """The ``/generate`` body of a streamed request: its ``n`` samples as copies of the prompt, one rid each."""
+def build_stream_payload(request: GenerationRequest, *, seeded: bool, routed_experts: bool = False,
+                         adapter: dict | None = None) -> dict[str, Any]:
+    """The ``/generate`` body of a streamed request: its ``n`` samples as copies of the prompt, one rid each (and
+    the LoRA adapter's fields, ``adapter``)."""
     params = request.params
     base = dict(_sglang_sampling_params(params), n=1)
     sampling = [dict(base, sampling_seed=per_sample_seed(params.seed, 0, j)) if seeded and params.seed is not None
                 else base for j in range(params.n)]
     return {"input_ids": [list(request.prompt)] * params.n, "sampling_params": sampling, "return_logprob": True,
-            "rid": [sample_rid(request.request_id, j) for j in range(params.n)], **_routing_fields(routed_experts)}
+            "rid": [sample_rid(request.request_id, j) for j in range(params.n)], **_routing_fields(routed_experts),
+            **(adapter or {})}
 
 
 def routed_experts_from_meta(meta_info: dict[str, Any], *, tokens: int, server: str, what: Any) -> torch.Tensor:
@@ -185,9 +188,10 @@ def samples_from_outputs(outputs: list[dict[str, Any]], prompt_index: int, expec
 
 
 def streamed_samples(outputs: list[dict[str, Any]], request: GenerationRequest, server: str,
-                     routed_experts: bool = False) -> list[Sample]:
+                     routed_experts: bool = False, adapter_version: int | None = None) -> list[Sample]:
     """The samples of a streamed request's reply, with per-token weight versions (they may span updates) and, when
-    the payload asked for it, the routing."""
+    the payload asked for it, the routing. ``adapter_version``: the request named that LoRA adapter, which sampled
+    every one of its tokens (:mod:`.lora_adapters`), whatever the server's version tag said meanwhile."""
     if len(outputs) != request.params.n:
         raise RolloutError(f"{server} returned {len(outputs)} outputs for request {request.request_id}, "
                            f"expected {request.params.n}")
@@ -195,8 +199,10 @@ def streamed_samples(outputs: list[dict[str, Any]], request: GenerationRequest, 
     for output in outputs:
         meta = output.get("meta_info", {})
         token_ids, logprobs = _tokens_and_logprobs(output, meta, request.request_id, server)
-        versions = token_versions_from_meta(meta, len(token_ids), server)
-        first = versions[0] if versions else _version_number(meta.get("weight_version"), server)
+        versions = (token_versions_from_meta(meta, len(token_ids), server) if adapter_version is None
+                    else [adapter_version] * len(token_ids))
+        first = adapter_version if adapter_version is not None else (
+            versions[0] if versions else _version_number(meta.get("weight_version"), server))
         routing = routed_experts_from_meta(meta, tokens=len(request.prompt) + len(token_ids), server=server,
                                            what=request.request_id) if routed_experts and token_ids else None
         samples.append(Sample(prompt_index=0, token_ids=token_ids, logprobs=logprobs,

@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from functools import partial
 from typing import Callable, Iterable, Sequence
 
 from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, Sample
 from dapo_megatron.rollout.request_book import RequestBook, aborted_samples
 from dapo_megatron.rollout.sglang.client import ServerFailure
+from dapo_megatron.rollout.sglang.lora_adapters import ServedAdapters
 from dapo_megatron.rollout.sglang.pool import FailureHandler, ServerPool, ServerSlot
 from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers, generate_samples
 from dapo_megatron.rollout.sglang.requests import build_stream_payload, sample_rid, streamed_samples
@@ -40,7 +42,8 @@ class SGLangStreams:
     ``reply_workers``: the processes that post and parse (None: the thread sending a request does)."""
 
     def __init__(self, pool: ServerPool, *, max_concurrent_requests: int, served_version: Callable[[], int],
-                 on_failure: FailureHandler, reply_workers: ReplyWorkers | None = None) -> None:
+                 on_failure: FailureHandler, reply_workers: ReplyWorkers | None = None,
+                 adapters: ServedAdapters | None = None) -> None:
         self.pool = pool
         self.reply_workers = reply_workers
         self.served_version = served_version
@@ -50,6 +53,7 @@ class SGLangStreams:
         self._lock = threading.Lock()
         self._running_on: dict[str, tuple[ServerSlot, GenerationRequest]] = {}
         self.routed_experts = False  # R3: every request asks for its routing (requests.py)
+        self.adapters = adapters  # LoRA: the adapter each request names (lora_adapters.py)
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         self.book.add(requests)
@@ -87,15 +91,22 @@ class SGLangStreams:
         if request is None:
             return  # aborted while it waited here
         try:
-            payload = build_stream_payload(request, seeded=request.params.seed is not None and self.pool.deterministic,
-                                           routed_experts=self.routed_experts)
-            samples = self.pool.send(lambda slot: self._generate_on(slot, request, payload), self.on_failure)
+            with self._adapter() as (adapter, adapter_version):
+                payload = build_stream_payload(request, routed_experts=self.routed_experts, adapter=adapter,
+                                               seeded=request.params.seed is not None and self.pool.deterministic)
+                samples = self.pool.send(lambda slot: self._generate_on(slot, request, payload, adapter_version),
+                                         self.on_failure)
         except BaseException as error:  # noqa: BLE001 - the caller's next poll() raises it
             self.book.fail(error)
             return
         self.book.finish(request_id, samples)
 
-    def _generate_on(self, slot: ServerSlot, request: GenerationRequest, payload: dict) -> list[Sample]:
+    def _adapter(self):
+        """The LoRA adapter a request names, counted in flight while it runs (no adapter: ``({}, None)``)."""
+        return self.adapters.request() if self.adapters is not None else nullcontext(({}, None))
+
+    def _generate_on(self, slot: ServerSlot, request: GenerationRequest, payload: dict,
+                     adapter_version: int | None = None) -> list[Sample]:
         """One attempt on ``slot``; a failure is the pool's to recover from, and the request is then sent again from
         its prompt."""
         with self._lock:
@@ -106,7 +117,7 @@ class SGLangStreams:
             try:
                 return generate_samples(self.reply_workers, slot.client, payload,
                                         partial(streamed_samples, request=request, server=slot.client.base_url,
-                                                routed_experts=self.routed_experts))
+                                                routed_experts=self.routed_experts, adapter_version=adapter_version))
             except ServerFailure:
                 if self.book.closed:  # the engine is shutting down and stopped the server: nothing to recover
                     return aborted_samples(request, self.served_version())
