@@ -84,6 +84,10 @@ def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) ->
     routed = [r for g in groups for r in (g.routed_experts or [None] * len(g.responses))]
     if any(r is not None for r in routed):  # R3 only: a batch without routing packs as before
         present = [torch.as_tensor(r) for r in routed if r is not None]
+        flat = next((tuple(r.shape) for r in present if r.dim() != 3), None)
+        if flat is not None:  # SGLang's reply is [tokens, layers * k]: its reader splits it (rollout/sglang/requests.py)
+            raise ValueError(f"pack_rollout_batch: routed experts of shape {flat}; each response's must be "
+                             f"[tokens, layers, top-k]")
         meta["routing_shape"] = tuple(present[0].shape[1:])
         if any(tuple(r.shape[1:]) != meta["routing_shape"] for r in present):
             raise ValueError("pack_rollout_batch: responses' routed experts differ in layers or top-k")

@@ -43,13 +43,10 @@ UNROUTED = -1  # a position the engine gave no routing for: the router chooses i
 def routing_layout(routing: Tensor | None, *, prompt_length: int, response_length: int, layers: int, topk: int,
                    where: str) -> Tensor | None:
     """``routing`` checked against its sample: ``[P + R − 1, L, k]`` int16 (the engine may also include the last
-    token: one more row, dropped; SGLang's ``[P + R − 1, L · k]`` is split into layers here). Raises ValueError
-    naming ``where``."""
+    token: one more row, dropped). Raises ValueError naming ``where``."""
     if routing is None:
         return None
     routing = torch.as_tensor(routing)
-    if routing.dim() == 2 and routing.shape[1] == layers * topk:
-        routing = routing.reshape(routing.shape[0], layers, topk)
     expected = prompt_length + response_length - 1
     if routing.dim() != 3 or tuple(routing.shape[1:]) != (layers, topk) or routing.shape[0] not in (expected,
                                                                                                    expected + 1):

@@ -37,6 +37,7 @@ a server whose memory is released.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import math
 import tempfile
@@ -78,6 +79,7 @@ from dapo_megatron.rollout.sglang.transports import (
     TensorTransport,
     WeightTransport,
 )
+from dapo_megatron.user_errors import ModelFolderError
 
 logger = logging.getLogger(__name__)
 
@@ -229,23 +231,24 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def return_routed_experts(self) -> bool:
-        """R3 (algorithm.moe_routing_replay: replay_rollout): every request asks for its routing (requests.py)."""
-        return self.streams is not None and self.streams.routed_experts
+        """R3 (algorithm.moe_routing_replay: replay_rollout): every request asks for its routing (requests.py), read
+        into ``[tokens, layers, top-k]`` with the served model's top-k (:func:`routing_topk`)."""
+        return self.streams is not None and self.streams.routed_topk is not None
 
     @return_routed_experts.setter
     def return_routed_experts(self, value: bool) -> None:
-        self.streams.routed_experts = value
+        self.streams.routed_topk = routing_topk(self.model_path) if value else None
 
     def _generate_one(self, index: int, prompt: Sequence[int], params: SamplingParams,
                       seeded: bool) -> list[Sample]:
-        routed = self.return_routed_experts
-        payload = build_generate_payload(prompt, index, params, seeded=seeded, routed_experts=routed)
+        topk = self.streams.routed_topk
+        payload = build_generate_payload(prompt, index, params, seeded=seeded, routed_experts=topk is not None)
 
         def generate_on(slot: ServerSlot) -> list[Sample]:
             return generate_samples(self.reply_workers, slot.client, payload, partial(
                 samples_from_outputs, prompt_index=index, expected_count=params.n,
                 expected_version=self._weight_version, server=slot.client.base_url,
-                routed_prompt_length=len(prompt) if routed else None))
+                routed_prompt_length=None if topk is None else len(prompt), routed_topk=topk or 0))
 
         return self.pool.send(generate_on, self.recover_server)
 
@@ -382,6 +385,17 @@ class SGLangEngine(RolloutEngine):
     def _check_open(self) -> None:
         if self._closed:
             raise RolloutError("SGLangEngine was shut down")
+
+
+def routing_topk(model_path: str | Path) -> int:
+    """The experts each token is routed to by the served model: ``num_experts_per_tok`` of its ``config.json``, the
+    width of SGLang 0.5.23's routed-experts buffer (``RoutedExpertsCapturer``), which a reply's ids are read with."""
+    config = json.loads(Path(model_path, CONFIG_FILE).read_text())
+    topk = config.get("num_experts_per_tok")
+    if not isinstance(topk, int) or topk < 1:
+        raise ModelFolderError(f"{Path(model_path, CONFIG_FILE)}: algorithm.moe_routing_replay: replay_rollout reads "
+                               f"the servers' routing with the model's num_experts_per_tok, and it has {topk!r}")
+    return topk
 
 
 def _targets(slots: Sequence[ServerSlot]) -> list[ServerTarget]:

@@ -49,7 +49,7 @@ class SGLangStreams:
         self._workers = ThreadPoolExecutor(max_workers=max_concurrent_requests, thread_name_prefix="sglang-stream")
         self._lock = threading.Lock()
         self._running_on: dict[str, tuple[ServerSlot, GenerationRequest]] = {}
-        self.routed_experts = False  # R3: every request asks for its routing (requests.py)
+        self.routed_topk: int | None = None  # R3: the model's top-k; every request asks for its routing (requests.py)
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         self.book.add(requests)
@@ -88,7 +88,7 @@ class SGLangStreams:
             return  # aborted while it waited here
         try:
             payload = build_stream_payload(request, seeded=request.params.seed is not None and self.pool.deterministic,
-                                           routed_experts=self.routed_experts)
+                                           routed_experts=self.routed_topk is not None)
             samples = self.pool.send(lambda slot: self._generate_on(slot, request, payload), self.on_failure)
         except BaseException as error:  # noqa: BLE001 - the caller's next poll() raises it
             self.book.fail(error)
@@ -106,7 +106,7 @@ class SGLangStreams:
             try:
                 return generate_samples(self.reply_workers, slot.client, payload,
                                         partial(streamed_samples, request=request, server=slot.client.base_url,
-                                                routed_experts=self.routed_experts))
+                                                routed_experts=self.routed_topk is not None))
             except ServerFailure:
                 if self.book.closed:  # the engine is shutting down and stopped the server: nothing to recover
                     return aborted_samples(request, self.served_version())
