@@ -85,7 +85,7 @@ def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) ->
     if any(r is not None for r in routed):  # R3 only: a batch without routing packs as before
         present = [torch.as_tensor(r) for r in routed if r is not None]
         flat = next((tuple(r.shape) for r in present if r.dim() != 3), None)
-        if flat is not None:  # SGLang's reply is [tokens, layers * k]: its reader splits it (rollout/sglang/requests.py)
+        if flat is not None:  # SGLang's reply is [tokens, layers * k]: its reader splits it (sglang/requests.py)
             raise ValueError(f"pack_rollout_batch: routed experts of shape {flat}; each response's must be "
                              f"[tokens, layers, top-k]")
         meta["routing_shape"] = tuple(present[0].shape[1:])

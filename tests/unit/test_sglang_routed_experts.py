@@ -84,10 +84,11 @@ def test_sglang_replies_cross_the_rollout_batch_to_every_rank_in_the_trainers_la
         routings = [torch.randint(0, 6, (len(prompt) + len(o) - 1, LAYERS, TOPK), dtype=torch.int32) for o in outputs]
         samples = [samples_from_outputs([reply(o, r)], prompt_index, 1, 0, "s", routed_prompt_length=len(prompt),
                                         routed_topk=TOPK)[0] for o, r in zip(outputs, routings)]
-        groups.append(RolloutGroup(prompt_ids=prompt, ground_truth="1", data_source="t", weight_version=0,
-                                   responses=[s.token_ids for s in samples], engine_logprobs=[s.logprobs for s in samples],
-                                   finish_reasons=["stop"] * 2, accs=[True, False], scores=[1.0, -1.0],
-                                   overlong_penalties=[0.0] * 2, routed_experts=[s.routed_experts for s in samples]))
+        groups.append(RolloutGroup(
+            prompt_ids=prompt, ground_truth="1", data_source="t", weight_version=0,
+            responses=[s.token_ids for s in samples], engine_logprobs=[s.logprobs for s in samples],
+            finish_reasons=["stop"] * 2, accs=[True, False], scores=[1.0, -1.0], overlong_penalties=[0.0] * 2,
+            routed_experts=[s.routed_experts for s in samples]))
         sent.append(routings)
     unpacked, _ = unpack_rollout_batch(pack_rollout_batch(groups, {}))
     for group, routings in zip(unpacked, sent):

@@ -204,8 +204,10 @@ def streamed_samples(outputs: list[dict[str, Any]], request: GenerationRequest, 
         token_ids, logprobs = _tokens_and_logprobs(output, meta, request.request_id, server)
         versions = token_versions_from_meta(meta, len(token_ids), server)
         first = versions[0] if versions else _version_number(meta.get("weight_version"), server)
-        routing = routed_experts_from_meta(meta, tokens=len(request.prompt) + len(token_ids), topk=routed_topk,
-                                           server=server, what=request.request_id) if routed_topk and token_ids else None
+        routing = None
+        if routed_topk and token_ids:
+            routing = routed_experts_from_meta(meta, tokens=len(request.prompt) + len(token_ids), topk=routed_topk,
+                                               server=server, what=request.request_id)
         samples.append(Sample(prompt_index=0, token_ids=token_ids, logprobs=logprobs,
                               finish_reason=finish_reason_from_sglang(meta), weight_version=first,
                               token_versions=versions, routed_experts=routing))
