@@ -27,5 +27,4 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
 
         return EmbeddedEngine(load_hf_config(hf_dir), r.embedded, host_compute=backend.host_compute)
     return SGLangEngine.launch(r.sglang, model_path=hf_dir, run_dir=Path(run_dir) / "sglang",
-                               dtype=served_dtype(config.model.precision), backend=backend, placement=r.placement,
-                               samples_per_request=r.n_samples)
+                               dtype=served_dtype(config.model.precision), backend=backend, placement=r.placement)

@@ -6,11 +6,11 @@ are launched or attached by URL (:meth:`SGLangEngine.launch`) and kept by
 
 Generation: one ``/generate`` request per prompt carrying its ``n`` samples (see
 :mod:`dapo_megatron.rollout.sglang.requests` for the payload, the seed and the log-prob temperature semantics),
-sent by a pool of at most :attr:`SGLangEngine.max_concurrent_requests` threads (``rollout.sglang.
-max_concurrent_requests``, by default what the servers run at once: :func:`~dapo_megatron.rollout.sglang.pool.
-concurrent_requests`), each to the server with the fewest requests in flight. SGLang batches concurrent requests
-itself.
-With ``rollout.sglang.reply_processes: N > 0`` those threads only wait: the ``/generate`` call and its reply's
+each to the server with the fewest requests in flight, while the samples in flight — of these and of streamed
+requests together — stay within :attr:`SGLangEngine.in_flight` (``rollout.sglang.max_in_flight_samples``, by default
+what the servers run at once: :func:`~dapo_megatron.rollout.sglang.pool.in_flight_samples`;
+:mod:`dapo_megatron.rollout.sglang.in_flight`). SGLang batches concurrent requests itself.
+With ``rollout.sglang.reply_processes: N > 0`` the sending threads only wait: the ``/generate`` call and its reply's
 parsing run in N worker processes (:mod:`dapo_megatron.rollout.sglang.reply_workers`), created and closed here.
 
 Failures: every HTTP call has ``request_timeout_s``; a failed server is restarted or taken out of rotation by the
@@ -67,7 +67,8 @@ from dapo_megatron.rollout.engine import (
 from dapo_megatron.rollout.placement import Placement, ServerMemory
 from dapo_megatron.rollout.sglang.client import ServerFailure
 from dapo_megatron.rollout.sglang.colocated_memory import ColocatedMemory
-from dapo_megatron.rollout.sglang.pool import ServerPool, ServerSlot, concurrent_requests
+from dapo_megatron.rollout.sglang.in_flight import SampleBudget
+from dapo_megatron.rollout.sglang.pool import ServerPool, ServerSlot, in_flight_samples
 from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers, generate_samples
 from dapo_megatron.rollout.sglang.requests import build_generate_payload, samples_from_outputs
 from dapo_megatron.rollout.sglang.server import SGLangServerProcess, server_python
@@ -90,15 +91,14 @@ class SGLangEngine(RolloutEngine):
     :meth:`launch` launches (or attaches to) the servers of a config and makes the engine over them; the constructor
     takes the collaborators themselves: the ``pool`` of servers (not started: the engine starts it, and stops it at
     shutdown; its config, model directory, run directory, device and placement are the engine's) and the weight
-    ``transport`` (default: the one ``rollout.sglang.transport`` names). ``samples_per_request``: the ``n`` of the
-    run's requests (``rollout.n_samples``), which the default number of requests in flight is counted in.
+    ``transport`` (default: the one ``rollout.sglang.transport`` names).
     ``temporary_dir``: a directory the engine removes at shutdown (the run directory :meth:`launch` made).
     """
 
     @classmethod
     def launch(cls, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
                show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
-               placement: Placement = "separate", samples_per_request: int = 1) -> SGLangEngine:
+               placement: Placement = "separate") -> SGLangEngine:
         """The engine over the servers ``config`` launches or attaches.
 
         ``model_path``: the HF model directory the servers start from; the disk transport also copies its config and
@@ -119,11 +119,9 @@ class SGLangEngine(RolloutEngine):
         run_dir.mkdir(parents=True, exist_ok=True)
         pool = ServerPool(config, model_path=str(model_path), run_dir=run_dir, device=backend.device_type,
                           dtype=dtype, server_environment=backend.sglang_server_environment, placement=placement)
-        return cls(pool, show_progress=show_progress, samples_per_request=samples_per_request,
-                   temporary_dir=temporary_dir)
+        return cls(pool, show_progress=show_progress, temporary_dir=temporary_dir)
 
-    def __init__(self, pool: ServerPool, *, show_progress: bool = True, samples_per_request: int = 1,
-                 transport: WeightTransport | None = None,
+    def __init__(self, pool: ServerPool, *, show_progress: bool = True, transport: WeightTransport | None = None,
                  temporary_dir: tempfile.TemporaryDirectory | None = None) -> None:
         self.pool = pool
         self.config: SGLangConfig = pool.config
@@ -150,14 +148,13 @@ class SGLangEngine(RolloutEngine):
         try:
             self._weight_version = self.pool.start()
             config = self.config
-            self.max_concurrent_requests = config.max_concurrent_requests or concurrent_requests(
-                self.pool.capacities(), samples_per_request)
-            logger.info("up to %d requests of %d sample(s) in flight over %d server(s)", self.max_concurrent_requests,
-                        samples_per_request, len(self.pool.slots))
-            if config.reply_processes:
+            self.in_flight = SampleBudget(config.max_in_flight_samples
+                                          or in_flight_samples(self.pool.capacities()))
+            logger.info("up to %d samples in flight over %d server(s)", self.in_flight.limit, len(self.pool.slots))
+            if config.reply_processes:  # a request holds at least one sample: at most `limit` calls at once
                 self.reply_workers = ReplyWorkers(config.reply_processes, threads_per_process=math.ceil(
-                    self.max_concurrent_requests / config.reply_processes))
-            self.streams = SGLangStreams(self.pool, max_concurrent_requests=self.max_concurrent_requests,
+                    self.in_flight.limit / config.reply_processes))
+            self.streams = SGLangStreams(self.pool, in_flight=self.in_flight,
                                          served_version=lambda: self._weight_version, on_failure=self.recover_server,
                                          reply_workers=self.reply_workers)
             self.transport = self._make_transport() if transport is None else transport
@@ -211,7 +208,7 @@ class SGLangEngine(RolloutEngine):
             self._warned_unseeded = True
         results: list[list[Sample] | None] = [None] * len(prompts)
         with self._update_lock:
-            workers = ThreadPoolExecutor(max_workers=min(self.max_concurrent_requests, len(prompts)),
+            workers = ThreadPoolExecutor(max_workers=min(self.in_flight.requests_at_once(params.n), len(prompts)),
                                          thread_name_prefix="sglang-generate")
             futures = {workers.submit(self._generate_one, index, prompt, params, seeded): index
                        for index, prompt in enumerate(prompts)}
@@ -250,7 +247,8 @@ class SGLangEngine(RolloutEngine):
                 expected_version=self._weight_version, server=slot.client.base_url,
                 routed_prompt_length=None if topk is None else len(prompt), routed_topk=topk or 0))
 
-        return self.pool.send(generate_on, self.recover_server)
+        with self.in_flight.taken(params.n):
+            return self.pool.send(generate_on, self.recover_server)
 
     # ---- streaming -------------------------------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:

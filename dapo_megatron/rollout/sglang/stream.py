@@ -1,8 +1,10 @@
 """Streamed requests on the SGLang engine's servers (the streaming half of the :class:`RolloutEngine` API).
 
 Each request is one ``/generate`` call (its ``n`` samples as prompt copies with one rid each,
-:func:`~dapo_megatron.rollout.sglang.requests.build_stream_payload`) sent by a thread of a pool of at most
-``max_concurrent_requests``, to the least-loaded server. Requests beyond that wait here, not on a server.
+:func:`~dapo_megatron.rollout.sglang.requests.build_stream_payload`) sent by a thread of its own to the least-loaded
+server once its samples fit the engine's in-flight budget (:class:`~dapo_megatron.rollout.sglang.in_flight.
+SampleBudget`, counted in samples: a multi-turn turn of one sample takes one). Requests beyond it wait here, not on a
+server.
 
 * Abort: flagged in the :class:`RequestBook`; a request still waiting here never starts, a running one gets
   ``POST /abort_request`` for each of its rids on the server it runs on, which returns it at once with the tokens
@@ -27,6 +29,7 @@ from typing import Callable, Iterable, Sequence
 from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, Sample
 from dapo_megatron.rollout.request_book import RequestBook, aborted_samples
 from dapo_megatron.rollout.sglang.client import ServerFailure
+from dapo_megatron.rollout.sglang.in_flight import SampleBudget
 from dapo_megatron.rollout.sglang.pool import FailureHandler, ServerPool, ServerSlot
 from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers, generate_samples
 from dapo_megatron.rollout.sglang.requests import build_stream_payload, sample_rid, streamed_samples
@@ -39,14 +42,16 @@ class SGLangStreams:
     a request aborted before its first token reports), ``on_failure`` its failover (:meth:`ServerPool.send`);
     ``reply_workers``: the processes that post and parse (None: the thread sending a request does)."""
 
-    def __init__(self, pool: ServerPool, *, max_concurrent_requests: int, served_version: Callable[[], int],
+    def __init__(self, pool: ServerPool, *, in_flight: SampleBudget, served_version: Callable[[], int],
                  on_failure: FailureHandler, reply_workers: ReplyWorkers | None = None) -> None:
         self.pool = pool
+        self.in_flight = in_flight
         self.reply_workers = reply_workers
         self.served_version = served_version
         self.on_failure = on_failure
         self.book = RequestBook("SGLangEngine")
-        self._workers = ThreadPoolExecutor(max_workers=max_concurrent_requests, thread_name_prefix="sglang-stream")
+        # every request holds at least one sample: `limit` threads never hold back a request that would fit
+        self._workers = ThreadPoolExecutor(max_workers=in_flight.limit, thread_name_prefix="sglang-stream")
         self._lock = threading.Lock()
         self._running_on: dict[str, tuple[ServerSlot, GenerationRequest]] = {}
         self.routed_topk: int | None = None  # R3: the model's top-k; every request asks for its routing (requests.py)
@@ -89,7 +94,8 @@ class SGLangStreams:
         try:
             payload = build_stream_payload(request, seeded=request.params.seed is not None and self.pool.deterministic,
                                            routed_experts=self.routed_topk is not None)
-            samples = self.pool.send(lambda slot: self._generate_on(slot, request, payload), self.on_failure)
+            with self.in_flight.taken(request.params.n):
+                samples = self.pool.send(lambda slot: self._generate_on(slot, request, payload), self.on_failure)
         except BaseException as error:  # noqa: BLE001 - the caller's next poll() raises it
             self.book.fail(error)
             return
@@ -106,7 +112,7 @@ class SGLangStreams:
             try:
                 return generate_samples(self.reply_workers, slot.client, payload,
                                         partial(streamed_samples, request=request, server=slot.client.base_url,
-                                                routed_experts=self.routed_topk is not None))
+                                                routed_topk=self.routed_topk))
             except ServerFailure:
                 if self.book.closed:  # the engine is shutting down and stopped the server: nothing to recover
                     return aborted_samples(request, self.served_version())
