@@ -102,7 +102,7 @@ def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", 
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
     sequence_parallel = sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,
                                                   use_transformer_engine=backend.uses_transformer_engine)
-    require_sequence_parallel_for_moe_training(spec, tensor_parallel=tensor_parallel,
+    require_sequence_parallel_for_moe_training(has_experts=spec.moe is not None, tensor_parallel=tensor_parallel,
                                                sequence_parallel=sequence_parallel,
                                                use_transformer_engine=backend.uses_transformer_engine)
     tconfig = transformer_config(

@@ -49,10 +49,11 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, r
     """Raise the :class:`~dapo_megatron.user_errors.UserError` of the first bad input (see the module docstring).
     ``checkpoint``: the one ``eval`` reads (then nothing is trained, so the training memory is not checked)."""
     check_rollout_routing(config, backend)
-    if config.model.source == "hf":
-        spec = check_user_model(config)
+    spec = check_user_model(config) if config.model.source == "hf" else None
+    if checkpoint is None:
+        check_training_layout(config, spec, backend)
+    if spec is not None:
         if checkpoint is None:
-            check_training_layout(config, spec, backend)
             check_training_memory(config, spec, world_size=world_size, fused_attention=backend.uses_transformer_engine)
         if config.rollout.engine == "embedded":
             check_embedded_engine_memory(config, spec, world_size=world_size, backend=backend)
@@ -95,18 +96,17 @@ def check_rollout_routing(config: DAPOConfig, backend: Backend) -> None:
 
 def check_training_layout(config: DAPOConfig, spec, backend: Backend) -> None:
     """A layout megatron-core accepts at build time but refuses in the first update (after a whole rollout): a
-    mixture-of-experts model at TP > 1 without sequence parallelism."""
+    mixture-of-experts model at TP > 1 without sequence parallelism. ``spec``: the user's model; None for
+    ``model.source = tiny``, whose model is made later (the warm start) and is a MoE when ``model.tiny.arch`` says
+    so."""
     from dapo_megatron.policy.model import require_sequence_parallel_for_moe_training, sequence_parallel_enabled
-    from dapo_megatron.policy.model_spec import ParallelLayoutError
 
     p, te = config.parallel, backend.uses_transformer_engine
-    try:
-        require_sequence_parallel_for_moe_training(
-            spec, tensor_parallel=p.tensor, use_transformer_engine=te,
-            sequence_parallel=sequence_parallel_enabled(p.sequence_parallel, tensor_parallel=p.tensor,
-                                                        use_transformer_engine=te))
-    except ParallelLayoutError as error:
-        raise ConfigError(f"parallel.sequence_parallel / parallel.tensor: {error}") from None
+    require_sequence_parallel_for_moe_training(
+        has_experts=spec.moe is not None if spec is not None else config.model.tiny.arch == "qwen3_moe",
+        tensor_parallel=p.tensor, use_transformer_engine=te,
+        sequence_parallel=sequence_parallel_enabled(p.sequence_parallel, tensor_parallel=p.tensor,
+                                                    use_transformer_engine=te))
 
 
 # A CPU rank's own cost besides its share of the model (Python, torch, megatron-core), measured at ~0.6-0.9 GB RSS
