@@ -63,9 +63,9 @@ def require_sequence_parallel_for_moe_training(*, has_experts: bool, tensor_para
            "(no Transformer Engine, or model.kernels: local)")
     raise ConfigError(
         f"parallel.sequence_parallel / parallel.tensor: a mixture-of-experts model trains at parallel.tensor="
-        f"{tensor_parallel} only with sequence parallelism (megatron-core's MoE layer refuses it otherwise), and {why}: "
-        f"set parallel.sequence_parallel: true with Transformer Engine, or parallel.tensor: 1 and split the experts "
-        f"with parallel.expert")
+        f"{tensor_parallel} only with sequence parallelism (megatron-core's MoE layer refuses it otherwise), and "
+        f"{why}: set parallel.sequence_parallel: true with Transformer Engine, or parallel.tensor: 1 and split the "
+        f"experts with parallel.expert")
 
 
 def recompute_settings(recompute: Recompute) -> dict[str, Any]:
