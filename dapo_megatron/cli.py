@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--data-parallel", type=int, default=None, help="DP size (default: parallel.data, else 1)")
     plan.add_argument("--gpu-memory-gb", type=float, default=None,
                       help="memory of one GPU, in 10^9 bytes (default: parallel.gpu_memory_gb, else 80)")
+    plan.add_argument("--host-memory-gb", type=float, default=None,
+                      help="host memory of one node, in 10^9 bytes (default: parallel.host_memory_gb, else 1000)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="trainer ranks on one node (default: 8)")
     plan.add_argument("--local-spec", action="store_true",
                       help="plan megatron's local spec (no Transformer Engine: unfused attention, no sequence "
                            "parallelism) instead of the TE path")

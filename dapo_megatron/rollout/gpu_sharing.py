@@ -148,6 +148,15 @@ def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], 
     return result
 
 
+def optimizer_offloading_ranks(config: DAPOConfig, *, ranks_on_node: int, on_gpu: bool = True) -> int:
+    """Trainer ranks of rank 0's node that move their optimizer state to host memory while colocated servers
+    generate (``rollout.offload_optimizer``): those whose GPU a server's TP rank shares."""
+    r = config.rollout
+    if not (on_gpu and r.engine == "sglang" and r.placement == "colocated" and r.offload_optimizer):
+        return 0
+    return min(r.sglang.num_servers * r.sglang.tp_per_server, ranks_on_node)
+
+
 def sharing_report(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], *, data_parallel: int,
                    gpu_memory_gb: float) -> tuple[list[str], bool]:
     """``dapo-megatron plan``'s lines on what shares the trainer's GPUs, and whether each turn fits."""

@@ -234,3 +234,30 @@ def test_the_backend_choice_names_the_error_of_a_held_back_transformer_engine(ca
         sys.meta_path.remove(hook)
     assert not any(isinstance(h, HeldBack) for h in sys.meta_path)
     assert "is not installed" in transformer_engine_problem()  # control: this machine has no Transformer Engine
+
+
+# ---- RouterReplay's queue for recomputation (overrides/megatron_core/router_replay.py)
+
+def test_can_set_replay_target_go():
+    """megatron's ``set_target_indices`` queues every target for REPLAY_BACKWARD until ``clear_indices``: without
+    recomputation a replayed pass kept each micro-batch's int64 targets on the GPU to its end (issue 40.3)."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from dapo_megatron.overrides.megatron_core.router_replay import set_replay_target
+
+    upstream, fixed, recomputed = RouterReplay(), RouterReplay(), RouterReplay()
+    try:
+        for micro_batch in range(3):
+            target = torch.full((4, 2), micro_batch, dtype=torch.long)
+            upstream.set_target_indices(target)
+            set_replay_target(fixed, target, kept_for_recompute=False)
+            set_replay_target(recomputed, target, kept_for_recompute=True)
+        assert len(upstream.replay_backward_list) == 3, (
+            f"{UPSTREAM}'s RouterReplay no longer keeps every target for REPLAY_BACKWARD: delete "
+            "overrides/megatron_core/router_replay.py (set_replay_target) and call set_target_indices")
+        assert fixed.replay_backward_list == [] and int(fixed.target_topk_idx[0, 0]) == 2  # the current one only
+        assert [int(t[0, 0]) for t in recomputed.replay_backward_list] == [0, 1, 2]  # for the recomputed forwards
+    finally:
+        for replay in (upstream, fixed, recomputed):
+            RouterReplay.global_router_replay_instances.remove(replay)
