@@ -101,7 +101,8 @@ class DAPOTrainer:
         sampler = train_sampler(c, self.tokenizer)
         self.eval_prompts = eval_prompts(c, self.tokenizer)
         self.reward = RewardScorer(c)  # your reward's worker processes, before the engine
-        self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend)
+        self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend,
+                                           server_gpus=self.colocation.server_gpus)
         if c.algorithm.moe_routing_replay == "replay_rollout":  # R3: the samples carry the engine's routing
             self.engine.return_routed_experts = True
         collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
@@ -141,7 +142,7 @@ class DAPOTrainer:
         self.colocation.before_handoff()
         sync_engine_weights(self.actor.model, self.spec, self.engine, version=version,
                             bucket_bytes=int(self.config.rollout.handoff_bucket_mb * 2**20),
-                            tp_gather=self.backend.tp_gather)
+                            tp_gather=self.backend.tp_gather, copies=self.colocation.handoff_copies())
 
     def validate(self, step: int = 0) -> dict[str, float]:
         """Validation metrics on every rank; rank 0 also logs a sample of the generations at ``step``."""

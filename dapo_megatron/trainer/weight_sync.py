@@ -12,6 +12,10 @@ the answer.
 * ``per_stage``: every stage's source streams its own buckets into the engine's receiver
   (:func:`dapo_megatron.handoff.stream_stage_buckets`); the sources' errors are shared, then rank 0 commits the
   version (``engine.commit_stage_streams``).
+* with ``copies`` (colocated servers on this node fed by CUDA IPC handles,
+  :meth:`dapo_megatron.trainer.colocation.Colocation.handoff_copies`): every rank makes the same buckets on its own
+  GPU, and rank 0's stream carries the other ranks' handles of them, so each server rank opens its own GPU's copy
+  (:mod:`dapo_megatron.handoff.gpu_copies`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from dapo_megatron.handoff import choose_route, gather_hf_buckets_to_rank0, stream_stage_buckets
+from dapo_megatron.handoff import choose_route, export_hf_buckets, gather_hf_buckets_to_rank0, stream_stage_buckets
+from dapo_megatron.handoff.gpu_copies import GpuCopies, buckets_with_copies
 from dapo_megatron.backend.interfaces import TensorParallelGather
 from dapo_megatron.rank_zero import feed_rank0, run_on_rank0
 from dapo_megatron.rollout.engine import RolloutEngine
@@ -31,10 +36,16 @@ class StageStreamError(RuntimeError):
 
 
 def sync_engine_weights(model: torch.nn.Module, spec, engine: RolloutEngine | None, *, version: int,
-                        bucket_bytes: int, tp_gather: TensorParallelGather) -> None:
+                        bucket_bytes: int, tp_gather: TensorParallelGather, copies: GpuCopies | None = None) -> None:
     """Hand ``model``'s weights (this rank's stage shard; DDP-wrapped or not) to ``engine`` as ``version``.
     ``engine`` is the rollout engine on global rank 0 and None on every other rank; ``tp_gather`` is the backend's
-    (:mod:`dapo_megatron.handoff.tp_gather`)."""
+    (:mod:`dapo_megatron.handoff.tp_gather`); ``copies``: this rank's part in a handoff with a copy on every GPU."""
+    if copies is not None:
+        buckets = buckets_with_copies(export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, every_rank=True),
+                                      copies)
+        feed_rank0(buckets, lambda stream: engine.update_weights(stream, version),
+                   what=f"weight handoff (version {version})")
+        return
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     receiver = None
     if stages > 1:

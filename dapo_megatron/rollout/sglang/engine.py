@@ -98,7 +98,7 @@ class SGLangEngine(RolloutEngine):
     @classmethod
     def launch(cls, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
                show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
-               placement: Placement = "separate") -> SGLangEngine:
+               placement: Placement = "separate", server_gpus: list[range] | None = None) -> SGLangEngine:
         """The engine over the servers ``config`` launches or attaches.
 
         ``model_path``: the HF model directory the servers start from; the disk transport also copies its config and
@@ -110,6 +110,8 @@ class SGLangEngine(RolloutEngine):
         ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its
         device type, in the environment it gives them.
         ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.
+        ``server_gpus``: each launched server's GPUs as the caller decided them (the trainer's colocation); None: the
+        pool's own layout.
         """
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
@@ -118,7 +120,8 @@ class SGLangEngine(RolloutEngine):
         run_dir = Path(run_dir or temporary_dir.name)
         run_dir.mkdir(parents=True, exist_ok=True)
         pool = ServerPool(config, model_path=str(model_path), run_dir=run_dir, device=backend.device_type,
-                          dtype=dtype, server_environment=backend.sglang_server_environment, placement=placement)
+                          dtype=dtype, server_environment=backend.sglang_server_environment, placement=placement,
+                          server_gpus=server_gpus)
         return cls(pool, show_progress=show_progress, temporary_dir=temporary_dir)
 
     def __init__(self, pool: ServerPool, *, show_progress: bool = True, transport: WeightTransport | None = None,
@@ -296,7 +299,7 @@ class SGLangEngine(RolloutEngine):
             slots = self.pool.available()
             if not slots:
                 raise RolloutError("SGLangEngine.update_weights: no SGLang server is available")
-            targets = _targets(slots)
+            targets = server_targets(slots)
             started = time.monotonic()
             self.memory.move(slots, ServerMemory.for_weight_update, release=False)
             for target in targets:
@@ -373,7 +376,7 @@ class SGLangEngine(RolloutEngine):
         transport = self.transport
         if transport is not None:
             try:
-                transport.close(_targets(self.pool.available()))
+                transport.close(server_targets(self.pool.available()))
             except Exception as error:  # shutting down: report, keep killing servers
                 logger.warning("closing the %s transport failed: %s", transport.name, error)
         self.pool.stop()
@@ -396,6 +399,7 @@ def routing_topk(model_path: str | Path) -> int:
     return topk
 
 
-def _targets(slots: Sequence[ServerSlot]) -> list[ServerTarget]:
+def server_targets(slots: Sequence[ServerSlot]) -> list[ServerTarget]:
+    """What a weight transport writes to, for each of ``slots``."""
     return [ServerTarget(client=slot.client, tp_size=slot.tp_size, same_host=slot.same_host,
                          gpus=slot.process.gpus if slot.process is not None else None) for slot in slots]

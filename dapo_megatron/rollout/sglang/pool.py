@@ -112,13 +112,15 @@ class ServerPool:
     """``config.urls`` non-empty: attach to those servers; otherwise launch ``config.num_servers`` on ``device``
     serving ``dtype`` (SGLang's ``--dtype``), in the environment ``server_environment`` makes of the one they
     would get (the backend's: :meth:`dapo_megatron.backend.Backend.sglang_server_environment`), placed as
-    ``placement`` says (``rollout.placement``)."""
+    ``placement`` says (``rollout.placement``), on ``server_gpus`` when the caller placed them (the trainer's
+    colocation decides once for every rank), else on this pool's layout of the GPUs."""
 
     def __init__(self, config: SGLangConfig, *, model_path: str, run_dir: Path, device: Literal["cpu", "cuda"],
                  dtype: str = "auto", server_environment: ServerEnvironment = unchanged_environment,
-                 placement: Placement = "separate") -> None:
+                 placement: Placement = "separate", server_gpus: list[range] | None = None) -> None:
         self.config = config
         self.placement = placement
+        self.server_gpus = server_gpus
         self.server_environment = server_environment
         self.model_path = model_path
         self.run_dir = run_dir
@@ -135,7 +137,9 @@ class ServerPool:
 
     def _launch(self) -> int:
         config = self.config
-        if self.device == "cuda":
+        if self.device == "cuda" and self.server_gpus is not None:
+            gpus = self.server_gpus
+        elif self.device == "cuda":
             layout = colocated_gpu_ranges if self.placement == "colocated" else server_gpu_ranges
             gpus = layout(config, trainer_local_ranks=local_world_size(), visible_gpus=torch.cuda.device_count())
         else:
