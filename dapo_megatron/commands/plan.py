@@ -57,7 +57,7 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
                        ranks_per_node=min(gpus_per_node, world),
                        offloading_ranks=optimizer_offloading_ranks(config, ranks_on_node=min(gpus_per_node, world)))
     host_lines, host_fits = host_memory_lines(host, config, budget_gb=host_memory_gb)
-    fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits and host_fits
+    gpu_fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
     lines = [
         f"model: {spec.arch}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}"
         + (f", {spec.moe.num_experts} experts (top {spec.moe.topk})" if spec.moe is not None else "") + f" ({origin})",
@@ -75,11 +75,12 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         *([""] if sharing else []),
         *host_lines,
         *([""] if host_lines else []),
-        f"{'fits' if fits else 'does NOT fit'} in {gpu_memory_gb:g} GB per GPU"
-        + (f" and {host_memory_gb:g} GB of host memory per node" if host_lines else "")
-        + " (the memory model: dapo_megatron/policy/memory.py, host_memory.py)",
+        f"{'fits' if gpu_fits else 'does NOT fit'} in {gpu_memory_gb:g} GB per GPU"
+        + (f"; the host memory {'fits' if host_fits else 'does NOT fit'} in {host_memory_gb:g} GB per node (the memory "
+           f"model: dapo_megatron/policy/memory.py, host_memory.py)" if host_lines
+           else " (the memory model: dapo_megatron/policy/memory.py)"),
     ]
-    return "\n".join(lines), fits
+    return "\n".join(lines), gpu_fits and host_fits
 
 
 def routing_replay_line(config: DAPOConfig, spec: ModelSpec, stages) -> str | None:

@@ -38,6 +38,7 @@ class HostMemory:
     offload_bytes: int  # a rank of rank 0's node whose GPU a colocated server shares: its optimizer state
     ranks_per_node: int
     offloading_ranks: int  # of rank 0's node
+    nodes: int = 1
 
     @property
     def first_node_bytes(self) -> int:
@@ -86,9 +87,11 @@ def host_memory(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], 
     stage's) to the host while colocated servers generate."""
     share, rank0 = routing_host_bytes(config, spec, stages, data_parallel=data_parallel,
                                       sequence_parallel=sequence_parallel)
+    world = config.parallel.tensor * config.parallel.pipeline * data_parallel
     return HostMemory(share_bytes=share, rank0_bytes=rank0,
                       offload_bytes=max(stage.optimizer_bytes for stage in stages) if offloading_ranks else 0,
-                      ranks_per_node=ranks_per_node, offloading_ranks=offloading_ranks)
+                      ranks_per_node=ranks_per_node, offloading_ranks=offloading_ranks,
+                      nodes=-(-world // ranks_per_node))
 
 
 def host_memory_lines(memory: HostMemory, config: DAPOConfig, *, budget_gb: float) -> tuple[list[str], bool]:
@@ -97,14 +100,15 @@ def host_memory_lines(memory: HostMemory, config: DAPOConfig, *, budget_gb: floa
         return [], True
     fits = memory.first_node_bytes <= budget_gb * GB
     parts = [f"{memory.ranks_per_node} ranks x {memory.share_bytes / GB:.2f} GB of routing replay "
-             f"({config.algorithm.moe_routing_replay}: each rank's share of the step)"] if memory.share_bytes else []
+             f"({config.algorithm.moe_routing_replay}: each rank's share of the step, at the length limits)"
+             ] if memory.share_bytes else []
     if memory.rank0_bytes:
         parts.append(f"rank 0's {memory.rank0_bytes / GB:.2f} GB of the engine's routing (the batch and one "
                      f"generation round, every layer)")
     if memory.offloading_ranks:
         parts.append(f"{memory.offloading_ranks} x {memory.offload_bytes / GB:.1f} GB of optimizer state moved there "
                      f"while colocated servers generate")
-    lines = [f"host memory per node, at the length limits: {memory.first_node_bytes / GB:.1f} GB on rank 0's node "
-             f"({' + '.join(parts)}), {memory.other_node_bytes / GB:.1f} GB on the others: "
-             + ("fits" if fits else "does NOT fit") + f" in {budget_gb:g} GB (parallel.host_memory_gb)"]
+    others = f", {memory.other_node_bytes / GB:.1f} GB on each other node" if memory.nodes > 1 else ""
+    lines = [f"host memory per node: {memory.first_node_bytes / GB:.1f} GB on rank 0's node ({' + '.join(parts)})"
+             f"{others}: " + ("fits" if fits else "does NOT fit") + f" in {budget_gb:g} GB (parallel.host_memory_gb)"]
     return lines, fits

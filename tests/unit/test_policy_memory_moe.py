@@ -131,10 +131,10 @@ def test_plan_of_r3_on_the_docs_qwen3_30b_node_counts_routing_per_node_and_on_th
     pass_share = -(-c.trainer.mini_batch_size * c.rollout.n_samples * length // (4 * 2)) * 48 * 8 * 2
     share = step_share + pass_share
     rank0 = (c.trainer.train_batch_size + c.algorithm.gen_batch_size) * c.rollout.n_samples * (length - 1) * 48 * 8 * 2
-    assert (f"host memory per node, at the length limits: {(8 * share + rank0) / 1e9:.1f} GB on rank 0's node "
-            f"(8 ranks x {share / 1e9:.2f} GB of routing replay" in report)
+    assert (f"host memory per node: {(8 * share + rank0) / 1e9:.1f} GB on rank 0's node (8 ranks x "
+            f"{share / 1e9:.2f} GB of routing replay" in report)
     assert f"rank 0's {rank0 / 1e9:.2f} GB of the engine's routing" in report
-    assert f"{8 * share / 1e9:.1f} GB on the others: fits in 1000 GB (parallel.host_memory_gb)" in report
+    assert "generation round, every layer)): fits in 1000 GB (parallel.host_memory_gb)" in report  # one node
     # every rank's share together is the step's routing once (it went whole to each of the 8 ranks: 8 x 141.7 GB)
     assert 8 * step_share == pytest.approx(c.trainer.train_batch_size * c.rollout.n_samples * length * 48 * 8 * 2)
     # the GPU: 4096 / 2 tokens x 48 layers x top-8, int64, in the stage total
