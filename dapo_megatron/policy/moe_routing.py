@@ -172,6 +172,29 @@ class RecordedRouting:
     per_router: list[list[Tensor]] = field(default_factory=list)
 
 
+class MicroBatchQueues:
+    """Per router, one ``[tokens, k]`` entry per micro-batch, taken in the order the forwards run; ``what`` says where
+    they came from ("recorded", "laid out"), ``hint`` what a token-count mismatch means."""
+
+    def __init__(self, per_router: list[list[Tensor]], *, what: str, hint: str = "") -> None:
+        self.queues = [deque(entries) for entries in per_router]
+        self.what, self.hint = what, hint
+
+    def take(self, index: int, tokens: int) -> Tensor:
+        if not self.queues[index]:
+            raise RuntimeError(f"routing replay: router {index} ran more forwards than were {self.what}")
+        entry = self.queues[index].popleft()
+        if entry.shape[0] != tokens:
+            raise RuntimeError(f"routing replay: router {index} routes {tokens} tokens, the {self.what} micro-batch "
+                               f"has {entry.shape[0]}{self.hint}")
+        return entry
+
+    def require_all_taken(self) -> None:
+        left = [len(queue) for queue in self.queues if queue]
+        if left:
+            raise RuntimeError(f"routing replay: {left[0]} {self.what} micro-batches were not run")
+
+
 ChooseExperts = Callable[[int, TopKRouter, Tensor], Tensor]
 """``(router index, router, hidden [T, H])`` → the ``[T, k]`` int64 expert ids it routes this forward with."""
 
@@ -227,22 +250,14 @@ class RoutingReplay:
         micro-batch must be used."""
         if len(recorded.per_router) != len(self.routers):
             raise ValueError(f"recorded routing of {len(recorded.per_router)} routers for {len(self.routers)}")
-        queues = [deque(indices) for indices in recorded.per_router]
+        queues = MicroBatchQueues(recorded.per_router, what="recorded", hint=" (different batching)")
 
         def choose(index: int, router: TopKRouter, hidden: Tensor) -> Tensor:
-            if not queues[index]:
-                raise RuntimeError(f"routing replay: router {index} ran more forwards than were recorded")
-            indices = queues[index].popleft()
-            if indices.shape[0] != hidden.shape[0]:
-                raise RuntimeError(f"routing replay: router {index} routes {hidden.shape[0]} tokens, the recorded "
-                                   f"pass routed {indices.shape[0]} in this micro-batch (different batching)")
-            return on_device(indices, hidden.device)
+            return on_device(queues.take(index, hidden.shape[0]), hidden.device)
 
         with self.routed_by(choose):
             yield
-        left = [len(queue) for queue in queues if queue]
-        if left:
-            raise RuntimeError(f"routing replay: {left[0]} recorded micro-batches were not replayed")
+        queues.require_all_taken()
 
     @contextmanager
     def _action(self, action: RouterReplayAction, hooks: list) -> Iterator[None]:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
-from dapo_megatron.policy.moe_routing import RecordedRouting, RoutingReplay, host_copy, on_device
+from dapo_megatron.policy.moe_routing import MicroBatchQueues, RecordedRouting, RoutingReplay, host_copy, on_device
 from dapo_megatron.policy.packing import MicroBatch, PolicySample
 from dapo_megatron.rank_zero import waiting_group
 
@@ -241,16 +241,12 @@ def replaying_engine_routing(replay: RoutingReplay, targets: RecordedRouting) ->
     if len(targets.per_router) != len(routers):
         raise ValueError(f"engine routing for {len(targets.per_router)} routers, the stage has {len(routers)}")
     on_gpu = next(routers[0].parameters()).is_cuda
-    queues = [[t.pin_memory() if on_gpu else t for t in reversed(indices)] for indices in targets.per_router]
+    queues = MicroBatchQueues([[t.pin_memory() if on_gpu else t for t in indices] for indices in targets.per_router],
+                              what="laid out")
     replayed = ReplayedPass(RecordedRouting([[] for _ in routers]))
 
     def choose(index: int, router, hidden: Tensor) -> Tensor:
-        if not queues[index]:
-            raise RuntimeError(f"rollout routing replay: router {index} ran more forwards than were laid out")
-        wanted = queues[index].pop()
-        if wanted.shape[0] != hidden.shape[0]:
-            raise RuntimeError(f"rollout routing replay: router {index} routes {hidden.shape[0]} tokens, the layout "
-                               f"has {wanted.shape[0]}")
+        wanted = queues.take(index, hidden.shape[0])
         with torch.no_grad():
             own = own_topk(router, hidden)
             wanted = on_device(wanted, own.device)
@@ -264,9 +260,7 @@ def replaying_engine_routing(replay: RoutingReplay, targets: RecordedRouting) ->
 
     with replay.routed_by(choose):
         yield replayed
-    left = [len(queue) for queue in queues if queue]
-    if left:
-        raise RuntimeError(f"rollout routing replay: {left[0]} laid-out micro-batches were not run")
+    queues.require_all_taken()
 
 
 @contextmanager

@@ -169,6 +169,6 @@ def test_a_router_asked_for_more_forwards_than_laid_out_is_an_error():
         yield
 
     seam.routed_by = routed_by
-    with pytest.raises(RuntimeError, match="laid-out micro-batches were not run"):
+    with pytest.raises(RuntimeError, match="1 laid out micro-batches were not run"):
         with replaying_engine_routing(seam, SimpleNamespace(per_router=[[torch.zeros(2, TOPK, dtype=torch.int16)]])):
             pass
