@@ -53,6 +53,20 @@ def test_one_sample_turns_fill_the_servers_running_limit_and_groups_never_exceed
         assert sglang_stub.peak_samples_in_flight == 8  # two groups of 4 at a time, never 3
 
 
+def test_requests_waiting_for_room_hold_no_thread(sglang_stub, tmp_path):
+    sglang_stub.capacity, sglang_stub.delay_s = 8, 1.0
+    with trainer_engine(sglang_stub, tmp_path, n_samples=4) as engine:
+        engine.submit([GenerationRequest(f"group{i}", (4, 5, 6 + i), SamplingParams(n=4, max_new_tokens=4))
+                       for i in range(5)])
+        time.sleep(0.5)  # the first two groups are on the server
+        sending = [t for t in threading.enumerate() if t.name.startswith("sglang-stream")]
+        assert sglang_stub.samples_in_flight == 8 and len(sending) == 2  # not 5: three wait without a thread
+        finished, deadline = 0, time.monotonic() + 60
+        while finished < 5 and time.monotonic() < deadline:
+            finished += len(engine.poll(timeout_s=0.5))
+        assert finished == 5
+
+
 def test_the_budget_admits_in_order_and_lets_an_oversized_request_run_alone():
     budget = SampleBudget(4)
     order, release = [], threading.Event()
@@ -77,5 +91,11 @@ def test_the_budget_admits_in_order_and_lets_an_oversized_request_run_alone():
     assert order == ["three", "two", "one"] and budget.in_flight == 0 and budget.peak == 3
     with budget.taken(9):  # more than the limit: alone
         assert budget.in_flight == 9
+        assert not budget.try_take(1)  # who waits without a thread is refused while it does not fit
+    told = []
+    budget.when_room(lambda: told.append(budget.in_flight))
+    assert budget.try_take(3) and not budget.try_take(2)
+    budget.give_back(3)
+    assert told == [0] and budget.in_flight == 0  # and is told when samples come back
     with pytest.raises(ValueError, match="at least one sample"):
         SampleBudget(0)

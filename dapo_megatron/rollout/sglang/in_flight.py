@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 class SampleBudget:
@@ -29,6 +29,7 @@ class SampleBudget:
         self.peak = 0  # the most samples in flight at once so far (what a GPU check reports)
         self._changed = threading.Condition()
         self._queue: list[object] = []
+        self._on_room: list[Callable[[], None]] = []  # told whenever samples are given back
 
     @contextmanager
     def taken(self, samples: int) -> Iterator[None]:
@@ -44,9 +45,28 @@ class SampleBudget:
         try:
             yield
         finally:
-            with self._changed:
-                self.in_flight -= samples
-                self._changed.notify_all()
+            self.give_back(samples)
+
+    def try_take(self, samples: int) -> bool:
+        """Take ``samples`` now if they fit and nobody waits before them (then :meth:`give_back` them); else False."""
+        with self._changed:
+            if self._queue or not self._fits(samples):
+                return False
+            self.in_flight += samples
+            self.peak = max(self.peak, self.in_flight)
+            return True
+
+    def give_back(self, samples: int) -> None:
+        with self._changed:
+            self.in_flight -= samples
+            self._changed.notify_all()
+        for callback in self._on_room:
+            callback()
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (outside the budget's lock) each time samples are given back: who waits without a thread
+        (:meth:`try_take`) tries again then."""
+        self._on_room.append(callback)
 
     def _fits(self, samples: int) -> bool:
         return self.in_flight == 0 or self.in_flight + samples <= self.limit

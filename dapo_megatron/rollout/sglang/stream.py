@@ -3,8 +3,8 @@
 Each request is one ``/generate`` call (its ``n`` samples as prompt copies with one rid each,
 :func:`~dapo_megatron.rollout.sglang.requests.build_stream_payload`) sent by a thread of its own to the least-loaded
 server once its samples fit the engine's in-flight budget (:class:`~dapo_megatron.rollout.sglang.in_flight.
-SampleBudget`, counted in samples: a multi-turn turn of one sample takes one). Requests beyond it wait here, not on a
-server.
+SampleBudget`, counted in samples: a multi-turn turn of one sample takes one). Requests beyond it wait here, in order,
+without a thread, and not on a server.
 
 * Abort: flagged in the :class:`RequestBook`; a request still waiting here never starts, a running one gets
   ``POST /abort_request`` for each of its rids on the server it runs on, which returns it at once with the tokens
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Callable, Iterable, Sequence
@@ -50,16 +51,29 @@ class SGLangStreams:
         self.served_version = served_version
         self.on_failure = on_failure
         self.book = RequestBook("SGLangEngine")
-        # every request holds at least one sample: `limit` threads never hold back a request that would fit
+        # a request gets a thread once its samples are taken, and holds at least one: `limit` threads are enough
         self._workers = ThreadPoolExecutor(max_workers=in_flight.limit, thread_name_prefix="sglang-stream")
+        self._waiting: deque[GenerationRequest] = deque()  # submitted, their samples not taken yet
+        self._closed = False
         self._lock = threading.Lock()
+        in_flight.when_room(self._admit)  # samples given back by anyone (batch generation too)
         self._running_on: dict[str, tuple[ServerSlot, GenerationRequest]] = {}
         self.routed_topk: int | None = None  # R3: the model's top-k; every request asks for its routing (requests.py)
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         self.book.add(requests)
-        for request in requests:
-            self._workers.submit(self._run, request.request_id)
+        with self._lock:
+            self._waiting.extend(requests)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Hand waiting requests to threads, in order, while their samples fit."""
+        while True:
+            with self._lock:
+                if self._closed or not self._waiting or not self.in_flight.try_take(self._waiting[0].params.n):
+                    return
+                request = self._waiting.popleft()
+            self._workers.submit(self._run, request.request_id, request.params.n)
 
     def poll(self, timeout_s: float) -> list[FinishedRequest]:
         return self.book.poll(timeout_s)
@@ -72,6 +86,9 @@ class SGLangStreams:
         return self.book.num_in_flight
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True  # nothing waiting here starts any more
+            self._waiting.clear()
         self._abort_on_servers(self.book.close(self.served_version()))
         self._workers.shutdown(wait=False, cancel_futures=True)
 
@@ -87,15 +104,20 @@ class SGLangStreams:
                 except Exception as error:  # noqa: BLE001 - a dead server frees the request anyway
                     logger.warning("aborting %s on %s failed: %s", request_id, slot.client.base_url, error)
 
-    def _run(self, request_id: str) -> None:
+    def _run(self, request_id: str, samples_taken: int) -> None:
+        try:
+            self._send(request_id)
+        finally:
+            self.in_flight.give_back(samples_taken)  # admits who waits (when_room)
+
+    def _send(self, request_id: str) -> None:
         request = self.book.take(request_id)
         if request is None:
             return  # aborted while it waited here
         try:
             payload = build_stream_payload(request, seeded=request.params.seed is not None and self.pool.deterministic,
                                            routed_experts=self.routed_topk is not None)
-            with self.in_flight.taken(request.params.n):
-                samples = self.pool.send(lambda slot: self._generate_on(slot, request, payload), self.on_failure)
+            samples = self.pool.send(lambda slot: self._generate_on(slot, request, payload), self.on_failure)
         except BaseException as error:  # noqa: BLE001 - the caller's next poll() raises it
             self.book.fail(error)
             return
