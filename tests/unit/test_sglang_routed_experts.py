@@ -18,12 +18,12 @@ from dapo_megatron.collectors.group import RolloutGroup
 from dapo_megatron.config import ConfigError, load_config
 from dapo_megatron.policy.rollout_routing import routing_layout
 from dapo_megatron.rollout import GenerationRequest, RolloutError, SamplingParams
-from dapo_megatron.rollout.sglang.engine import routing_topk
 from dapo_megatron.rollout.sglang.reply_workers import _compact, _sample
 from dapo_megatron.rollout.sglang.requests import (
     build_generate_payload,
     build_stream_payload,
     routed_experts_from_meta,
+    routing_topk,
     samples_from_outputs,
     streamed_samples,
 )

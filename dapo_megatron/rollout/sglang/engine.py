@@ -37,7 +37,6 @@ a server whose memory is released.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import math
 import tempfile
@@ -70,7 +69,7 @@ from dapo_megatron.rollout.sglang.colocated_memory import ColocatedMemory
 from dapo_megatron.rollout.sglang.in_flight import SampleBudget
 from dapo_megatron.rollout.sglang.pool import ServerPool, ServerSlot, in_flight_samples
 from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers, generate_samples
-from dapo_megatron.rollout.sglang.requests import build_generate_payload, samples_from_outputs
+from dapo_megatron.rollout.sglang.requests import build_generate_payload, routing_topk, samples_from_outputs
 from dapo_megatron.rollout.sglang.server import SGLangServerProcess, server_python
 from dapo_megatron.rollout.sglang.stream import SGLangStreams
 from dapo_megatron.rollout.sglang.transports import (
@@ -80,7 +79,6 @@ from dapo_megatron.rollout.sglang.transports import (
     TensorTransport,
     WeightTransport,
 )
-from dapo_megatron.user_errors import ModelFolderError
 
 logger = logging.getLogger(__name__)
 
@@ -386,17 +384,6 @@ class SGLangEngine(RolloutEngine):
     def _check_open(self) -> None:
         if self._closed:
             raise RolloutError("SGLangEngine was shut down")
-
-
-def routing_topk(model_path: str | Path) -> int:
-    """The experts each token is routed to by the served model: ``num_experts_per_tok`` of its ``config.json``, the
-    width of SGLang 0.5.23's routed-experts buffer (``RoutedExpertsCapturer``), which a reply's ids are read with."""
-    config = json.loads(Path(model_path, CONFIG_FILE).read_text())
-    topk = config.get("num_experts_per_tok")
-    if not isinstance(topk, int) or topk < 1:
-        raise ModelFolderError(f"{Path(model_path, CONFIG_FILE)}: algorithm.moe_routing_replay: replay_rollout reads "
-                               f"the servers' routing with the model's num_experts_per_tok, and it has {topk!r}")
-    return topk
 
 
 def server_targets(slots: Sequence[ServerSlot]) -> list[ServerTarget]:

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -50,7 +52,8 @@ import torch
 
 from dapo_megatron.rollout.engine import FinishReason, GenerationRequest, RolloutError, Sample, SamplingParams
 from dapo_megatron.config.algorithm import SGLANG_ROUTING_FLAG as ROUTING_FLAG
-from dapo_megatron.user_errors import ServerError
+from dapo_megatron.hf_format import CONFIG_FILE
+from dapo_megatron.user_errors import ModelFolderError, ServerError
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -135,6 +138,17 @@ def routed_experts_from_meta(meta_info: dict[str, Any], *, tokens: int, topk: in
         raise RolloutError(f"{server}: {ids.size} routed expert ids for {what} do not split over {rows} tokens "
                            f"× top-{topk}")
     return torch.from_numpy(ids.astype(np.int16)).reshape(rows, ids.size // (rows * topk), topk)
+
+
+def routing_topk(model_path: str | Path) -> int:
+    """The experts each token is routed to by the served model: ``num_experts_per_tok`` of its ``config.json``, the
+    width of SGLang 0.5.23's routed-experts buffer (``RoutedExpertsCapturer``), which a reply's ids are read with."""
+    config = json.loads(Path(model_path, CONFIG_FILE).read_text())
+    topk = config.get("num_experts_per_tok")
+    if not isinstance(topk, int) or topk < 1:
+        raise ModelFolderError(f"{Path(model_path, CONFIG_FILE)}: algorithm.moe_routing_replay: replay_rollout reads "
+                               f"the servers' routing with the model's num_experts_per_tok, and it has {topk!r}")
+    return topk
 
 
 def token_versions_from_meta(meta_info: dict[str, Any], num_tokens: int, server: str) -> list[int]:
