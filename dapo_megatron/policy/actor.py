@@ -105,7 +105,7 @@ def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", 
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
     sequence_parallel = sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,
                                                   use_transformer_engine=backend.uses_transformer_engine)
-    require_sequence_parallel_for_moe_training(spec, tensor_parallel=tensor_parallel,
+    require_sequence_parallel_for_moe_training(has_experts=spec.moe is not None, tensor_parallel=tensor_parallel,
                                                sequence_parallel=sequence_parallel,
                                                use_transformer_engine=backend.uses_transformer_engine)
     tconfig = transformer_config(
@@ -180,15 +180,20 @@ class Actor:
 
     def plan(self, samples: Sequence[PolicySample], batching: PackedBatching | None):
         """This DP rank's packed micro-batches of the mini-batch ``samples``, on the model's device."""
+        return self.on_device(self.host_plan(samples, batching))
+
+    def host_plan(self, samples: Sequence[PolicySample], batching: PackedBatching | None):
+        """:meth:`plan`'s micro-batches still on the host (what R3 lays the engine's routing out from)."""
         self._check_same_minibatch_on_dp_ranks(samples)
         with self.backend.host_compute():  # packing never names CUDA
-            plan = plan_data_parallel(
+            return plan_data_parallel(
                 samples, self._batching(batching), self.backend.packer, data_parallel=self.dp_size,
                 data_parallel_rank=self.dp_rank, vocab_size=self.real_vocab_size,
             )
+
+    def on_device(self, plan):
         device = self.device
-        plan.micro_batches = [mb.to(device) for mb in plan.micro_batches]
-        return plan
+        return replace(plan, micro_batches=[mb.to(device) for mb in plan.micro_batches])
 
     def _check_same_minibatch_on_dp_ranks(self, samples: Sequence[PolicySample]) -> None:
         """Every DP rank must be handed the same mini-batch (each takes its own share of it)."""
@@ -368,12 +373,14 @@ class Actor:
         """
         temperature = self.temperature if temperature is None else temperature
         sync_params(self.model)  # with overlap_param_gather the last update's all-gather waits for a training forward
-        plan = self.plan(samples, batching)
+        host_plan = self.host_plan(samples, batching)
         if (record_routing or engine_routing is not None) and self.routing_replay is None:
             raise ValueError("record_routing needs a model built with routing replay (algorithm.moe_routing_replay)")
         replay = self.routing_replay.recording() if record_routing else nullcontext()
-        if engine_routing is not None:
-            replay = replaying_on_stage(self.routing_replay, plan.micro_batches, samples, engine_routing, self.device)
+        if engine_routing is not None:  # laid out from the host micro-batches: no copy back from the GPU per row
+            replay = replaying_on_stage(self.routing_replay, host_plan.micro_batches, samples, engine_routing,
+                                        self.device)
+        plan = self.on_device(host_plan)
         self.model.eval()
         try:
             with replay as recorded:

@@ -15,10 +15,11 @@ from dapo_megatron.rollout.sglang.lora_adapters import lora_server_arguments
 from dapo_megatron.rollout.sglang.server import served_dtype
 
 
-def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | Path, backend: Backend
-                         ) -> RolloutEngine:
+def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | Path, backend: Backend, *,
+                         server_gpus: list[range] | None = None) -> RolloutEngine:
     """``backend``: the platform's (:mod:`dapo_megatron.backend`), for the host-side work of the embedded engine and
-    the environment of SGLang servers."""
+    the environment of SGLang servers; ``server_gpus``: where the trainer placed colocated servers
+    (:class:`dapo_megatron.trainer.colocation.Colocation`)."""
     r = config.rollout
     # Each branch loads only its engine: an SGLang run never imports the in-process engine, nor an embedded run
     # SGLang's HTTP stack.
@@ -35,4 +36,4 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
                                                                            colocated=r.placement == "colocated")])
     return SGLangEngine.launch(sglang, model_path=hf_dir, run_dir=Path(run_dir) / "sglang",
                                dtype=served_dtype(config.model.precision), backend=backend, placement=r.placement,
-                               samples_per_request=r.n_samples)
+                               server_gpus=server_gpus)

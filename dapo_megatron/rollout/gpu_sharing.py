@@ -8,8 +8,9 @@ pipeline stage (their trainer footprints differ), must hold in every turn:
 * generation: the trainer's weights and fixed margin (its gradient buffers are freed, and its optimizer state moved to
   host memory with ``rollout.offload_optimizer``); the server's context ``C``, its static memory ``S``
   (weights + KV cache) and the runtime memory ``R`` SGLang keeps for its activations and CUDA graphs;
-* training: the trainer's peak (:func:`dapo_megatron.policy.memory.estimate_memory`) and ``C`` (the server released everything else,
-  its CUDA graphs too: the server is launched with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` unless the user set it);
+* training: the trainer's peak (:func:`dapo_megatron.policy.memory.estimate_memory`) and ``C`` (the server released
+  everything else, its CUDA graphs too: the server is launched with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` unless the
+  user set it);
 * weight handoff: the trainer without activations plus the handoff buckets it holds at once
   (:func:`handoff_buckets_on_gpu`); ``C`` and the server's weights.
 
@@ -172,6 +173,15 @@ def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], 
             kv_cache_bytes=kv_cache, kv_cache_tokens=max(kv_cache, 0) // per_token,
         ))
     return result
+
+
+def optimizer_offloading_ranks(config: DAPOConfig, *, ranks_on_node: int, on_gpu: bool = True) -> int:
+    """Trainer ranks of rank 0's node that move their optimizer state to host memory while colocated servers
+    generate (``rollout.offload_optimizer``): those whose GPU a server's TP rank shares."""
+    r = config.rollout
+    if not (on_gpu and r.engine == "sglang" and r.placement == "colocated" and r.offload_optimizer):
+        return 0
+    return min(r.sglang.num_servers * r.sglang.tp_per_server, ranks_on_node)
 
 
 def sharing_report(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], *, data_parallel: int,

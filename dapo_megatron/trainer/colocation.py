@@ -10,7 +10,11 @@ shares, so every rank also waits there until the servers have moved their memory
   their KV cache back; on exit the servers release it, then the optimizer state and the gradient buffers come back;
 * :meth:`Colocation.before_policy_update`: the servers release their weights;
 * :meth:`Colocation.before_handoff`: each rank returns its allocator's cached blocks (the update's activations),
-  so that the handoff can map the servers' weights again and fill them.
+  so that the handoff can map the servers' weights again and fill them; :meth:`Colocation.handoff_copies` says
+  whether the handoff gives each server rank the copy on its own GPU (:mod:`dapo_megatron.handoff.gpu_copies`).
+
+Where the servers go is decided once, here, on every rank (:meth:`Colocation.locate_servers`); the engine launches
+them on :attr:`Colocation.server_gpus`.
 
 Under separate placement every turn does nothing. The optimizer state moves with megatron-core's facility for RL,
 ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (0.16.1: the fp32 main parameters and Adam's moments;
@@ -36,6 +40,7 @@ from typing import Callable, Iterator
 import torch
 
 from dapo_megatron.config import DAPOConfig
+from dapo_megatron.handoff.gpu_copies import GpuCopies
 from dapo_megatron.launch_env import launch_env, local_world_size
 from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.rollout.engine import RolloutEngine
@@ -44,6 +49,8 @@ from dapo_megatron.rollout.placement import (
     rank_shares_a_server_gpu,
     require_one_stage_per_server,
 )
+from dapo_megatron.rollout.sglang.tensor_payloads import serialize_by_reference
+from dapo_megatron.rollout.sglang.transports import IPC_WINDOW_BUCKETS, collect_ipc_memory
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +87,15 @@ class FrozenWeights:
         self.on_device = True
 
 
+def copies_on_every_gpu(config: DAPOConfig, *, on_gpu: bool, world_size: int, ranks_on_node: int) -> bool:
+    """Whether the weight handoff makes the buckets on every trainer GPU and hands each colocated server rank its own
+    GPU's copy by CUDA IPC handle: colocated servers this run launches on CUDA (their GPUs known), the ``tensor``
+    transport, one pipeline stage (a rank holds its stage's layers only) and one node (the servers' node)."""
+    r = config.rollout
+    return (on_gpu and r.engine == "sglang" and r.placement == "colocated" and r.sglang.transport == "tensor"
+            and not r.sglang.urls and config.parallel.pipeline == 1 and world_size == ranks_on_node)
+
+
 class Colocation:
     """``engine`` gives the rollout engine when it exists (rank 0), else None; ``device_type``: the backend's;
     ``model``: the DDP-wrapped stage, whose gradient buffers wait freed while the servers generate (None: they stay).
@@ -98,6 +114,7 @@ class Colocation:
         self.config = config
         self.shares_a_server_gpu = True  # until locate_servers() knows this rank's GPU
         self.frozen = FrozenWeights(model) if model is not None and config.model.lora.enabled else None
+        self.server_gpus: list[range] | None = None  # each launched server's GPUs, once located (CUDA, colocated)
 
     @property
     def offload_optimizer(self) -> bool:
@@ -127,6 +144,18 @@ class Colocation:
         here = launch_env()
         self.shares_a_server_gpu = rank_shares_a_server_gpu(ranges, global_rank=here.rank, local_rank=here.local_rank,
                                                             visible_gpus=visible_gpus)
+        self.server_gpus = ranges
+
+    def handoff_copies(self) -> GpuCopies | None:
+        """This rank's part in a handoff that gives each colocated server rank the copy on its own GPU, or None
+        where that route does not apply (:func:`copies_on_every_gpu`)."""
+        here = launch_env()
+        if not copies_on_every_gpu(self.config, on_gpu=self.on_gpu, world_size=here.world_size,
+                                   ranks_on_node=local_world_size()):
+            return None
+        serializes = self.shares_a_server_gpu and here.rank != 0  # rank 0's transport serializes its own copy
+        return GpuCopies(serialize=serialize_by_reference if serializes else None, window=IPC_WINDOW_BUCKETS,
+                         collect=collect_ipc_memory)
 
     @contextmanager
     def generating(self) -> Iterator[None]:

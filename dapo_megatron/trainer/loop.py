@@ -102,7 +102,8 @@ class DAPOTrainer:
         sampler = train_sampler(c, self.tokenizer)
         self.eval_prompts = eval_prompts(c, self.tokenizer)
         self.reward = RewardScorer(c)  # your reward's worker processes, before the engine
-        self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend)
+        self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend,
+                                           server_gpus=self.colocation.server_gpus)
         if c.algorithm.moe_routing_replay == "replay_rollout":  # R3: the samples carry the engine's routing
             self.engine.return_routed_experts = True
         collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
@@ -150,7 +151,8 @@ class DAPOTrainer:
         self.handoff_bytes = sync_engine_policy(
             self.actor.model, self.spec, self.engine, version=version, lora=self.config.model.lora,
             base_served=self.handoff_bytes is not None or launched_from_base,
-            bucket_bytes=int(r.handoff_bucket_mb * 2**20), tp_gather=self.backend.tp_gather)
+            bucket_bytes=int(r.handoff_bucket_mb * 2**20), tp_gather=self.backend.tp_gather,
+            copies=self.colocation.handoff_copies())
 
     def validate(self, step: int = 0) -> dict[str, float]:
         """Validation metrics on every rank; rank 0 also logs a sample of the generations at ``step``."""

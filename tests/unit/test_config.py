@@ -73,7 +73,7 @@ def test_overrides_are_typed_and_win_over_yaml(tmp_path):
     ("rollout.sglang.launch_timeout_s=0", "rollout.sglang.launch_timeout_s: must be > 0"),
     ("rollout.sglang.request_timeout_s=0", "rollout.sglang.request_timeout_s: must be > 0"),
     ("rollout.sglang.max_restarts=-1", "rollout.sglang.max_restarts: must be >= 0"),
-    ("rollout.sglang.max_concurrent_requests=0", "rollout.sglang.max_concurrent_requests: must be >= 1"),
+    ("rollout.sglang.max_in_flight_samples=0", "rollout.sglang.max_in_flight_samples: must be >= 1"),
     ("rollout.sglang.reply_processes=-1", "rollout.sglang.reply_processes: must be >= 0"),
     ("optim.warmup_steps=-1", "optim.warmup_steps: must be >= 0"),
     ("optim.grad_clip=-1", "optim.grad_clip: must be >= 0"),
