@@ -55,7 +55,8 @@ class LoRAConfig:
     gets ``W x + (alpha / rank) · B A x`` with ``A`` ``[rank, in]`` (Kaiming-uniform) and ``B`` ``[out, rank]`` (zero),
     and only ``A`` and ``B`` train: no gradient buffer and no optimizer state exist for the base. The defaults follow
     "LoRA Without Regret" (Thinking Machines, 2025): every linear layer adapted, ``alpha`` 32 with the ``1 / rank``
-    scale, a learning rate about 10x full fine-tuning's (``lr_multiplier``, applied to ``optim.lr``)."""
+    scale, a learning rate about 10x full fine-tuning's (``lr_multiplier``, applied to ``optim.lr``), no weight decay
+    (``weight_decay``, in place of ``optim.weight_decay``)."""
 
     enabled: bool = False
     rank: int = 16
@@ -65,6 +66,10 @@ class LoRAConfig:
     # linear_fc1 / linear_fc2 count as linear_fc1 / linear_fc2)
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     lr_multiplier: float = 1.0  # the adapters train at optim.lr x this
+    # The adapters' decoupled weight decay, in place of optim.weight_decay (only the adapters train). 0 as in "LoRA
+    # Without Regret" (and PEFT's and TRL's defaults): decay would pull B A toward the base, and A away from its
+    # initial scale, at lr_multiplier times the full model's rate.
+    weight_decay: float = 0.0
     # What reaches the rollout engine after each step: "adapter" (the adapter tensors alone; SGLang serves them by
     # name, the embedded engine merges them into its copy of the base) or "merged" (W + (alpha / rank) · B A, the
     # full weights, as without LoRA).
@@ -79,6 +84,7 @@ class LoRAConfig:
         require(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
         require(0 <= self.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}")
         require(self.lr_multiplier > 0, "model.lora.lr_multiplier", f"must be > 0, got {self.lr_multiplier}")
+        require(self.weight_decay >= 0, "model.lora.weight_decay", f"must be >= 0, got {self.weight_decay}")
         unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
         require(bool(self.target_modules) and not unknown, "model.lora.target_modules",
                 f"must name some of {', '.join(LORA_TARGETS)}; got {self.target_modules}")

@@ -122,6 +122,8 @@ def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", 
     stage = build_model(spec, tconfig, backend)
     if model.lora.enabled:
         add_adapters(stage, model.lora, seed=seed)
+        # only the adapters train; megatron's param groups would decay each (2-D) one by optim.weight_decay
+        optim = replace(optim, weight_decay=model.lora.weight_decay)
     ddp_model, optimizer, scheduler = wrap_for_training(
         stage, optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
         overlap_grad_reduce=parallel.overlap_grad_reduce, overlap_param_gather=parallel.overlap_param_gather,

@@ -50,6 +50,7 @@ def training_job(hf_dir: str, tp: int, settings: dict) -> dict:
                 base_after=gather_hf_weights(actor, spec), state=training_state_bytes(actor.model, actor.optimizer),
                 trained_elements=sum(p.numel() for p in trained), trained_dtypes={str(p.dtype) for p in trained},
                 all_elements=sum(p.numel() for p in actor.model.module.parameters()),
+                weight_decays={group["weight_decay"] for group in actor.optimizer.param_groups if group["params"]},
                 sizes=adapter_sizes(spec, rank=lora.rank, target_modules=lora.target_modules) if lora.enabled else None)
 
 
@@ -149,6 +150,13 @@ def test_only_the_adapters_hold_gradients_and_adam_state(tp1):
     assert tp1["state"]["moments"] == 2 * sizes.trainable * 4  # exp_avg and exp_avg_sq
     assert tp1["state"]["main_params"] == 0  # fp32 parameters are their own main copies
     assert sizes.trainable < 0.1 * tp1["all_elements"]
+
+
+def test_the_adapters_take_model_lora_weight_decay_not_the_full_models(tp1, world_one):
+    """optim.weight_decay is 0.1 in every job (its default); megatron's param groups would decay every 2-D adapter
+    by it. The control: full fine-tuning's matrices are decayed by it (its norms are not)."""
+    assert tp1["weight_decays"] == {0.0}  # model.lora.weight_decay's default
+    assert world_one["control"]["weight_decays"] == {0.0, 0.1}
 
 
 def test_bf16_adapters_train_on_fp32_main_copies_with_the_distributed_optimizer(world_one):

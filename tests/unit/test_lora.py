@@ -22,6 +22,7 @@ from dapo_megatron.policy.shapes import published_hf_config
 @pytest.mark.parametrize("override, key", [
     ("model.lora.rank=0", "model.lora.rank"), ("model.lora.alpha=0", "model.lora.alpha"),
     ("model.lora.dropout=1.0", "model.lora.dropout"), ("model.lora.lr_multiplier=-1", "model.lora.lr_multiplier"),
+    ("model.lora.weight_decay=-0.1", "model.lora.weight_decay"),
     ("model.lora.target_modules=[q_proj]", "model.lora.target_modules"),
     ("model.lora.target_modules=[]", "model.lora.target_modules"), ("model.lora.handoff=full", "model.lora.handoff"),
 ])
@@ -34,7 +35,7 @@ def test_a_bad_lora_setting_is_one_error_naming_its_key(override, key):
 def test_lora_is_off_by_default_and_the_example_turns_it_on():
     assert not load_config("examples/tiny_cpu.yaml").model.lora.enabled
     lora = load_config("examples/tiny_cpu_lora.yaml").model.lora
-    assert (lora.enabled, lora.rank, lora.scale, lora.lr_multiplier) == (True, 4, 8.0, 10.0)
+    assert (lora.enabled, lora.rank, lora.scale, lora.lr_multiplier, lora.weight_decay) == (True, 4, 8.0, 10.0, 0.0)
     assert lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 
