@@ -23,6 +23,7 @@ import tempfile
 from dapo_megatron.config.tools import OPT_OUT, PREFIX, SandboxConfig, ToolsError
 from dapo_megatron.tools.process import run_process
 from dapo_megatron.tools.result import ToolResult
+from dapo_megatron.tools.tool import CodeRunner
 
 WORKDIR = "/sandbox"  # the code's working folder inside the sandbox
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-/usr links, or folders elsewhere
@@ -31,8 +32,9 @@ PROBE = "import os\nprint('sandbox-ok', os.getuid())\n"
 PROBE_WALL_S = 60.0  # the first call pays for cold caches; a working sandbox answers in well under a second
 
 
-class CodeSandbox:
-    """Runs Python code blocks as configured by ``sandbox``; :meth:`run` never raises for what the code does."""
+class CodeSandbox(CodeRunner):
+    """Runs Python code blocks as configured by ``sandbox``; :meth:`run` never raises for what the code does. The
+    python tool of the :class:`~dapo_megatron.tools.tool.Tool` protocol through :class:`CodeRunner`."""
 
     def __init__(self, sandbox: SandboxConfig, tool: str = "python"):
         self.config = sandbox

@@ -16,10 +16,9 @@ from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic_tools import ToolTaskConfig, make_tool_split, tool_trace
 from dapo_megatron.data.task import synthetic_split
 from dapo_megatron.data.tokenizer import build_tiny_tokenizer
-from dapo_megatron.rollout.multi_turn import ToolCallFormat
 from dapo_megatron.tiny_model import tiny_qwen2_config
 from dapo_megatron.tiny_model.warm_start import _batch_loss, tool_trace_examples, warm_start_on_synthetic_task
-from dapo_megatron.tools import ToolPool, ToolResult, ToolsConfig
+from dapo_megatron.tools import ToolPool, ToolResult, ToolsConfig, call_format
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_cpu_tools.yaml"
@@ -71,8 +70,8 @@ def _examples(tokenizer, problems):
     tools = ToolsConfig(enabled=True)
     rows = [validate_row(p.to_row(i, "train"), source="t", row=i, integer_answers=True) for i, p in enumerate(problems)]
     records = build_prompt_records(rows, tokenizer, max_prompt_length=64).records
-    call_format = ToolCallFormat(tools, tokenizer, ["python"])
-    return records, call_format, tool_trace_examples(records, problems, tokenizer, call_format, "python")
+    calls = call_format(tools, tokenizer, ["python"])
+    return records, calls, tool_trace_examples(records, problems, tokenizer, calls, "python")
 
 
 def test_warm_start_traces_are_the_loop_s_tokens_with_the_tool_output_untrained(tokenizer):

@@ -96,7 +96,8 @@ class SGLangEngine(RolloutEngine):
     @classmethod
     def launch(cls, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
                show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
-               placement: Placement = "separate", samples_per_request: int = 1) -> SGLangEngine:
+               placement: Placement = "separate", samples_per_request: int = 1,
+               routed_experts: bool = False) -> SGLangEngine:
         """The engine over the servers ``config`` launches or attaches.
 
         ``model_path``: the HF model directory the servers start from; the disk transport also copies its config and
@@ -108,6 +109,7 @@ class SGLangEngine(RolloutEngine):
         ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its
         device type, in the environment it gives them.
         ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.
+        ``routed_experts``: every request asks for its routing (R3; servers need ``--enable-return-routed-experts``).
         """
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
@@ -118,11 +120,11 @@ class SGLangEngine(RolloutEngine):
         pool = ServerPool(config, model_path=str(model_path), run_dir=run_dir, device=backend.device_type,
                           dtype=dtype, server_environment=backend.sglang_server_environment, placement=placement)
         return cls(pool, show_progress=show_progress, samples_per_request=samples_per_request,
-                   temporary_dir=temporary_dir)
+                   temporary_dir=temporary_dir, routed_experts=routed_experts)
 
     def __init__(self, pool: ServerPool, *, show_progress: bool = True, samples_per_request: int = 1,
                  transport: WeightTransport | None = None,
-                 temporary_dir: tempfile.TemporaryDirectory | None = None) -> None:
+                 temporary_dir: tempfile.TemporaryDirectory | None = None, routed_experts: bool = False) -> None:
         self.pool = pool
         self.config: SGLangConfig = pool.config
         self.model_path = str(pool.model_path)
@@ -157,7 +159,7 @@ class SGLangEngine(RolloutEngine):
                     self.max_concurrent_requests / config.reply_processes))
             self.streams = SGLangStreams(self.pool, max_concurrent_requests=self.max_concurrent_requests,
                                          served_version=lambda: self._weight_version, on_failure=self.recover_server,
-                                         reply_workers=self.reply_workers)
+                                         reply_workers=self.reply_workers, routed_experts=routed_experts)
             self.transport = self._make_transport() if transport is None else transport
         except BaseException:
             self.shutdown()
@@ -229,12 +231,9 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def return_routed_experts(self) -> bool:
-        """R3 (algorithm.moe_routing_replay: replay_rollout): every request asks for its routing (requests.py)."""
+        """R3 (algorithm.moe_routing_replay: replay_rollout): every request asks for its routing (requests.py); fixed
+        when the engine is built."""
         return self.streams is not None and self.streams.routed_experts
-
-    @return_routed_experts.setter
-    def return_routed_experts(self, value: bool) -> None:
-        self.streams.routed_experts = value
 
     def _generate_one(self, index: int, prompt: Sequence[int], params: SamplingParams,
                       seeded: bool) -> list[Sample]:

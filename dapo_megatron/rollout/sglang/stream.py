@@ -40,7 +40,8 @@ class SGLangStreams:
     ``reply_workers``: the processes that post and parse (None: the thread sending a request does)."""
 
     def __init__(self, pool: ServerPool, *, max_concurrent_requests: int, served_version: Callable[[], int],
-                 on_failure: FailureHandler, reply_workers: ReplyWorkers | None = None) -> None:
+                 on_failure: FailureHandler, reply_workers: ReplyWorkers | None = None,
+                 routed_experts: bool = False) -> None:
         self.pool = pool
         self.reply_workers = reply_workers
         self.served_version = served_version
@@ -49,7 +50,7 @@ class SGLangStreams:
         self._workers = ThreadPoolExecutor(max_workers=max_concurrent_requests, thread_name_prefix="sglang-stream")
         self._lock = threading.Lock()
         self._running_on: dict[str, tuple[ServerSlot, GenerationRequest]] = {}
-        self.routed_experts = False  # R3: every request asks for its routing (requests.py)
+        self.routed_experts = routed_experts  # R3: every request asks for its routing (requests.py)
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         self.book.add(requests)
