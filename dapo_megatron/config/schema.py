@@ -77,6 +77,3 @@ class DAPOConfig:
         require(not (r.mode == "async" and r.partial_rollouts), key,
                 "replay_rollout cannot replay a partial rollout: a response continued across a weight update had its "
                 "earlier tokens re-routed by the new weights; set rollout.partial_rollouts: false")
-        require(not r.tools.enabled, key,
-                "replay_rollout does not follow multi-turn tool rollouts (tool output is never routed by the "
-                "engine); turn rollout.tools.enabled off, or use replay_old")
