@@ -64,8 +64,8 @@ class DAPOConfig:
                 f"{a.moe_routing_replay} needs a mixture-of-experts model (model.tiny.arch: qwen3_moe)")
         if a.moe_routing_replay == "replay_rollout":
             self._validate_rollout_routing()
-        require(not self.warm_start.enabled or self.data.source == "synthetic", "warm_start.enabled",
-                "needs reference solutions, which only data.source = synthetic provides")
+        require(not self.warm_start.enabled or self.data.source == "synthetic" or self.warm_start.traces is not None,
+                "warm_start.enabled", "needs reference solutions: data.source = synthetic, or warm_start.traces")
         return self
 
     def _validate_rollout_routing(self) -> None:

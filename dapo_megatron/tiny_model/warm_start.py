@@ -14,7 +14,8 @@ built from the same pieces the rollout loop appends (the run's :class:`~dapo_meg
 block is the tool's text, not the model's: it is left out of the loss (as RL's loss mask leaves it out), and
 validation runs through the run's rollout generator (multi-turn, with the run's tools), so the model is scored on
 what it does with the tool's real answers. With tools off the same problems are learnt as direct answers (the no-tool
-twin).
+twin). ``warm_start.traces`` replaces the synthetic references with your own multi-turn traces (:mod:`.traces`),
+validated on a slice of them.
 The RL stage then starts from the HF folder :func:`dapo_megatron.tiny_model.prepare_tiny_model` writes, through the
 same HF → Megatron loader a user's checkpoint goes through.
 """
@@ -43,13 +44,10 @@ from dapo_megatron.rollout.engine import RolloutEngine, SamplingParams
 from dapo_megatron.rollout.embedded.named_tensors import checkpoint_targets
 from dapo_megatron.rollout.factory import build_rollout_generator
 from dapo_megatron.rollout.generator import RolloutGenerator
+from dapo_megatron.tiny_model.traces import Example, read_traces, trace_example
 from dapo_megatron.tools import CallFormat, ToolResult, call_format
 
 logger = logging.getLogger(__name__)
-
-
-# A reference response as token ids, and which of them the loss trains (1) or leaves out (0: prompt, tool output).
-Example = tuple[list[int], list[int]]
 
 
 @dataclass
@@ -153,15 +151,18 @@ def supervised_warm_start(model: torch.nn.Module, tokenizer, *, examples: Sequen
 
 
 def warm_start_on_synthetic_task(config: DAPOConfig, model: torch.nn.Module, tokenizer, hf_config) -> dict:
-    """:func:`supervised_warm_start` on the synthetic training problems (tool traces on the tool task with tools on);
-    returns the report saved with the model."""
+    """:func:`supervised_warm_start` on the synthetic training problems (tool traces on the tool task with tools on)
+    or on ``warm_start.traces``; returns the report saved with the model."""
     tools = config.rollout.tools
-    with_tools = tools.enabled and config.data.synthetic.mode == "tools"
+    with_tools = tools.enabled and config.data.synthetic.mode == "tools" and config.warm_start.traces is None
     if with_tools and not tools.code:
         raise ConfigError("rollout.tools.code: the warm-start's traces on data.synthetic.mode=tools call the python "
                           "tool; set rollout.tools.code=true (or rollout.tools.enabled=false for direct answers)")
     calls = call_format(tools, tokenizer, [schema["name"] for schema in tools.schemas()]) if tools.enabled else None
-    examples, val_records = _references(config, tokenizer, calls if with_tools else None)
+    if config.warm_start.traces is not None:
+        examples, val_records = _traces(config, tokenizer, calls)
+    else:
+        examples, val_records = _references(config, tokenizer, calls if with_tools else None)
     engine = EmbeddedEngine(hf_config)
     rollouts = build_rollout_generator(config.rollout, engine, tokenizer)  # the tools the run will call
     try:
@@ -187,7 +188,8 @@ def _references(config: DAPOConfig, tokenizer, calls: CallFormat | None) -> tupl
     def records(problems):
         rows = [validate_row(p.to_row(i, "train"), source="synthetic", row=i, integer_answers=True)
                 for i, p in enumerate(problems)]
-        return build_prompt_records(rows, tokenizer, max_prompt_length=config.data.max_prompt_length).records
+        return build_prompt_records(rows, tokenizer, max_prompt_length=config.data.max_prompt_length,
+                                    system_prompt=config.rollout.tools.system_text()).records
 
     if calls is not None:
         examples = tool_trace_examples(records(sft_problems), sft_problems, tokenizer, calls,
@@ -196,3 +198,11 @@ def _references(config: DAPOConfig, tokenizer, calls: CallFormat | None) -> tupl
         examples = _training_examples(records(sft_problems), [p.solution for p in sft_problems], tokenizer)
     return examples, list(records(val_problems))
 
+
+def _traces(config: DAPOConfig, tokenizer, calls: CallFormat | None) -> tuple[list[Example], list[PromptRecord]]:
+    """``warm_start.traces``: the first tenth of the traces (at most 200, at least 1) validate, the rest train."""
+    traces = read_traces(config.warm_start.traces, tokenizer, max_prompt_length=config.data.max_prompt_length,
+                         system_prompt=config.rollout.tools.system_text(), calls=calls)
+    n_val = max(1, min(200, len(traces) // 10))
+    train = traces[n_val:] or traces
+    return [trace_example(t, tokenizer, calls) for t in train], [t.record for t in traces[:n_val]]
