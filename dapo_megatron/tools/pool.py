@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from dapo_megatron.config.tools import ToolsConfig
 from dapo_megatron.tools.remote import SandboxFusionClient
@@ -43,12 +43,12 @@ def build_tools(config: ToolsConfig) -> list[Tool]:
 
 
 class ToolPool:
-    """``tools``: what the pool offers (default: :func:`build_tools` of ``config``)."""
+    """The tools of ``config`` (:func:`build_tools`), ``config.pool_size`` calls at a time."""
 
-    def __init__(self, config: ToolsConfig, tools: Sequence[Tool] | None = None):
+    def __init__(self, config: ToolsConfig):
         config.validate()
         self.config = config
-        self._tools: dict[str, Tool] = {tool.name: tool for tool in (build_tools(config) if tools is None else tools)}
+        self._tools: dict[str, Tool] = {tool.name: tool for tool in build_tools(config)}
         self._counts = ToolCounts(list(self._tools))
         self._lock = threading.Lock()
         self._closed = False
