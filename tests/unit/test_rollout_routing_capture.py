@@ -98,3 +98,20 @@ def test_two_threads_forwarding_the_same_model_each_take_their_own_routing(moe_d
         capture.close()
     assert torch.equal(taken["a"].sort(-1).values, expected_long.sort(-1).values)
     assert torch.equal(taken["b"].sort(-1).values, expected_short.sort(-1).values)
+
+
+def test_the_run_s_engine_records_routing_from_when_it_is_built(moe_dir, tmp_path):
+    """R3 is an option the engine is built with (rollout/factory.py), read-only afterwards."""
+    from dapo_megatron.backend_registry import select_backend
+    from dapo_megatron.config import load_config
+    from dapo_megatron.rollout.factory import build_rollout_engine
+
+    minimal = ["model.source=tiny", "model.tiny.arch=qwen3_moe", "data.source=synthetic", "rollout.engine=embedded"]
+    backend = select_backend()
+    for replay, recorded in (("replay_rollout", True), ("replay_old", False), ("none", False)):
+        config = load_config(None, [*minimal, f"algorithm.moe_routing_replay={replay}"])
+        engine = build_rollout_engine(config, moe_dir, tmp_path, backend)
+        assert engine.return_routed_experts is recorded
+        with pytest.raises(AttributeError):
+            engine.return_routed_experts = not recorded
+        engine.shutdown()
