@@ -5,7 +5,7 @@ sandbox.
 * the run trains (parameters move) and makes real calls, and the tool-output tokens of its responses carry loss
   mask 0: exactly the output blocks the loop appended; the control, the same run with tools off (the no-tool twin),
   makes no call and has no mask;
-* SIGKILL after the step-1 checkpoint, then ``--resume``: the metrics of the uninterrupted run, tool counts
+* SIGKILL after the step-2 checkpoint, then ``--resume``: the metrics of the uninterrupted run, tool counts
   included. Besides the clock readings (``timing_s/tool_calls`` among them), the sandbox's timing reaches one thing:
   a trajectory's next turn joins the engine's batch when its call returns, and the embedded engine's log-probs
   differ in float rounding with what shares their batch (measured between two uninterrupted runs: ~1e-10 on
@@ -146,10 +146,10 @@ def test_a_tools_run_trains_calls_the_sandbox_and_masks_tool_output(tmp_path, wa
         assert response["tool"].startswith("```output\n") or not blocks
         closed = response["tool"].count("\n```\n")
         assert closed == blocks or (response["finish"] == "length" and closed == blocks - 1)
-    # control: the same run without tools (the no-tool twin; a step suffices) makes no call and has no mask
+    # control: the same run without tools (the no-tool twin) makes no call and has no mask
     [plain] = run_distributed(collect_after_training, 1,
-                              _run_args(tmp_path / "plain", warm_model, reward, "rollout.tools.enabled=false",
-                                        "trainer.total_steps=1"), timeout_s=900)
+                              _run_args(tmp_path / "plain", warm_model, reward, "rollout.tools.enabled=false"),
+                              timeout_s=900)
     assert not any(key.startswith("tools/") for row in plain["metrics"] for key in row)
     assert all(r["mask"] is None and r["calls"] == 0 for r in plain["responses"])
     assert any("```python\n" in r["text"] for r in plain["responses"])  # it still writes calls: nothing answers
@@ -159,14 +159,12 @@ def test_sigkill_then_resume_is_exact_with_tools_on(tmp_path, warm_model):
     reward = tmp_path / "parity.py"
     reward.write_text(PARITY)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    two = ["trainer.total_steps=2", "trainer.save_every=1"]  # the step-1 checkpoint, then a step resumed
-    check_run("train", str(EXAMPLE), *_run_args(straight, warm_model, reward, *two), timeout=900)
-    kill_after_checkpoint(cli_command("train", str(EXAMPLE), *_run_args(killed, warm_model, reward, *two)), killed,
-                          step=1)
-    assert not (killed / "checkpoints" / "step_000002").exists()
-    check_run("train", str(EXAMPLE), *_run_args(killed, warm_model, reward, *two), "--resume", timeout=900)
+    check_run("train", str(EXAMPLE), *_run_args(straight, warm_model, reward), timeout=900)
+    kill_after_checkpoint(cli_command("train", str(EXAMPLE), *_run_args(killed, warm_model, reward)), killed, step=2)
+    assert not (killed / "checkpoints" / "step_000004").exists()
+    check_run("train", str(EXAMPLE), *_run_args(killed, warm_model, reward), "--resume", timeout=900)
     expected, resumed = read_run_metrics(straight), read_run_metrics(killed)
-    assert [row["step"] for row in resumed] == [0, 1, 2]
+    assert [row["step"] for row in resumed] == [0, 1, 2, 3, 4]
     assert sum(row["tools/calls"] for row in expected if row["step"] > 0) > 0  # the tools really ran
     exact = [{k: v for k, v in row.items() if not k.startswith(ENGINE_LOGPROBS)} for row in expected]
     assert [{k: v for k, v in row.items() if not k.startswith(ENGINE_LOGPROBS)} for row in resumed] == exact
