@@ -13,9 +13,10 @@ On the tool task (``data.synthetic.mode: tools``) with ``rollout.tools.enabled``
 built from the same pieces the rollout loop appends (the run's :class:`~dapo_megatron.tools.CallFormat`). The output
 block is the tool's text, not the model's: it is left out of the loss (as RL's loss mask leaves it out), and
 validation runs through the run's rollout generator (multi-turn, with the run's tools), so the model is scored on
-what it does with the tool's real answers. With tools off the same problems are learnt as direct answers (the no-tool
-twin). ``warm_start.traces`` replaces the synthetic references with your own multi-turn traces (:mod:`.traces`),
-validated on a slice of them.
+what it does with the tool's real answers; ``warm_start.tool_trace_fraction`` of the problems get tool traces, the
+rest direct answers (a model that does not yet call its tool every time). With tools off the same problems are learnt
+as direct answers (the no-tool twin). ``warm_start.traces`` replaces the synthetic references with your own
+multi-turn traces (:mod:`.traces`), validated on a slice of them.
 The RL stage then starts from the HF folder :func:`dapo_megatron.tiny_model.prepare_tiny_model` writes, through the
 same HF → Megatron loader a user's checkpoint goes through.
 """
@@ -191,11 +192,14 @@ def _references(config: DAPOConfig, tokenizer, calls: CallFormat | None) -> tupl
         return build_prompt_records(rows, tokenizer, max_prompt_length=config.data.max_prompt_length,
                                     system_prompt=config.rollout.tools.system_text()).records
 
-    if calls is not None:
-        examples = tool_trace_examples(records(sft_problems), sft_problems, tokenizer, calls,
-                                       config.rollout.tools.code_tool_name)
-    else:
-        examples = _training_examples(records(sft_problems), [p.solution for p in sft_problems], tokenizer)
+    sft_records = records(sft_problems)
+    direct = _training_examples(sft_records, [p.solution for p in sft_problems], tokenizer)
+    if calls is None:
+        return direct, list(records(val_problems))
+    traced = tool_trace_examples(sft_records, sft_problems, tokenizer, calls, config.rollout.tools.code_tool_name)
+    draw = random.Random(config.trainer.seed)  # which problems the references solve with the tool
+    fraction = config.warm_start.tool_trace_fraction
+    examples = [tool if draw.random() < fraction else plain for tool, plain in zip(traced, direct, strict=True)]
     return examples, list(records(val_problems))
 
 

@@ -122,3 +122,24 @@ def test_the_warm_start_on_tool_traces_needs_the_python_tool(tokenizer):
     config = load_config(EXAMPLE, ["rollout.tools.code=false", "data.synthetic.num_train=20"])
     with pytest.raises(ConfigError, match="rollout.tools.code: the warm-start's traces"):
         warm_start_on_synthetic_task(config, None, tokenizer, None)
+
+
+def test_the_warm_start_calls_the_tool_on_its_share_of_the_problems(tokenizer):
+    """warm_start.tool_trace_fraction: a seeded share of the references are tool traces (the tool's output block
+    untrained), the rest direct answers; 1 (the default) is all traces, 0 none."""
+    from dapo_megatron.tiny_model.warm_start import _references
+
+    calls = call_format(ToolsConfig(enabled=True), tokenizer, ["python"])
+
+    def traced(fraction: float, seed: int = 0) -> list[bool]:
+        config = load_config(EXAMPLE, ["data.synthetic.num_train=220", f"warm_start.tool_trace_fraction={fraction}",
+                                       f"trainer.seed={seed}"])
+        examples, _ = _references(config, tokenizer, calls)
+        assert len(examples) == 198  # a tenth of the 220 training problems validates
+        return [0 in trained[trained.index(1):] for _, trained in examples]  # an untrained output block inside
+
+    half = traced(0.5)
+    assert 70 < sum(half) < 130 and half == traced(0.5) and half != traced(0.5, seed=1)
+    assert all(traced(1.0)) and not any(traced(0.0))
+    with pytest.raises(ConfigError, match="^warm_start.tool_trace_fraction: "):
+        load_config(EXAMPLE, ["warm_start.tool_trace_fraction=1.5"])
