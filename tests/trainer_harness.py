@@ -51,9 +51,8 @@ def run_trainer(overrides: list[str], config_path: str | Path = REPO / "examples
             "metrics": read_metrics(trainer.run_dir) if trainer.rank == 0 else None}
 
 
-def small_sglang_run(run_dir: str | Path) -> list[str]:
-    """Overrides of examples/tiny_cpu_sglang.yaml for two quick DAPO steps at TP=2 on a real SGLang server (the
-    server python: DAPO_SGLANG_PYTHON, default this one; the test skips when it has no SGLang)."""
+def sglang_python() -> str:
+    """The server python: DAPO_SGLANG_PYTHON, default this one; the test skips when it has no SGLang."""
     from dapo_megatron.rollout.engine import RolloutError
     from dapo_megatron.rollout.sglang.server import require_sglang
 
@@ -62,6 +61,13 @@ def small_sglang_run(run_dir: str | Path) -> list[str]:
         require_sglang(python)
     except RolloutError as error:
         pytest.skip(f"SGLang is not importable by {python}: {error}")
+    return python
+
+
+def small_sglang_run(run_dir: str | Path) -> list[str]:
+    """Overrides of examples/tiny_cpu_sglang.yaml for two quick DAPO steps at TP=2 on a real SGLang server
+    (:func:`sglang_python`)."""
+    python = sglang_python()
     return [f"trainer.run_dir={run_dir}", f"rollout.sglang.python={python}", "warm_start.enabled=false",
             "trainer.total_steps=2", "trainer.train_batch_size=4", "trainer.mini_batch_size=2",
             "rollout.n_samples=4", "data.synthetic.num_train=200", "data.synthetic.num_heldout=8",

@@ -4,7 +4,9 @@ The trainer's step reads as in sync mode — ``groups, metrics = collector.colle
 mostly generated during the previous step(s) by the weights of then:
 
 * **Streaming dynamic sampling.** The driver submits prompts in chunks (``algorithm.gen_batch_size``, or the batch
-  size without dynamic sampling) as streamed requests (:meth:`RolloutEngine.submit`); a group is scored and
+  size without dynamic sampling) as streamed requests of the run's rollout generator
+  (:meth:`~dapo_megatron.rollout.generator.RolloutGenerator.submit`: single-turn, or multi-turn with tools, whose
+  trajectories come back whole); a group is scored and
   filtered (:class:`DynamicSamplingBuffer`, the same rule as sync mode — never off unless
   ``algorithm.dynamic_sampling`` says so) as soon as its G samples are back.
 * **How far ahead.** It keeps ``buffered groups + in-flight prompts × observed keep rate`` at
@@ -14,9 +16,10 @@ mostly generated during the previous step(s) by the weights of then:
   while it is short; after ``max_gen_rounds`` chunks' worth of finished groups since the last batch it trains on
   what it has (``train/hit_gen_round_cap``), as sync mode does.
 * **Weight updates.** ``rollout.partial_rollouts: true``: requests in flight at an update are paused by the engine
-  and continue on the new weights (per-token versions recorded). ``false``: the driver aborts them as soon as it
-  sees the new version and regenerates their prompts from scratch; a response that still came back spanning two
-  versions is discarded the same way.
+  and continue on the new weights (per-token versions recorded; a multi-turn trajectory's next turn is sampled by
+  the weights of then). ``false``: the driver aborts them as soon as it sees the new version and regenerates their
+  prompts from scratch; a response that still came back spanning two versions (a trajectory whose tool call
+  returned after the update) is discarded the same way.
 * **Staleness bound.** The next ``collect`` trains at policy version ``N`` (the step after the last one collected;
   the trainer hands version ``N`` to the engine just before). A buffered group whose oldest token is older than
   ``N − max_staleness`` can never train: it is dropped and counted as soon as that is known, and an in-flight
@@ -45,7 +48,8 @@ from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.reward.scorer import RewardScorer
-from dapo_megatron.rollout.engine import FinishedRequest, GenerationRequest, RolloutEngine
+from dapo_megatron.rollout.engine import FinishedRequest
+from dapo_megatron.rollout.generator import PromptRequest, RolloutGenerator
 from dapo_megatron.collectors.async_driver import DriverThread
 from dapo_megatron.collectors.async_pace import GenerationPace
 from dapo_megatron.collectors.async_prompts import AsyncPrompts
@@ -74,12 +78,13 @@ class _SinceLastBatch:
 
 class AsyncRolloutCollector:
     """Steps 1–4 from a driver thread (see the module docstring). The thread starts with the first :meth:`collect`,
-    or earlier with :meth:`start`. ``reward`` as for :class:`~.sync.RolloutCollector`."""
+    or earlier with :meth:`start`. ``rollouts`` and ``reward`` as for :class:`~.sync.RolloutCollector`."""
 
-    def __init__(self, engine: RolloutEngine, sampler: PromptSampler, tokenizer, config: DAPOConfig,
+    def __init__(self, rollouts: RolloutGenerator, sampler: PromptSampler, tokenizer, config: DAPOConfig,
                  reward: RewardScorer):
         a, r, t = config.algorithm, config.rollout, config.trainer
-        self.engine = engine
+        self.rollouts = rollouts
+        self.engine = rollouts.engine
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.config = config
@@ -124,7 +129,7 @@ class AsyncRolloutCollector:
             self._next_collect = step + 1
             since, self._since = self._since, _SinceLastBatch()
             metrics = rollout_metrics(batch, since.generated, since.stats, since.chunks, hit_cap,
-                                      self.config.rollout.max_response_length)
+                                      self.config.rollout.max_response_length, tool_names=self.rollouts.tool_names)
             metrics.update(self._async_metrics(since, time.perf_counter() - started))
             self._cond.notify_all()
         return batch, metrics
@@ -150,11 +155,12 @@ class AsyncRolloutCollector:
         return metrics
 
     def close(self) -> None:
-        """Stop the driver and abort what it has in flight."""
+        """Stop the driver, abort what it has in flight and close the rollout generator (its tool pool)."""
         self._driver.stop(timeout_s=60.0)
         in_flight = self.prompts.request_ids()
         if in_flight:
-            self.engine.abort(in_flight)
+            self.rollouts.abort(in_flight)
+        self.rollouts.close()
 
     def state_dict(self) -> dict:
         with self._cond:
@@ -180,8 +186,8 @@ class AsyncRolloutCollector:
             self._abort_unusable(version, oldest_usable=next_collect - self.max_staleness)
             requests = self._next_chunk(version)
         if requests:
-            self.engine.submit(requests)
-        finished = self.engine.poll(timeout_s=POLL_S)
+            self.rollouts.submit(requests)
+        finished = self.rollouts.poll(timeout_s=POLL_S)
         if finished:
             groups = self._score(finished, step=version)  # outside the lock: decoding and rewards
             with self._cond:
@@ -189,7 +195,7 @@ class AsyncRolloutCollector:
                     self._take_result(request, group)
                 self._cond.notify_all()
 
-    def _next_chunk(self, version: int) -> list[GenerationRequest]:
+    def _next_chunk(self, version: int) -> list[PromptRequest]:
         """A chunk of prompts to submit when the buffer and what is in flight will not cover the pace's target."""
         prompts = self.prompts
         size = self.pace.next_chunk_size(buffered=len(self.buffer), live=prompts.num_live,
@@ -201,7 +207,7 @@ class AsyncRolloutCollector:
         for record in prompts.take(size, self.sampler):
             request_id, number = prompts.submit(record, version)
             params = sampling_params(self.config, self.tokenizer, generation_seed(self.config.trainer.seed, number, 0))
-            requests.append(GenerationRequest(request_id, tuple(record.prompt_ids), params))
+            requests.append(PromptRequest(request_id, record, params))
         return requests
 
     def _abort_unusable(self, version: int, oldest_usable: int) -> None:
@@ -209,7 +215,7 @@ class AsyncRolloutCollector:
         ``oldest_usable``, or — without partial rollouts — before the current version."""
         doomed = self.prompts.abort_submitted_before(oldest_usable if self.config.rollout.partial_rollouts else version)
         if doomed:
-            self.engine.abort(doomed)
+            self.rollouts.abort(doomed)
 
     def _score(self, finished: list[FinishedRequest], step: int) -> list[RolloutGroup | None]:
         """The groups of the finished requests, in one call of the reward; None for an aborted one. ``step``: the

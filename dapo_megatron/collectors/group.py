@@ -69,8 +69,9 @@ class RolloutGroup:
     def truncated(self) -> list[bool]:
         return [reason == "length" for reason in self.finish_reasons]
 
-    def sampled_mask(self, index: int) -> torch.Tensor | None:
-        """bool ``[R]`` of response ``index``: True where the engine sampled the token; None when it sampled all."""
+    def loss_mask(self, index: int) -> torch.Tensor | None:
+        """The loss mask of response ``index``, bool ``[R]``: True where the engine sampled the token (tool output is
+        False); None when it sampled all (:attr:`loss_masks` is None)."""
         if self.loss_masks is None:
             return None
         return torch.as_tensor(self.loss_masks[index]).reshape(-1).to(torch.bool)

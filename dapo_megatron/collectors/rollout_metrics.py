@@ -12,12 +12,15 @@ import torch
 
 from dapo_megatron.algorithm import FilterStats
 from dapo_megatron.collectors.group import RolloutGroup
+from dapo_megatron.rollout.engine import ToolUse
+from dapo_megatron.tools.result import tool_counts
 
 
 def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], stats: FilterStats, rounds: int,
-                    hit_cap: bool, max_response_length: int) -> dict[str, float]:
+                    hit_cap: bool, max_response_length: int, tool_names: list[str] = ()) -> dict[str, float]:
     """The collection's numbers: filter statistics over everything generated, scores and lengths of the batch.
-    A step that generated nothing (its batch came from earlier steps' groups) has no ``rollout/acc/mean``."""
+    A step that generated nothing (its batch came from earlier steps' groups) has no ``rollout/acc/mean``.
+    ``tool_names``: the run's tools (none: single-turn rollouts, no tool numbers)."""
     all_accs = [acc for g in generated for acc in g.accs]
     metrics = {
         "train/num_gen_batches": rounds,
@@ -32,6 +35,8 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
         metrics["rollout/acc/mean"] = sum(all_accs) / len(all_accs)  # over everything generated this step
     metrics.update(reward_metrics(generated))
     metrics.update(tool_metrics(generated))
+    if tool_names:
+        metrics.update(tool_call_counts(generated, tool_names))
     if not batch:
         return metrics
     scores = [s for g in batch for s in g.scores]
@@ -60,16 +65,32 @@ def rollout_metrics(batch: list[RolloutGroup], generated: list[RolloutGroup], st
 
 def sampled_values(group: RolloutGroup, index: int, values: torch.Tensor) -> torch.Tensor:
     """``values`` (per token of response ``index``) at the tokens the engine sampled."""
-    mask = group.sampled_mask(index)
+    mask = group.loss_mask(index)
     return values if mask is None else values[mask]
 
 
 def tool_metrics(generated: list[RolloutGroup]) -> dict[str, float]:
-    """Over the multi-turn responses generated this step: generation turns (verl's ``num_turns/*``), tool calls,
+    """:func:`tool_use_metrics` of the multi-turn responses generated this step; nothing without tools."""
+    return tool_use_metrics([(use, acc) for g in generated if g.tool_use is not None
+                             for use, acc in zip(g.tool_use, g.accs)])
+
+
+def tool_call_counts(generated: list[RolloutGroup], tool_names: list[str]) -> dict[str, float]:
+    """The counts of the calls of the responses generated this step (``tools/calls``, ``tools/failed/<kind>``,
+    ``tools/<name>/calls``, ...: :func:`~dapo_megatron.tools.result.tool_counts`), read from the trajectories
+    themselves, so calls made for validation or for later steps never reach them; their summed wall time, a clock
+    reading, as ``timing_s/tool_calls``."""
+    outcomes = [outcome for g in generated for use in (g.tool_use or []) for outcome in use.outcomes]
+    counts = tool_counts(outcomes, tool_names)
+    counts["timing_s/tool_calls"] = counts.pop("tools/wall_s")
+    return counts
+
+
+def tool_use_metrics(pairs: list[tuple[ToolUse, bool]]) -> dict[str, float]:
+    """Of multi-turn responses, each with its correctness: generation turns (verl's ``num_turns/*``), tool calls,
     failed and timed-out calls per response, tool-output tokens, the share of responses that called a tool and the
-    accuracy of those that did and did not (``tools/acc/with_tool``, ``tools/acc/without_tool``). Nothing without
-    tools."""
-    pairs = [(use, acc) for g in generated if g.tool_use is not None for use, acc in zip(g.tool_use, g.accs)]
+    accuracy of those that did and did not (``tools/acc/with_tool``, ``tools/acc/without_tool``); training's
+    numbers, and validation's under ``val/``. Nothing without responses."""
     if not pairs:
         return {}
     uses = [use for use, _ in pairs]

@@ -124,10 +124,6 @@ class RolloutConfig:
         self._validate_placement()
         self.embedded.validate()
         self.tools.validate()
-        # The async driver streams single-turn requests and continues them across weight updates; the multi-turn
-        # loop drives its own requests turn by turn and does not run there (yet).
-        require(not self.tools.enabled or self.mode == "sync", "rollout.tools.enabled",
-                "multi-turn tool rollouts run in rollout.mode: sync only")
 
     def _validate_placement(self) -> None:
         separate, s = self.placement == "separate", self.sglang

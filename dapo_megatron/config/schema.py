@@ -64,8 +64,8 @@ class DAPOConfig:
                 f"{a.moe_routing_replay} needs a mixture-of-experts model (model.tiny.arch: qwen3_moe)")
         if a.moe_routing_replay == "replay_rollout":
             self._validate_rollout_routing()
-        require(not self.warm_start.enabled or self.data.source == "synthetic", "warm_start.enabled",
-                "needs reference solutions, which only data.source = synthetic provides")
+        require(not self.warm_start.enabled or self.data.source == "synthetic" or self.warm_start.traces is not None,
+                "warm_start.enabled", "needs reference solutions: data.source = synthetic, or warm_start.traces")
         return self
 
     def _validate_rollout_routing(self) -> None:
@@ -77,6 +77,3 @@ class DAPOConfig:
         require(not (r.mode == "async" and r.partial_rollouts), key,
                 "replay_rollout cannot replay a partial rollout: a response continued across a weight update had its "
                 "earlier tokens re-routed by the new weights; set rollout.partial_rollouts: false")
-        require(not r.tools.enabled, key,
-                "replay_rollout does not follow multi-turn tool rollouts (tool output is never routed by the "
-                "engine); turn rollout.tools.enabled off, or use replay_old")

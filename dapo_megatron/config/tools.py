@@ -1,11 +1,17 @@
-"""The settings of tool calls in rollouts (``rollout.tools``): the code sandbox and your own tools.
+"""The settings of tool calls in rollouts (``rollout.tools``): the code sandbox, your own tools, how a model writes a
+call (``format``) and the system prompt that tells it about them.
 
 Defaults are the limits one short Python computation needs (a math check, a small search); docs/tools-sandbox.md says
 what each limit does and how it is enforced. ``validate()`` names the dotted key of the first bad value.
+
+Each tool's schema (what the model is told it takes: an OpenAI function schema) is read from here, so the system
+prompt (``{tools}``), the tools themselves and the JSON call format agree on one description
+(:meth:`ToolsConfig.schemas`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -24,6 +30,14 @@ CallLimits = Literal["per_call", "rlimits_only"]
 RLIMITS_ONLY = "rlimits_only"
 PREFIX = "rollout.tools"
 RESERVED_NAMES = ("calls", "failed", "wall_s")  # the metric names tools/<name>/... would collide with
+CallFormatName = Literal["fence", "hermes"]
+# What a Qwen2.5 / Qwen3 chat template writes after an assistant turn that ends in </tool_call>: the turn's end, the
+# tool's answer as a user turn in <tool_response> tags, and the next assistant turn's header.
+QWEN_TOOL_RESPONSE = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
+                      "<|im_start|>assistant\n")
+CODE_TOOL_DESCRIPTION = "Runs a Python program and answers with what it prints (stdout, then stderr)."
+CODE_ARGUMENT = "code"  # the python tool's one argument
+TEXT_ARGUMENT = "text"  # a function tool's one argument
 
 
 @dataclass
@@ -67,6 +81,7 @@ class FunctionToolConfig:
 
     function: str = ""
     name: str | None = None  # what the model calls it; default: the function's name
+    description: str = ""  # what the model is told it does (its schema, the system prompt's {tools})
     timeout_s: float = 30.0
     output_bytes: int = 16384
 
@@ -79,14 +94,23 @@ class ToolsConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     functions: list[FunctionToolConfig] = field(default_factory=list)
     pool_size: int = 8  # tool calls running at once, all tools together
-    # The rollout loop (dapo_megatron/rollout/multi_turn.py). A call is a fenced block whose info string names a
-    # tool: call_open with {tool} replaced by its name, the text, then call_end, where generation stops.
+    # The rollout loop (dapo_megatron/rollout/multi_turn.py), with the call syntax of `format`
+    # (dapo_megatron/tools/call_formats.py):
+    #   fence:  call_open with {tool} replaced by the tool's name, the text (the tool's one argument), call_end,
+    #           where generation stops; the answer is appended as output_format.
+    #   hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5 / Qwen3 and other Hermes-style
+    #           instruct models), stopping at </tool_call>; the answer is appended as hermes_output_format.
+    format: CallFormatName = "fence"
     max_turns: int = 4  # generation turns per response; the call that ends the last one is not run
     max_tool_output_tokens: int = 512  # of each tool answer, before output_format wraps it
     call_open: str = "```{tool}\n"
     # "\n```\n", not "\n```": a line that OPENS a fence ("\n```python") must not end the turn
     call_end: str = "\n```\n"
     output_format: str = "```output\n{output}\n```\n"  # how the answer is appended to the context
+    hermes_output_format: str = QWEN_TOOL_RESPONSE  # format: hermes; your chat template's tool turn, around {output}
+    # A system message put before every prompt (training, validation, warm-start) that has none of its own;
+    # "{tools}" in it becomes the tools' schemas, one JSON object per line as Qwen's chat template lists them.
+    system_prompt: str | None = None
 
     def validate(self) -> "ToolsConfig":
         _positive(self.pool_size, "pool_size")
@@ -99,6 +123,13 @@ class ToolsConfig:
             _fail("call_end", f"must hold more than white space, got {self.call_end!r}")
         if self.output_format.count("{output}") != 1:
             _fail("output_format", f"must hold {{output}} once, got {self.output_format!r}")
+        if self.hermes_output_format.count("{output}") != 1:
+            _fail("hermes_output_format", f"must hold {{output}} once, got {self.hermes_output_format!r}")
+        if self.format not in ("fence", "hermes"):
+            _fail("format", f"must be fence or hermes, got {self.format!r}")
+        if self.system_prompt is not None and (not self.system_prompt.strip()
+                                               or self.system_prompt.count("{tools}") > 1):
+            _fail("system_prompt", f"must be text holding {{tools}} at most once (or null), got {self.system_prompt!r}")
         sandbox, limits = self.sandbox, self.sandbox.limits
         for name in ("wall_s", "cpu_s", "memory_mb", "processes", "open_files", "file_mb", "workdir_mb",
                      "output_bytes"):
@@ -144,6 +175,20 @@ class ToolsConfig:
         return self
 
 
+    def schemas(self) -> list[dict]:
+        """The OpenAI function schema of every tool offered (the python tool first), as the model is told them."""
+        schemas = [code_tool_schema(self.code_tool_name)] if self.code else []
+        return schemas + [function_tool_schema(tool) for tool in self.functions]
+
+    def system_text(self) -> str | None:
+        """The system message of every prompt: ``system_prompt`` with ``{tools}`` filled in; None when tools are off
+        or no system prompt is set."""
+        if not self.enabled or self.system_prompt is None:
+            return None
+        listed = "\n".join(json.dumps({"type": "function", "function": schema}) for schema in self.schemas())
+        return self.system_prompt.replace("{tools}", listed)
+
+
 class ToolsError(ConfigError):
     """The tools cannot start as configured (isolation unavailable, a tool that does not load); names the key."""
 
@@ -151,6 +196,21 @@ class ToolsError(ConfigError):
 def tool_name(tool: FunctionToolConfig) -> str:
     """The name a function tool is called by: its ``name``, else the function's own."""
     return tool.name or tool.function.rpartition(":")[2]
+
+
+def code_tool_schema(name: str) -> dict:
+    return _schema(name, CODE_TOOL_DESCRIPTION, CODE_ARGUMENT, "the whole program; print what you want to read")
+
+
+def function_tool_schema(tool: FunctionToolConfig) -> dict:
+    name = tool_name(tool)
+    return _schema(name, tool.description or f"Calls {name} with a text.", TEXT_ARGUMENT, "what the tool is given")
+
+
+def _schema(name: str, description: str, argument: str, argument_description: str) -> dict:
+    return {"name": name, "description": description,
+            "parameters": {"type": "object", "required": [argument],
+                           "properties": {argument: {"type": "string", "description": argument_description}}}}
 
 
 def _positive(value, key: str) -> None:

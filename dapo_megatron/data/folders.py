@@ -89,7 +89,8 @@ class StreamedPrompts:
     ``on_bad_row: skip``, or too long)."""
 
     def __init__(self, path: str | Path, dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, *,
-                 max_prompt_length: int, integer_answers: bool, on_bad_row: str, source_name: str | None = None):
+                 max_prompt_length: int, integer_answers: bool, on_bad_row: str, source_name: str | None = None,
+                 system_prompt: str | None = None):
         self.path = str(path)
         self.dataset = dataset
         self.tokenizer = tokenizer
@@ -97,6 +98,7 @@ class StreamedPrompts:
         self.integer_answers = integer_answers
         self.on_bad_row = on_bad_row
         self.source_name = source_name
+        self.system_prompt = system_prompt  # data/prompts.py
         self._warned = 0
         logger.info("%s: %d rows, read as drawn (more than data.stream_above_rows)", self.path, len(dataset))
 
@@ -112,7 +114,7 @@ class StreamedPrompts:
             self._skip(f"malformed: {error}")
             return None
         built = tokenize_prompts([row], self.tokenizer, max_prompt_length=self.max_prompt_length,
-                                 source_name=self.source_name)
+                                 source_name=self.source_name, system_prompt=self.system_prompt)
         if not built.records:
             self._skip(f"row {index} is longer than data.max_prompt_length={self.max_prompt_length} tokens")
             return None

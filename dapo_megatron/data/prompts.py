@@ -2,7 +2,9 @@
 
 Each prompt is rendered with ``apply_chat_template(messages, add_generation_prompt=True)`` (so the text ends with the
 assistant header the model continues from) and tokenized without extra special tokens, exactly as
-``apply_chat_template(..., tokenize=True)`` does. Prompts longer than ``max_prompt_length`` tokens are dropped and
+``apply_chat_template(..., tokenize=True)`` does. A ``system_prompt`` (``rollout.tools.system_prompt``, as
+:meth:`~dapo_megatron.config.tools.ToolsConfig.system_text` renders it) becomes the first message of every row that
+has no system message of its own. Prompts longer than ``max_prompt_length`` tokens are dropped and
 counted (verl's ``filter_overlong_prompts``); the count is logged.
 """
 
@@ -43,13 +45,22 @@ class PromptBuildResult:
     longest_kept: int
 
 
-def render_prompt_texts(rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """The chat-template text of each row's messages, ending with the generation prompt."""
+def prompt_messages(row: DapoRow, system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The row's messages, after a ``system_prompt`` message unless the row has a system message of its own."""
+    messages = row.messages()
+    if system_prompt is None or any(message["role"] == "system" for message in messages):
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def render_prompt_texts(rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerBase,
+                        system_prompt: str | None = None) -> list[str]:
+    """The chat-template text of each row's messages (:func:`prompt_messages`), ending with the generation prompt."""
     texts: list[str] = []
     for start in range(0, len(rows), _RENDER_CHUNK):
         chunk = rows[start : start + _RENDER_CHUNK]
         rendered = tokenizer.apply_chat_template(
-            [row.messages() for row in chunk], add_generation_prompt=True, tokenize=False
+            [prompt_messages(row, system_prompt) for row in chunk], add_generation_prompt=True, tokenize=False
         )
         texts.extend(rendered)
     return texts
@@ -57,11 +68,12 @@ def render_prompt_texts(rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerB
 
 def build_prompt_records(
     rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerBase, *, max_prompt_length: int,
-    source_name: str | None = None,
+    source_name: str | None = None, system_prompt: str | None = None,
 ) -> PromptBuildResult:
     """Tokenize every row's chat-templated prompt; keep those of at most ``max_prompt_length`` tokens, and log how
     many were dropped. ``source_name``: the ``data.train`` source the rows are from, when they are from one."""
-    result = tokenize_prompts(rows, tokenizer, max_prompt_length=max_prompt_length, source_name=source_name)
+    result = tokenize_prompts(rows, tokenizer, max_prompt_length=max_prompt_length, source_name=source_name,
+                              system_prompt=system_prompt)
     if result.num_filtered_too_long:
         logger.warning(
             "filtered %d of %d prompts longer than max_prompt_length=%d tokens",
@@ -75,7 +87,7 @@ def build_prompt_records(
 
 def tokenize_prompts(
     rows: Sequence[DapoRow], tokenizer: PreTrainedTokenizerBase, *, max_prompt_length: int,
-    source_name: str | None = None,
+    source_name: str | None = None, system_prompt: str | None = None,
 ) -> PromptBuildResult:
     """:func:`build_prompt_records` without its log lines (a streamed source tokenizes one prompt per draw)."""
     if max_prompt_length <= 0:
@@ -83,7 +95,7 @@ def tokenize_prompts(
     if tokenizer.chat_template is None:
         raise ModelFolderError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; prompts need one "
                                f"(transformers reads it from tokenizer_config.json or chat_template.jinja)")
-    texts = render_prompt_texts(rows, tokenizer)
+    texts = render_prompt_texts(rows, tokenizer, system_prompt)
     records: list[PromptRecord] = []
     num_filtered = 0
     longest_kept = 0

@@ -74,7 +74,8 @@ def train_prompts(config: DAPOConfig, tokenizer) -> tuple[PromptRecord, ...]:
     warning)."""
     d = config.data
     rows = _synthetic_rows(config, "train") if d.source == "synthetic" else _file_rows(config, d.train_files)
-    train = build_prompt_records(rows, tokenizer, max_prompt_length=d.max_prompt_length)
+    train = build_prompt_records(rows, tokenizer, max_prompt_length=d.max_prompt_length,
+                                 system_prompt=config.rollout.tools.system_text())
     if train.num_filtered_too_long:
         logger.warning("dropped %d training prompts longer than data.max_prompt_length=%d",
                        train.num_filtered_too_long, d.max_prompt_length)
@@ -96,13 +97,14 @@ def train_sampler(config: DAPOConfig, tokenizer) -> PromptSampler | MixtureSampl
     for index, (source, name, opened) in enumerate(open_train_sources(config)):
         if isinstance(opened, DapoMathData):
             prompts = build_prompt_records(opened.rows, tokenizer, max_prompt_length=d.max_prompt_length,
-                                           source_name=name).records
+                                           source_name=name, system_prompt=config.rollout.tools.system_text()).records
             if not prompts:
                 raise DataError(f"data.train[{index}]: every prompt of {source.path} is longer than "
                                 f"data.max_prompt_length={d.max_prompt_length} tokens")
         else:
             prompts = StreamedPrompts(source.path, opened, tokenizer, max_prompt_length=d.max_prompt_length,
-                                      integer_answers=d.integer_answers, on_bad_row=d.on_bad_row, source_name=name)
+                                      integer_answers=d.integer_answers, on_bad_row=d.on_bad_row, source_name=name,
+                                      system_prompt=config.rollout.tools.system_text())
         sources.append(MixtureSource(name=name, weight=source.weight, prompts=prompts))
     return MixtureSampler(sources, seed=t.seed)
 
@@ -151,7 +153,8 @@ def eval_prompts(config: DAPOConfig, tokenizer) -> tuple[PromptRecord, ...]:
     rows = _synthetic_rows(config, "heldout") if d.source == "synthetic" else _file_rows(config, d.val_files)
     if not rows:
         return ()
-    records = build_prompt_records(rows, tokenizer, max_prompt_length=d.max_prompt_length).records
+    records = build_prompt_records(rows, tokenizer, max_prompt_length=d.max_prompt_length,
+                                   system_prompt=config.rollout.tools.system_text()).records
     return records if config.eval.max_problems is None else records[: config.eval.max_problems]
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Iterable, Literal, NamedTuple, Sequence
 
 from dapo_megatron.hf_format.buckets import Bucket
 
@@ -113,6 +113,15 @@ class Sample:
     routed_experts: "torch.Tensor | None" = None
 
 
+class CallOutcome(NamedTuple):
+    """How one tool call ended (a :class:`~dapo_megatron.tools.ToolResult` without its text)."""
+
+    tool: str
+    ok: bool
+    kind: str | None
+    wall_s: float
+
+
 @dataclass
 class ToolUse:
     """What one multi-turn response did with its tools."""
@@ -122,6 +131,7 @@ class ToolUse:
     failed: int = 0  # of them, not ok (ToolResult.kind set)
     timeouts: int = 0  # of the failed, kind "timeout"
     output_tokens: int = 0  # tool-output tokens appended (mask 0)
+    outcomes: list[CallOutcome] = field(default_factory=list)  # each call's, in order: the step's tool counts
 
 
 @dataclass(frozen=True)

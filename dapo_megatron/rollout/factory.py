@@ -1,5 +1,9 @@
-"""``rollout.engine`` → a rollout engine. Either way it starts without trusted weights: the trainer's first
-weight handoff (version = the step it starts from) fills it, so the served weights always come from the policy."""
+"""The run config → its rollout engine (``rollout.engine``) and the rollout generator over it (single-turn, or
+multi-turn with the run's one tool pool when ``rollout.tools.enabled``), each chosen once here.
+
+The engine starts without trusted weights: the trainer's first weight handoff (version = the step it starts from)
+fills it, so the served weights always come from the policy. What the engine must record is given when it is built
+(R3's routing), never switched on afterwards."""
 
 from __future__ import annotations
 
@@ -8,11 +12,15 @@ from pathlib import Path
 
 from dapo_megatron.backend.base import Backend
 from dapo_megatron.config import DAPOConfig
+from dapo_megatron.config.rollout import RolloutConfig
 from dapo_megatron.hf_format import load_hf_config
 from dapo_megatron.rollout.engine import RolloutEngine
+from dapo_megatron.rollout.generator import RolloutGenerator, SingleTurnGenerator
+from dapo_megatron.rollout.multi_turn import MultiTurnGenerator
 from dapo_megatron.rollout.sglang.engine import SGLangEngine
 from dapo_megatron.rollout.sglang.lora_adapters import lora_server_arguments
 from dapo_megatron.rollout.sglang.server import served_dtype
+from dapo_megatron.tools.pool import ToolPool
 
 
 def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | Path, backend: Backend, *,
@@ -21,6 +29,7 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
     the environment of SGLang servers; ``server_gpus``: where the trainer placed colocated servers
     (:class:`dapo_megatron.trainer.colocation.Colocation`)."""
     r = config.rollout
+    routed = config.algorithm.moe_routing_replay == "replay_rollout"  # R3: every sample carries the engine's routing
     # Each branch loads only its engine: an SGLang run never imports the in-process engine, nor an embedded run
     # SGLang's HTTP stack.
     if r.engine == "embedded":
@@ -28,7 +37,8 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
         # transformers, measured with `python -X importtime`), which a run on SGLang servers never uses.
         from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
-        return EmbeddedEngine(load_hf_config(hf_dir), r.embedded, host_compute=backend.host_compute)
+        return EmbeddedEngine(load_hf_config(hf_dir), r.embedded, host_compute=backend.host_compute,
+                              return_routed_experts=routed)
     sglang, lora = r.sglang, config.model.lora
     if lora.enabled and lora.handoff == "adapter":  # servers that take the trainer's adapters (lora_adapters.py)
         sglang = replace(sglang, extra_server_args=[*sglang.extra_server_args,
@@ -36,4 +46,14 @@ def build_rollout_engine(config: DAPOConfig, hf_dir: str | Path, run_dir: str | 
                                                                            colocated=r.placement == "colocated")])
     return SGLangEngine.launch(sglang, model_path=hf_dir, run_dir=Path(run_dir) / "sglang",
                                dtype=served_dtype(config.model.precision), backend=backend, placement=r.placement,
-                               server_gpus=server_gpus)
+                               server_gpus=server_gpus, routed_experts=routed)
+
+
+def build_rollout_generator(rollout: RolloutConfig, engine: RolloutEngine, tokenizer) -> RolloutGenerator:
+    """How the run's trajectories are made on ``engine``: multi-turn with a tool pool of its own (started here: the
+    sandbox's test call, your tools' imports; closed with the generator) when ``rollout.tools.enabled``, else
+    single-turn."""
+    tools = rollout.tools
+    if not tools.enabled:
+        return SingleTurnGenerator(engine)
+    return MultiTurnGenerator(engine, tokenizer, tools, ToolPool(tools))

@@ -17,6 +17,7 @@ import requests
 from dapo_megatron.config.tools import SandboxConfig
 from dapo_megatron.tools.process import last_line
 from dapo_megatron.tools.result import ToolResult, failure
+from dapo_megatron.tools.tool import CodeRunner
 
 REPLY_MARGIN_S = 10.0  # the service's queueing and start-up on top of the code's own run time
 
@@ -25,7 +26,10 @@ class MalformedReply(ValueError):
     """The reply is not what SandboxFusion's run_code answers; the message names the field."""
 
 
-class SandboxFusionClient:
+class SandboxFusionClient(CodeRunner):
+    """The python tool on a SandboxFusion service (the :class:`~dapo_megatron.tools.tool.Tool` protocol through
+    :class:`CodeRunner`); its HTTP session is released by :meth:`cleanup`."""
+
     def __init__(self, sandbox: SandboxConfig, tool: str = "python"):
         self.url = sandbox.remote_url.rstrip("/") + "/run_code"
         self.tool = tool
@@ -95,7 +99,7 @@ class SandboxFusionClient:
             return failure(self.tool, "memory", f"{text}\n[memory limit: an allocation failed]", wall, code)
         return failure(self.tool, "error", f"{text}\n[exit status {code}]", wall, code)
 
-    def close(self) -> None:
+    def cleanup(self) -> None:
         self._session.close()
 
 

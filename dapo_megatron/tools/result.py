@@ -13,7 +13,8 @@ kind            when
 ``killed``      ended by SIGKILL/SIGTERM/... that the trainer did not send (it killed itself, the OOM killer)
 ``crashed``     a fault signal (SIGSEGV, SIGABRT, ...), a sandbox or tool process that failed, a malformed
                 reply of the remote service
-``refused``     not run: unknown tool, the pool closed, the remote service unreachable
+``refused``     not run: unknown tool, arguments the tool does not take, a call the format cannot read, the
+                pool closed, the remote service unreachable
 =============== ==============================================================================================
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Iterable
 
 KINDS = ("timeout", "memory", "output_limit", "error", "killed", "crashed", "refused")
 
@@ -41,26 +43,40 @@ def failure(tool: str, kind: str, text: str, wall_s: float, exit_code: int | Non
     return ToolResult(tool, text, False, kind, wall_s, exit_code)
 
 
+def tool_counts(results: Iterable[ToolResult], tools: Iterable[str]) -> dict[str, float]:
+    """``tools/calls``, ``tools/failed``, ``tools/failed/<kind>`` and ``tools/wall_s`` of ``results``, plus
+    ``tools/<name>/calls`` and ``tools/<name>/failed`` for each of ``tools`` (the pool's: a call of a name the model
+    made up counts in the totals only, so what the model writes never adds a metric); every key present, 0 when
+    nothing happened."""
+    counts: dict[str, float] = {"tools/calls": 0, "tools/failed": 0, "tools/wall_s": 0.0}
+    counts.update({f"tools/failed/{kind}": 0 for kind in KINDS})
+    for tool in tools:
+        counts.update({f"tools/{tool}/calls": 0, f"tools/{tool}/failed": 0})
+    for result in results:
+        _count(counts, result)
+    return counts
+
+
+def _count(counts: dict[str, float], result: ToolResult) -> None:
+    for prefix in ("tools", f"tools/{result.tool}"):
+        if f"{prefix}/calls" in counts:
+            counts[f"{prefix}/calls"] += 1
+            counts[f"{prefix}/failed"] += int(not result.ok)
+    if not result.ok:
+        counts[f"tools/failed/{result.kind}"] += 1
+    counts["tools/wall_s"] += result.wall_s
+
+
 class ToolCounts:
-    """Thread-safe totals since the start: ``tools/calls``, ``tools/failed``, ``tools/failed/<kind>`` and
-    ``tools/wall_s``, plus the same per tool as ``tools/<name>/calls`` and ``tools/<name>/failed``."""
+    """Thread-safe :func:`tool_counts` of every call since the start."""
 
     def __init__(self, tools: list[str]):
         self._lock = threading.Lock()
-        self._counts: dict[str, float] = {"tools/calls": 0, "tools/failed": 0, "tools/wall_s": 0.0}
-        self._counts.update({f"tools/failed/{kind}": 0 for kind in KINDS})
-        for tool in tools:
-            self._counts.update({f"tools/{tool}/calls": 0, f"tools/{tool}/failed": 0})
+        self._counts = tool_counts([], tools)
 
     def add(self, result: ToolResult) -> None:
         with self._lock:
-            for prefix in ("tools", f"tools/{result.tool}"):
-                self._counts[f"{prefix}/calls"] = self._counts.get(f"{prefix}/calls", 0) + 1
-                if not result.ok:
-                    self._counts[f"{prefix}/failed"] = self._counts.get(f"{prefix}/failed", 0) + 1
-            if not result.ok:
-                self._counts[f"tools/failed/{result.kind}"] += 1
-            self._counts["tools/wall_s"] += result.wall_s
+            _count(self._counts, result)
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:

@@ -38,6 +38,7 @@ from dapo_megatron.tools.process import run_process
 from dapo_megatron.tools.result import ToolResult, failure
 from dapo_megatron.tools.sandbox_process import SETPRIV, SandboxCommand, start_sandbox
 from dapo_megatron.tools.seccomp import filter_program
+from dapo_megatron.tools.tool import CodeRunner
 from dapo_megatron.tools.warm_pool import PoolClosed, WarmPool
 
 WORKDIR = "/sandbox"  # the code's working folder inside the sandbox
@@ -47,8 +48,9 @@ PROBE = "import os\nprint('sandbox-ok', os.getuid())\n"
 PROBE_WALL_S = 60.0  # the first call pays for cold caches; a working sandbox answers in well under a second
 
 
-class CodeSandbox:
-    """Runs Python code blocks as configured by ``sandbox``; :meth:`run` never raises for what the code does."""
+class CodeSandbox(CodeRunner):
+    """Runs Python code blocks as configured by ``sandbox``; :meth:`run` never raises for what the code does. The
+    python tool of the :class:`~dapo_megatron.tools.tool.Tool` protocol through :class:`CodeRunner`."""
 
     def __init__(self, sandbox: SandboxConfig, tool: str = "python"):
         self.config = sandbox
@@ -69,8 +71,8 @@ class CodeSandbox:
                                      self._user, self.limits)
             cgroups = _call_cgroups(sandbox)
             self._pool = WarmPool(functools.partial(start_sandbox, command, cgroups), sandbox.warm)
-            # Whoever drops the sandbox without close() (the tool pool does not call it yet) still ends its
-            # waiting sandboxes and its cgroups, at the latest when the trainer exits.
+            # Whoever drops the sandbox without close() still ends its waiting sandboxes and its cgroups, at the
+            # latest when the trainer exits.
             self._release = weakref.finalize(self, _release, self._pool, cgroups)
             try:
                 self._probe()
@@ -106,6 +108,11 @@ class CodeSandbox:
         """End the sandboxes started ahead and remove the calls' cgroups; calls running finish first."""
         if self._pool is not None:
             self._release()
+
+    def cleanup(self) -> None:
+        """The :class:`~dapo_megatron.tools.tool.Tool` release (:meth:`ToolPool.close
+        <dapo_megatron.tools.pool.ToolPool.close>` calls it): :meth:`close`."""
+        self.close()
 
     # ------------------------------------------------------------------------------------------------ argv
 

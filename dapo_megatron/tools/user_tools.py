@@ -2,8 +2,9 @@
 
     def name(text: str, metadata: dict) -> str
 
-``text`` is what the model passed to the tool, ``metadata`` the sample's (its data source, ground truth, extra info
-and the turn: whatever the rollout loop hands over; JSON values only); the answer is what the model reads next.
+``text`` is what the model passed to the tool (its one argument, ``text`` in the tool's schema, whose description is
+``rollout.tools.functions[i].description``), ``metadata`` the sample's (its data source, row index, extra info and
+the turn: whatever the rollout loop hands over; JSON values only); the answer is what the model reads next.
 
 Each call runs in a fresh process (:mod:`.user_worker`) that imports your file, calls the function once and exits;
 past the tool's ``timeout_s`` it is killed. So a hanging or crashing tool costs its own call and nothing else, and
@@ -20,9 +21,11 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from dapo_megatron.reward.function import RewardFunctionError, load_reward_function
-from dapo_megatron.config.tools import PREFIX, FunctionToolConfig, ToolsError, tool_name
+from dapo_megatron.config.tools import (PREFIX, TEXT_ARGUMENT, FunctionToolConfig, ToolsError, function_tool_schema,
+                                        tool_name)
 from dapo_megatron.tools.process import run_process
 from dapo_megatron.tools.result import ToolResult, failure
 
@@ -31,6 +34,8 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class FunctionTool:
+    """One of your tools, as the :class:`~dapo_megatron.tools.tool.Tool` protocol has it."""
+
     def __init__(self, config: FunctionToolConfig, index: int):
         self.config = config
         self.name = tool_name(config)
@@ -53,6 +58,16 @@ class FunctionTool:
                              ) from None
         self._env = {**os.environ,
                      "PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
+
+    @property
+    def schema(self) -> dict:
+        return function_tool_schema(self.config)
+
+    def call(self, arguments: Mapping[str, object], metadata: dict) -> ToolResult:
+        return self.run(str(arguments[TEXT_ARGUMENT]), metadata)
+
+    def cleanup(self) -> None:
+        """Nothing outlives a call: each runs in a process of its own."""
 
     def run(self, text: str, metadata: dict) -> ToolResult:
         try:

@@ -7,12 +7,14 @@ default); the format bonus and the overlong penalty shape training only.
   response: the same problems every time, so they can be read side by side across steps);
 * :func:`evaluate_checkpoint` — ``dapo-megatron eval``: a saved checkpoint, with nothing built for training.
 
-With ``rollout.tools.enabled`` a validation problem is answered as training answers it: through the multi-turn loop
-(:class:`~dapo_megatron.rollout.multi_turn.MultiTurnRollout`) with the same tools, greedy or sampled as ``eval``
-says; a model trained to call a tool and read its answer is scored on what it does with the tool, not on what it
-writes when the tool never answers. The accuracy is then also reported split by whether a response called a tool
-(``val/tools/acc/with_tool``, ``val/tools/acc/without_tool``), with ``val/tools/used_fraction``,
-``val/tools/calls_per_response``, ``val/tools/failed_per_response`` and ``val/num_turns/mean``.
+A validation problem is answered as training answers it, by the run's rollout generator
+(:class:`~dapo_megatron.rollout.generator.RolloutGenerator`): with ``rollout.tools.enabled`` through the multi-turn
+loop with the run's tools, greedy or sampled as ``eval`` says; a model trained to call a tool and read its answer is
+scored on what it does with the tool, not on what it writes when the tool never answers. The accuracy is then also
+reported split by whether a response called a tool (``val/tools/acc/with_tool``, ``val/tools/acc/without_tool``),
+with the rest of training's tool-use numbers under ``val/`` (``val/tools/used_fraction``,
+``val/tools/calls_per_response``, ``val/num_turns/mean``, ...:
+:func:`~dapo_megatron.collectors.rollout_metrics.tool_use_metrics`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Sequence
 
 from dapo_megatron.backend.base import Backend
 from dapo_megatron.checkpoint import MODEL_DIR, load_model
+from dapo_megatron.collectors.rollout_metrics import tool_use_metrics
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.data.evaluation import ScoredSample, avg_at_k
 from dapo_megatron.data.prompts import PromptRecord
@@ -33,9 +36,8 @@ from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.reward.response_text import grouped_response_texts
 from dapo_megatron.reward.scorer import RewardRequest, RewardScorer
 from dapo_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
-from dapo_megatron.rollout.factory import build_rollout_engine
-from dapo_megatron.rollout.multi_turn import MultiTurnRollout
-from dapo_megatron.tools import ToolPool
+from dapo_megatron.rollout.factory import build_rollout_engine, build_rollout_generator
+from dapo_megatron.rollout.generator import RolloutGenerator
 from dapo_megatron.run.model_source import initial_model_dir, load_tokenizer
 from dapo_megatron.data.task import eval_prompts
 from dapo_megatron.trainer.weight_sync import sync_engine_weights
@@ -49,12 +51,12 @@ class Validation:
     generations: list[dict]  # data_source, index, prompt, response, ground_truth, score, acc
 
 
-def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, config: DAPOConfig,
-             reward: RewardScorer, tools: ToolPool | None = None) -> Validation:
-    """``val/<source>/acc/mean@k`` (and best@k) for every data source in ``records`` and over all of them, scored
-    by ``reward``, and the sample of generations; nothing when there are no records. With
-    ``rollout.tools.enabled`` the responses are multi-turn, their calls run in ``tools`` (by default a pool of
-    this validation's own, so its calls stay out of the training steps' tool counts)."""
+def evaluate(rollouts: RolloutGenerator, records: Sequence[PromptRecord], tokenizer, config: DAPOConfig,
+             reward: RewardScorer) -> Validation:
+    """``val/<source>/acc/mean@k`` (and best@k) for every data source in ``records`` and over all of them, generated
+    by ``rollouts`` (the run's: its tools, if any, are training's; a step's tool counts are read from its own
+    trajectories, so validation's calls never reach them), scored by ``reward``, and the sample of generations;
+    nothing when there are no records."""
     if not records:
         return Validation({}, [])
     e = config.eval
@@ -67,7 +69,7 @@ def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, 
         stop_token_ids=(tokenizer.eos_token_id,),
         seed=EVAL_SEED,
     )
-    outputs = _generate(engine, records, tokenizer, config, params, tools)
+    outputs = rollouts.generate(records, params)
     responses = grouped_response_texts(tokenizer, outputs)
     outcomes = reward.score([[RewardRequest(r.data_source, text, r.ground_truth, dict(r.extra_info or {}),
                                             row=f"validation row index={r.index!r} of data source {r.data_source!r}")
@@ -83,39 +85,10 @@ def evaluate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, 
     return Validation(metrics, generations)
 
 
-def _generate(engine: RolloutEngine, records: Sequence[PromptRecord], tokenizer, config: DAPOConfig,
-              params: SamplingParams, tools: ToolPool | None) -> list[list[Sample]]:
-    prompts = [r.prompt_ids for r in records]
-    settings = config.rollout.tools
-    if not settings.enabled:
-        return engine.generate(prompts, params)
-    pool = tools if tools is not None else ToolPool(settings)
-    try:
-        loop = MultiTurnRollout(engine, tokenizer, settings, pool, max_response_length=params.max_new_tokens)
-        # what a training call learns of its prompt (collectors/sync.py), never the ground truth
-        metadata = [{"data_source": r.data_source, "index": r.index, "extra_info": dict(r.extra_info or {})}
-                    for r in records]
-        return loop.generate(prompts, params, metadata)
-    finally:
-        if tools is None:
-            pool.close()
-
-
 def _tool_split(samples: list[Sample], accs: list[bool]) -> dict[str, float]:
     """Accuracy with and without a tool call, and how the tools were used; nothing for single-turn responses."""
     uses = [(s.tool_use, bool(acc)) for s, acc in zip(samples, accs, strict=True) if s.tool_use is not None]
-    if not uses:
-        return {}
-    count = len(uses)
-    metrics = {"val/tools/used_fraction": sum(use.calls > 0 for use, _ in uses) / count,
-               "val/tools/calls_per_response": sum(use.calls for use, _ in uses) / count,
-               "val/tools/failed_per_response": sum(use.failed for use, _ in uses) / count,
-               "val/num_turns/mean": sum(use.turns for use, _ in uses) / count}
-    for name, used in (("with_tool", True), ("without_tool", False)):
-        accs_of = [acc for use, acc in uses if (use.calls > 0) == used]
-        if accs_of:
-            metrics[f"val/tools/acc/{name}"] = sum(accs_of) / len(accs_of)
-    return metrics
+    return {f"val/{key}": value for key, value in tool_use_metrics(uses).items()}
 
 
 def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path, backend: Backend) -> dict[str, float]:
@@ -128,9 +101,11 @@ def evaluate_checkpoint(config: DAPOConfig, checkpoint: str | Path, backend: Bac
 
         def on_rank0() -> dict[str, float]:
             reward = RewardScorer(config)
+            rollouts = build_rollout_generator(config.rollout, engine, tokenizer)
             try:
-                return evaluate(engine, eval_prompts(config, tokenizer), tokenizer, config, reward).metrics
+                return evaluate(rollouts, eval_prompts(config, tokenizer), tokenizer, config, reward).metrics
             finally:
+                rollouts.close()
                 reward.close()
 
         try:

@@ -23,7 +23,8 @@ from dapo_megatron.policy.actor import build_actor
 from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 from dapo_megatron.rank_zero import run_on_rank0, waiting_group
 from dapo_megatron.reward.scorer import RewardScorer
-from dapo_megatron.rollout.factory import build_rollout_engine
+from dapo_megatron.rollout.factory import build_rollout_engine, build_rollout_generator
+from dapo_megatron.rollout.generator import RolloutGenerator
 from dapo_megatron.collectors.asynchronous import AsyncRolloutCollector
 from dapo_megatron.trainer.colocation import Colocation
 from dapo_megatron.trainer.evaluate import evaluate
@@ -88,6 +89,8 @@ class DAPOTrainer:
 
         # The rollout side, on rank 0 only; colocated servers start in a generation turn (they size their memory then).
         self.engine = None
+        # the one way trajectories are made, for collection and validation (the collector closes it)
+        self.rollouts: RolloutGenerator | None = None
         self.collector = None
         self.reward: RewardScorer | None = None
         self.eval_prompts: tuple = ()
@@ -104,10 +107,9 @@ class DAPOTrainer:
         self.reward = RewardScorer(c)  # your reward's worker processes, before the engine
         self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend,
                                            server_gpus=self.colocation.server_gpus)
-        if c.algorithm.moe_routing_replay == "replay_rollout":  # R3: the samples carry the engine's routing
-            self.engine.return_routed_experts = True
+        self.rollouts = build_rollout_generator(c.rollout, self.engine, self.tokenizer)  # the run's one tool pool
         collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
-        self.collector = collector(self.engine, sampler, self.tokenizer, c, self.reward)
+        self.collector = collector(self.rollouts, sampler, self.tokenizer, c, self.reward)
 
     # ------------------------------------------------------------------------------------------------ one step
 
@@ -157,7 +159,7 @@ class DAPOTrainer:
     def validate(self, step: int = 0) -> dict[str, float]:
         """Validation metrics on every rank; rank 0 also logs a sample of the generations at ``step``."""
         def on_rank0() -> dict[str, float]:
-            result = evaluate(self.engine, self.eval_prompts, self.tokenizer, self.config, self.reward)
+            result = evaluate(self.rollouts, self.eval_prompts, self.tokenizer, self.config, self.reward)
             if result.generations:
                 self.writer.log_generations(step, result.generations)
             return result.metrics

@@ -133,7 +133,7 @@ class PolicyUpdate:
                                                                     group_adv.tolist())):
                 # multi-turn: tool-output tokens (mask 0) never enter the loss
                 mask = (torch.zeros(len(response)) if (truncated and self.overlong_filtering)
-                        else group.sampled_mask(index))
+                        else group.loss_mask(index))
                 samples.append(PolicySample(prompt_ids=group.prompt_ids, response_ids=response, advantage=adv,
                                             loss_mask=mask))
         return samples
@@ -220,7 +220,7 @@ class PolicyUpdate:
         return correction_of_sampled(  # multi-turn: over the sampled tokens, tool output has no engine log-prob
             [s.old_logprobs for s in samples],
             [torch.as_tensor(lps, dtype=torch.float32) for g in groups for lps in g.engine_logprobs],
-            [g.sampled_mask(i) for g in groups for i in range(len(g.responses))],
+            [g.loss_mask(i) for g in groups for i in range(len(g.responses))],
             mode=self.correction_mode, tis_cap=self.tis_cap, mis_threshold=self.mis_threshold, stale=stale)
 
     def corrected(self, samples: list[PolicySample], correction: Correction) -> list[PolicySample]:

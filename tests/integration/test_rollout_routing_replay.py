@@ -37,8 +37,7 @@ def engine_groups(hf_dir: str) -> list[RolloutGroup]:
     from dapo_megatron.rollout import SamplingParams
     from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
-    engine = EmbeddedEngine.from_hf_directory(hf_dir)
-    engine.return_routed_experts = True
+    engine = EmbeddedEngine.from_hf_directory(hf_dir, return_routed_experts=True)
     prompts = [[5, 6, 7, 8], [11, 3, 9], [20, 21, 22, 23, 24], [40, 41]]
     generated = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7))
     return [RolloutGroup(prompt_ids=prompt, ground_truth="1", data_source="t",

@@ -118,6 +118,24 @@ def test_fork_bomb_is_bounded_and_leaves_nothing_behind():
     assert wait_until_no_process(COUNTED_UID) == 0
 
 
+def test_closing_the_tool_pool_ends_the_sandboxes_started_ahead():
+    """ToolPool.close reaches the sandbox: the sandboxes waiting for calls end then, not when the trainer exits."""
+    pool = _pool(uid=COUNTED_UID, warm=2)
+    deadline = time.monotonic() + 10
+    while uid_processes(COUNTED_UID) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = uid_processes(COUNTED_UID)
+    sandbox = pool._tools["python"]
+    try:
+        pool._threads.shutdown(wait=True)  # control: the pool's own threads stopped, the sandbox not told
+        assert wait_until_no_process(COUNTED_UID, timeout_s=1.0) > 0
+    finally:
+        pool.close()
+    assert started > 0, "the control needs sandboxes started ahead"
+    assert wait_until_no_process(COUNTED_UID) == 0
+    assert sandbox.run("print(1)").kind == "refused"
+
+
 def test_the_process_limit_is_what_stops_forking():
     count = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(3)\n"
              "            os._exit(0)\n        n += 1\nexcept OSError:\n    time.sleep(1)\n    print(n)\n")

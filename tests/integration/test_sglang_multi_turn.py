@@ -14,7 +14,7 @@ from tiny_models import hf_greedy, load_hf_model
 from transformers import AutoTokenizer
 
 from dapo_megatron.rollout.engine import SamplingParams
-from dapo_megatron.rollout.multi_turn import MultiTurnRollout
+from dapo_megatron.rollout.multi_turn import MultiTurnGenerator
 from dapo_megatron.tools import ToolPool, ToolsConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
@@ -55,8 +55,8 @@ def test_trajectory_and_continuation_by_input_ids_equal_the_reference(engine, to
     tools = ToolsConfig(enabled=True, pool_size=2)
     pool = ToolPool(tools)
     try:
-        loop = MultiTurnRollout(engine, tokenizer, tools, pool, max_response_length=60)
-        [[sample]] = loop.generate([trace.prompt], greedy(tokenizer.eos_token_id))
+        loop = MultiTurnGenerator(engine, tokenizer, tools, pool)
+        [[sample]] = loop.generate(trace.records(), greedy(tokenizer.eos_token_id))
     finally:
         pool.close()
     assert sample.token_ids == trace.response and sample.loss_mask == trace.loss_mask

@@ -25,6 +25,7 @@ from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from dapo_megatron.rollout.engine import RolloutError
+from dapo_megatron.rollout.generator import SingleTurnGenerator
 from dapo_megatron.collectors.asynchronous import AsyncRolloutCollector
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
@@ -45,7 +46,7 @@ def make(model_dir, records, *overrides, gate=None):
     engine = EmbeddedEngine.from_hf_directory(model_dir, version=0, gate=gate)
     sampler = PromptSampler(records, batch_size=BATCH, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return AsyncRolloutCollector(engine, sampler, tokenizer, config, RewardScorer(config)), engine
+    return AsyncRolloutCollector(SingleTurnGenerator(engine), sampler, tokenizer, config, RewardScorer(config)), engine
 
 
 def update(engine, model_dir, version):

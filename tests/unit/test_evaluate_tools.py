@@ -17,6 +17,8 @@ from dapo_megatron.config import load_config
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.reward.scorer import RewardScorer
 from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
+from dapo_megatron.rollout.factory import build_rollout_generator
+from dapo_megatron.rollout.multi_turn import MultiTurnGenerator
 from dapo_megatron.tools import FunctionToolConfig, ToolPool
 from dapo_megatron.trainer.evaluate import evaluate
 
@@ -51,9 +53,11 @@ def validate(model_dir, tool_file: Path, *overrides: str):
     config, tokenizer, records = setup(model_dir, tool_file, *overrides)
     engine = EmbeddedEngine.from_hf_directory(model_dir)
     reward = RewardScorer(config)
+    rollouts = build_rollout_generator(config.rollout, engine, tokenizer)
     try:
-        return evaluate(engine, records, tokenizer, config, reward)
+        return evaluate(rollouts, records, tokenizer, config, reward)
     finally:
+        rollouts.close()
         reward.close()
         engine.shutdown()
 
@@ -81,7 +85,8 @@ def test_validation_calls_run_in_the_pool_it_is_given(model_dir, tmp_path):
     engine, reward, pool = (EmbeddedEngine.from_hf_directory(model_dir), RewardScorer(config),
                             ToolPool(config.rollout.tools))
     try:
-        metrics = evaluate(engine, records, tokenizer, config, reward, tools=pool).metrics
+        rollouts = MultiTurnGenerator(engine, tokenizer, config.rollout.tools, pool)
+        metrics = evaluate(rollouts, records, tokenizer, config, reward).metrics
         assert pool.counts()["tools/python/calls"] == 2  # one greedy response per problem, one call each
         assert metrics["val/tools/acc/with_tool"] == metrics["val/all/acc/mean@1"] == 1.0
     finally:

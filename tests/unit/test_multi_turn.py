@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from dapo_megatron.rollout import SamplingParams
 from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
-from dapo_megatron.rollout.multi_turn import MultiTurnRollout, ToolCallFormat
-from dapo_megatron.tools import ToolPool, ToolsConfig
+from dapo_megatron.rollout.multi_turn import MultiTurnGenerator
+from dapo_megatron.tools import ToolPool, ToolsConfig, call_format
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,10 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def rollout(engine, tokenizer, budget: int = 100, **settings) -> tuple[MultiTurnRollout, ToolPool]:
+def rollout(engine, tokenizer, **settings) -> tuple[MultiTurnGenerator, ToolPool]:
     tools = ToolsConfig(enabled=True, pool_size=2, **settings)
     pool = ToolPool(tools)
-    return MultiTurnRollout(engine, tokenizer, tools, pool, max_response_length=budget), pool
+    return MultiTurnGenerator(engine, tokenizer, tools, pool), pool
 
 
 def greedy(eos: int, max_new_tokens: int = 100) -> SamplingParams:
@@ -46,7 +46,7 @@ def test_trajectory_equals_the_reference_built_by_hand(engine, tokenizer):
     trace = tool_trace(tokenizer)
     loop, pool = rollout(engine, tokenizer)
     try:
-        [[sample]] = loop.generate([trace.prompt], greedy(tokenizer.eos_token_id))
+        [[sample]] = loop.generate(trace.records(), greedy(tokenizer.eos_token_id))
     finally:
         pool.close()
     assert sample.token_ids == trace.response
@@ -71,7 +71,7 @@ def test_the_call_ending_the_last_turn_is_not_run(engine, tokenizer):
     trace = tool_trace(tokenizer)
     loop, pool = rollout(engine, tokenizer, max_turns=1)
     try:
-        [[sample]] = loop.generate([trace.prompt], greedy(tokenizer.eos_token_id))
+        [[sample]] = loop.generate(trace.records(), greedy(tokenizer.eos_token_id))
     finally:
         pool.close()
     assert sample.token_ids == trace.call and sample.loss_mask == [1] * len(trace.call)
@@ -83,9 +83,9 @@ def test_tool_output_is_capped_and_counts_in_the_budget(engine, tokenizer):
     capped = tool_trace(tokenizer, output_text="42", max_output_tokens=1)
     assert len(capped.output) < len(tool_trace(tokenizer).output)  # the cap cuts something
     budget = len(capped.call) + len(capped.output) - 2  # the answer block does not fit
-    loop, pool = rollout(engine, tokenizer, budget=budget, max_tool_output_tokens=1)
+    loop, pool = rollout(engine, tokenizer, max_tool_output_tokens=1)
     try:
-        [[sample]] = loop.generate([capped.prompt], greedy(tokenizer.eos_token_id))
+        [[sample]] = loop.generate(capped.records(), greedy(tokenizer.eos_token_id, max_new_tokens=budget))
     finally:
         pool.close()
     assert sample.token_ids == (capped.call + capped.output)[:budget]
@@ -99,8 +99,8 @@ def test_sampled_trajectories_replay_with_their_seed(engine, tokenizer):
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=100, stop_token_ids=(tokenizer.eos_token_id,),
                             seed=11)
     try:
-        first = loop.generate([trace.prompt, trace.prompt], params)
-        again = loop.generate([trace.prompt, trace.prompt], params)
+        first = loop.generate(trace.records(2), params)
+        again = loop.generate(trace.records(2), params)
     finally:
         pool.close()
     assert [[s.token_ids for s in group] for group in first] == [[s.token_ids for s in group] for group in again]
@@ -113,14 +113,15 @@ def test_call_end_found_in_a_turn_the_engine_did_not_stop(tokenizer):
     """An engine that matched another tokenization of the end (or none) overshoots; the turn is cut after the
     first token that completes the call's end, and the block's tool and code are read from the segment."""
     trace = tool_trace(tokenizer)
-    call_format = ToolCallFormat(ToolsConfig(), tokenizer, ["python"])
+    calls = call_format(ToolsConfig(), tokenizer, ["python"])
     overshoot = trace.call + tokenizer.encode("Answer", add_special_tokens=False)
-    assert call_format.call_end_length(trace.prompt, overshoot) == len(trace.call)
-    assert call_format.call_end_length(trace.prompt, trace.call[:-1]) is None  # control: end not complete
-    assert call_format.find_call(trace.prompt + trace.call) == ("python", CODE)
+    assert calls.call_end_length(trace.prompt, overshoot) == len(trace.call)
+    assert calls.call_end_length(trace.prompt, trace.call[:-1]) is None  # control: end not complete
+    found = calls.find_call(trace.prompt + trace.call)
+    assert (found.name, found.arguments) == ("python", CODE)
     # a closed block that names no tool is no call
     text_block = tokenizer.encode("```text\nhello" + CALL_END, add_special_tokens=False)
-    assert call_format.find_call(text_block) is None
+    assert calls.find_call(text_block) is None
 
 
 def test_embedded_engine_stops_at_a_stop_sequence(engine, tokenizer):
@@ -153,6 +154,7 @@ def test_sync_collector_generates_multi_turn_groups_when_tools_are_on(model_dir,
     from dapo_megatron.data.prompts import PromptRecord
     from dapo_megatron.data.sampler import PromptSampler
     from dapo_megatron.reward.scorer import RewardScorer
+    from dapo_megatron.rollout.factory import build_rollout_generator
 
     trace = tool_trace(tokenizer)
     records = [PromptRecord(prompt_ids=tuple(trace.prompt), ground_truth="42", data_source="math_dapo", index=i,
@@ -165,7 +167,8 @@ def test_sync_collector_generates_multi_turn_groups_when_tools_are_on(model_dir,
                                     "algorithm.dynamic_sampling=false", "algorithm.overlong_buffer_len=4",
                                     "rollout.temperature=0.3", *overrides])
         reward = RewardScorer(config)
-        collector = RolloutCollector(engine, PromptSampler(records, batch_size=2, seed=0), tokenizer, config, reward)
+        collector = RolloutCollector(build_rollout_generator(config.rollout, engine, tokenizer),
+                                     PromptSampler(records, batch_size=2, seed=0), tokenizer, config, reward)
         try:
             return [collector.collect(step=step) for step in range(2)]
         finally:
@@ -212,8 +215,8 @@ def test_tool_calls_of_many_trajectories_run_at_once(engine, tokenizer, tmp_path
     pool = ToolPool(tools)
     trace = tool_trace(tokenizer)
     try:
-        loop = MultiTurnRollout(engine, tokenizer, tools, pool, max_response_length=100)
-        groups = loop.generate([trace.prompt], SamplingParams(**{**vars(greedy(tokenizer.eos_token_id)), "n": 4}))
+        loop = MultiTurnGenerator(engine, tokenizer, tools, pool)
+        groups = loop.generate(trace.records(), SamplingParams(**{**vars(greedy(tokenizer.eos_token_id)), "n": 4}))
     finally:
         pool.close()
     assert [s.token_ids for s in groups[0]] == [trace.response] * 4

@@ -74,12 +74,12 @@ def test_loss_masks_cross_to_every_rank_and_single_turn_batches_pack_as_before()
     group = multi_turn_group([31, 32, 33], masked=True)
     [back], _ = unpack_rollout_batch(pack_rollout_batch([group], {}))
     assert [m.tolist() for m in back.loss_masks] == [[bool(v) for v in MASK], [True] * 3]
-    assert back.sampled_mask(0).tolist() == [bool(v) for v in MASK]
+    assert back.loss_mask(0).tolist() == [bool(v) for v in MASK]
     plain = dataclasses.replace(group, loss_masks=None, tool_use=None)
     packed = pack_rollout_batch([plain], {})
     assert "loss_masks" not in packed.tensors and "has_loss_masks" not in packed.tensors
     [back], _ = unpack_rollout_batch(packed)
-    assert back.loss_masks is None and back.sampled_mask(0) is None
+    assert back.loss_masks is None and back.loss_mask(0) is None
 
 
 def test_training_samples_and_with_overlong_filtering():

@@ -32,8 +32,7 @@ def full_forward_routing(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_each_sample_carries_the_routing_of_its_prompt_and_all_response_tokens_but_the_last(moe_dir):
-    engine = EmbeddedEngine.from_hf_directory(moe_dir)
-    engine.return_routed_experts = True
+    engine = EmbeddedEngine.from_hf_directory(moe_dir, return_routed_experts=True)
     prompts = [[5, 6, 7, 8, 9], [11, 3], [5, 6, 7, 8, 9]]  # prompts of different lengths: left padding
     samples = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3,
                                                       stop_token_ids=(4,)))
@@ -47,8 +46,8 @@ def test_each_sample_carries_the_routing_of_its_prompt_and_all_response_tokens_b
             assert torch.equal(routing.sort(-1).values, expected.sort(-1).values)
             checked += 1
     assert checked == 6
-    # control: the engine without the switch records nothing, and a dense model has no routers to capture
-    engine.return_routed_experts = False
+    # control: the engine built without the switch records nothing, and a dense model has no routers to capture
+    engine = EmbeddedEngine.from_hf_directory(moe_dir)
     plain = engine.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=3, seed=3))
     assert plain[0][0].routed_experts is None
 
@@ -99,3 +98,20 @@ def test_two_threads_forwarding_the_same_model_each_take_their_own_routing(moe_d
         capture.close()
     assert torch.equal(taken["a"].sort(-1).values, expected_long.sort(-1).values)
     assert torch.equal(taken["b"].sort(-1).values, expected_short.sort(-1).values)
+
+
+def test_the_run_s_engine_records_routing_from_when_it_is_built(moe_dir, tmp_path):
+    """R3 is an option the engine is built with (rollout/factory.py), read-only afterwards."""
+    from dapo_megatron.backend_registry import select_backend
+    from dapo_megatron.config import load_config
+    from dapo_megatron.rollout.factory import build_rollout_engine
+
+    minimal = ["model.source=tiny", "model.tiny.arch=qwen3_moe", "data.source=synthetic", "rollout.engine=embedded"]
+    backend = select_backend()
+    for replay, recorded in (("replay_rollout", True), ("replay_old", False), ("none", False)):
+        config = load_config(None, [*minimal, f"algorithm.moe_routing_replay={replay}"])
+        engine = build_rollout_engine(config, moe_dir, tmp_path, backend)
+        assert engine.return_routed_experts is recorded
+        with pytest.raises(AttributeError):
+            engine.return_routed_experts = not recorded
+        engine.shutdown()

@@ -110,13 +110,13 @@ MINIMAL = ["model.source=tiny", "model.tiny.arch=qwen3_moe", "data.source=synthe
     ("model.tiny.arch=qwen3", "replay_rollout needs a mixture-of-experts model"),
     ("rollout.engine=sglang", "add --enable-return-routed-experts"),
     ("rollout.mode=async", "cannot replay a partial rollout"),
-    ("rollout.tools.enabled=true", "does not follow multi-turn tool rollouts"),
 ])
 def test_r3_refusals_name_the_key_and_the_reason(override, message):
     with pytest.raises(ConfigError, match=f"algorithm.moe_routing_replay: .*{message}"):
         load_config(None, MINIMAL + [override])
     load_config(None, MINIMAL)  # control: the embedded engine, sync mode
     load_config(None, MINIMAL + ["rollout.mode=async", "rollout.partial_rollouts=false"])  # whole responses: fine
+    load_config(None, MINIMAL + ["rollout.tools.enabled=true"])  # multi-turn: each turn's routing kept
 
 
 def test_a_step_without_any_engine_routing_is_refused_not_silently_routed_by_the_trainer():

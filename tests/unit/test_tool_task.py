@@ -16,10 +16,9 @@ from dapo_megatron.data.schema import validate_row
 from dapo_megatron.data.synthetic_tools import ToolTaskConfig, make_tool_split, tool_trace
 from dapo_megatron.data.task import synthetic_split
 from dapo_megatron.data.tokenizer import build_tiny_tokenizer
-from dapo_megatron.rollout.multi_turn import ToolCallFormat
 from dapo_megatron.tiny_model import tiny_qwen2_config
 from dapo_megatron.tiny_model.warm_start import _batch_loss, tool_trace_examples, warm_start_on_synthetic_task
-from dapo_megatron.tools import ToolPool, ToolResult, ToolsConfig
+from dapo_megatron.tools import ToolPool, ToolResult, ToolsConfig, call_format
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_cpu_tools.yaml"
@@ -71,8 +70,8 @@ def _examples(tokenizer, problems):
     tools = ToolsConfig(enabled=True)
     rows = [validate_row(p.to_row(i, "train"), source="t", row=i, integer_answers=True) for i, p in enumerate(problems)]
     records = build_prompt_records(rows, tokenizer, max_prompt_length=64).records
-    call_format = ToolCallFormat(tools, tokenizer, ["python"])
-    return records, call_format, tool_trace_examples(records, problems, tokenizer, call_format, "python")
+    calls = call_format(tools, tokenizer, ["python"])
+    return records, calls, tool_trace_examples(records, problems, tokenizer, calls, "python")
 
 
 def test_warm_start_traces_are_the_loop_s_tokens_with_the_tool_output_untrained(tokenizer):
@@ -123,3 +122,24 @@ def test_the_warm_start_on_tool_traces_needs_the_python_tool(tokenizer):
     config = load_config(EXAMPLE, ["rollout.tools.code=false", "data.synthetic.num_train=20"])
     with pytest.raises(ConfigError, match="rollout.tools.code: the warm-start's traces"):
         warm_start_on_synthetic_task(config, None, tokenizer, None)
+
+
+def test_the_warm_start_calls_the_tool_on_its_share_of_the_problems(tokenizer):
+    """warm_start.tool_trace_fraction: a seeded share of the references are tool traces (the tool's output block
+    untrained), the rest direct answers; 1 (the default) is all traces, 0 none."""
+    from dapo_megatron.tiny_model.warm_start import _references
+
+    calls = call_format(ToolsConfig(enabled=True), tokenizer, ["python"])
+
+    def traced(fraction: float, seed: int = 0) -> list[bool]:
+        config = load_config(EXAMPLE, ["data.synthetic.num_train=220", f"warm_start.tool_trace_fraction={fraction}",
+                                       f"trainer.seed={seed}"])
+        examples, _ = _references(config, tokenizer, calls)
+        assert len(examples) == 198  # a tenth of the 220 training problems validates
+        return [0 in trained[trained.index(1):] for _, trained in examples]  # an untrained output block inside
+
+    half = traced(0.5)
+    assert 70 < sum(half) < 130 and half == traced(0.5) and half != traced(0.5, seed=1)
+    assert all(traced(1.0)) and not any(traced(0.0))
+    with pytest.raises(ConfigError, match="^warm_start.tool_trace_fraction: "):
+        load_config(EXAMPLE, ["warm_start.tool_trace_fraction=1.5"])

@@ -1,4 +1,4 @@
-"""rollout.tools inside the run config: its loop settings, their dotted keys, and the refusal of async mode."""
+"""rollout.tools inside the run config: its loop settings and their dotted keys; tools with async rollouts."""
 
 import pytest
 
@@ -34,7 +34,8 @@ def test_blank_call_end_is_refused():
         config.validate()
 
 
-def test_async_mode_with_tools_is_refused_by_name():
-    with pytest.raises(ConfigError, match="^rollout.tools.enabled: .*rollout.mode: sync"):
-        load_config("examples/tiny_cpu.yaml", ["rollout.tools.enabled=true", "rollout.mode=async"])
-    load_config("examples/tiny_cpu.yaml", ["rollout.mode=async"])  # control: async alone is fine
+def test_async_mode_with_tools_loads_with_and_without_partial_rollouts():
+    for partial in ("true", "false"):
+        config = load_config("examples/tiny_cpu.yaml", ["rollout.tools.enabled=true", "rollout.mode=async",
+                                                        f"rollout.partial_rollouts={partial}"])
+        assert config.rollout.tools.enabled and config.rollout.mode == "async"

@@ -170,10 +170,10 @@ def test_ablation_switches_reach_the_buffer():
     for config, filters, per_round in ((grpo, False, grpo.trainer.train_batch_size),
                                        (dapo, True, dapo.algorithm.gen_batch_size)):
         sampler = Sampler()
-        collector = RolloutCollector(engine=None, sampler=sampler, tokenizer=None, config=config,
+        collector = RolloutCollector(rollouts=None, sampler=sampler, tokenizer=None, config=config,
                                      reward=RewardScorer(config))
         assert collector.buffer.filter_groups is filters
-        collector.engine = type("E", (), {"generate": lambda self, prompts, params: []})()
+        collector.rollouts = type("G", (), {"generate": lambda self, records, params: [], "tool_names": []})()
         collector.tokenizer = type("T", (), {"eos_token_id": 1})()
         collector.collect(step=0)
         assert sampler.asked[0] == per_round

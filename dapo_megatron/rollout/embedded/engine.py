@@ -83,10 +83,13 @@ class EmbeddedEngine(RolloutEngine):
         settings: how it batches (the run config's ``rollout.embedded``); None: the schema's defaults.
         gate: what decode steps and weight updates take turns through; a test passes one that holds the decode loop
             at a chosen step. None: a plain :class:`WeightGate`.
+        return_routed_experts: every sample carries its routing (R3, ``algorithm.moe_routing_replay:
+            replay_rollout``; :mod:`.routing_capture`), for a mixture-of-experts model.
     """
 
     def __init__(self, hf_config: PretrainedConfig, settings: EmbeddedConfig | None = None, *,
-                 gate: WeightGate | None = None, host_compute: Callable[[], AbstractContextManager] = nullcontext):
+                 gate: WeightGate | None = None, host_compute: Callable[[], AbstractContextManager] = nullcontext,
+                 return_routed_experts: bool = False):
         check_supported_config(hf_config)
         self.settings = settings or EmbeddedConfig()
         if self.settings.max_batch_rows < 1:
@@ -101,19 +104,23 @@ class EmbeddedEngine(RolloutEngine):
         self._gate = gate or WeightGate()  # decode steps vs. weight updates
         self._book = RequestBook("EmbeddedEngine")  # streamed requests
         self._worker: StreamWorker | None = None
-        # algorithm.moe_routing_replay: replay_rollout sets it: every sample carries its routing (routing_capture.py)
-        self.return_routed_experts = False
+        self._return_routed_experts = return_routed_experts
         self._capture: RoutingCapture | None = None
         self._adapters = AdapterMerge()  # LoRA adapters merged into the weights (adapter_merge.py)
 
     @classmethod
     def from_hf_directory(cls, directory: str | Path, settings: EmbeddedConfig | None = None, *, version: int = 0,
-                          gate: WeightGate | None = None) -> "EmbeddedEngine":
+                          gate: WeightGate | None = None, return_routed_experts: bool = False) -> "EmbeddedEngine":
         """Build from an HF checkpoint directory: its ``config.json``, then its safetensors weights pushed through
         :meth:`update_weights` as ``version``, one tensor per bucket."""
-        engine = cls(load_hf_config(directory), settings, gate=gate)
+        engine = cls(load_hf_config(directory), settings, gate=gate, return_routed_experts=return_routed_experts)
         engine.update_weights(bucketed(iter_tensors(directory), bucket_bytes=1), version)
         return engine
+
+    @property
+    def return_routed_experts(self) -> bool:
+        """Whether samples carry their routing: fixed when the engine is built."""
+        return self._return_routed_experts
 
     @property
     def model(self) -> torch.nn.Module:
@@ -220,9 +227,9 @@ class EmbeddedEngine(RolloutEngine):
 
     def _routing_capture(self) -> RoutingCapture | None:
         """The routers' hooks, made at the first generation that asks for routing (None otherwise)."""
-        if self.return_routed_experts and self._capture is None:
+        if self._return_routed_experts and self._capture is None:
             self._capture = RoutingCapture(self._require_model())
-        return self._capture if self.return_routed_experts else None
+        return self._capture
 
     def _decode_chunk(self, model: torch.nn.Module, chunk: DecodingChunk) -> list[GeneratedRow]:
         """Run ``chunk``'s decode steps (:mod:`.decode_chunk`), each inside the weight gate; a

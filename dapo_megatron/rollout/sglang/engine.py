@@ -97,7 +97,8 @@ class SGLangEngine(RolloutEngine):
     @classmethod
     def launch(cls, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
                show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
-               placement: Placement = "separate", server_gpus: list[range] | None = None) -> SGLangEngine:
+               placement: Placement = "separate", server_gpus: list[range] | None = None,
+               routed_experts: bool = False) -> SGLangEngine:
         """The engine over the servers ``config`` launches or attaches.
 
         ``model_path``: the HF model directory the servers start from; the disk transport also copies its config and
@@ -111,6 +112,7 @@ class SGLangEngine(RolloutEngine):
         ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.
         ``server_gpus``: each launched server's GPUs as the caller decided them (the trainer's colocation); None: the
         pool's own layout.
+        ``routed_experts``: every request asks for its routing (R3; servers need ``--enable-return-routed-experts``).
         """
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
@@ -121,10 +123,10 @@ class SGLangEngine(RolloutEngine):
         pool = ServerPool(config, model_path=str(model_path), run_dir=run_dir, device=backend.device_type,
                           dtype=dtype, server_environment=backend.sglang_server_environment, placement=placement,
                           server_gpus=server_gpus)
-        return cls(pool, show_progress=show_progress, temporary_dir=temporary_dir)
+        return cls(pool, show_progress=show_progress, temporary_dir=temporary_dir, routed_experts=routed_experts)
 
     def __init__(self, pool: ServerPool, *, show_progress: bool = True, transport: WeightTransport | None = None,
-                 temporary_dir: tempfile.TemporaryDirectory | None = None) -> None:
+                 temporary_dir: tempfile.TemporaryDirectory | None = None, routed_experts: bool = False) -> None:
         self.pool = pool
         self.config: SGLangConfig = pool.config
         self.model_path = str(pool.model_path)
@@ -160,7 +162,8 @@ class SGLangEngine(RolloutEngine):
                     self.in_flight.limit / config.reply_processes))
             self.streams = SGLangStreams(self.pool, in_flight=self.in_flight,
                                          served_version=lambda: self._weight_version, on_failure=self.recover_server,
-                                         reply_workers=self.reply_workers, adapters=self.adapters)
+                                         reply_workers=self.reply_workers, adapters=self.adapters,
+                                         routed_topk=routing_topk(self.model_path) if routed_experts else None)
             self.transport = self._make_transport() if transport is None else transport
         except BaseException:
             self.shutdown()
@@ -233,12 +236,9 @@ class SGLangEngine(RolloutEngine):
     @property
     def return_routed_experts(self) -> bool:
         """R3 (algorithm.moe_routing_replay: replay_rollout): every request asks for its routing (requests.py), read
-        into ``[tokens, layers, top-k]`` with the served model's top-k (:func:`routing_topk`)."""
+        into ``[tokens, layers, top-k]`` with the served model's top-k (:func:`routing_topk`); fixed when the engine
+        is built."""
         return self.streams is not None and self.streams.routed_topk is not None
-
-    @return_routed_experts.setter
-    def return_routed_experts(self, value: bool) -> None:
-        self.streams.routed_topk = routing_topk(self.model_path) if value else None
 
     def _generate_one(self, index: int, prompt: Sequence[int], params: SamplingParams,
                       seeded: bool) -> list[Sample]:

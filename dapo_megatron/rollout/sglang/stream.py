@@ -47,7 +47,7 @@ class SGLangStreams:
 
     def __init__(self, pool: ServerPool, *, in_flight: SampleBudget, served_version: Callable[[], int],
                  on_failure: FailureHandler, reply_workers: ReplyWorkers | None = None,
-                 adapters: ServedAdapters | None = None) -> None:
+                 adapters: ServedAdapters | None = None, routed_topk: int | None = None) -> None:
         self.pool = pool
         self.in_flight = in_flight
         self.reply_workers = reply_workers
@@ -61,7 +61,7 @@ class SGLangStreams:
         self._lock = threading.Lock()
         in_flight.when_room(self._admit)  # samples given back by anyone (batch generation too)
         self._running_on: dict[str, tuple[ServerSlot, GenerationRequest]] = {}
-        self.routed_topk: int | None = None  # R3: the model's top-k; every request asks for its routing (requests.py)
+        self.routed_topk = routed_topk  # R3: the model's top-k; every request asks for its routing (requests.py)
         self.adapters = adapters  # LoRA: the adapter each request names (lora_adapters.py)
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
