@@ -23,7 +23,7 @@ class WandbConfig:
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str | None = None  # default: sqlite:///<run_dir>/mlflow.db
+    tracking_uri: str | None = None  # default: MLFLOW_TRACKING_URI when set, else sqlite:///<run_dir>/mlflow.db
     experiment: str = _TRACKER_PROJECT
     run_name: str | None = None  # default: the run directory's name
 
