@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dapo_megatron import checkpoint as ckpt
-from dapo_megatron.checkpoint.verify import non_finite_weights, set_aside
+from dapo_megatron.checkpoint.verify import non_finite_optimizer_state, non_finite_weights, set_aside
 from dapo_megatron.backend.base import Backend
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.platform import seed_everything
@@ -251,10 +251,13 @@ class DAPOTrainer:
                 logger.info("no checkpoint under %s: starting from step 0", self.ckpt_dir)
                 return 0
             state = ckpt.load_checkpoint(path, model_chunks=[self.actor.model], optimizer=self.actor.optimizer)
-            non_finite = self._agreed_count(len(non_finite_weights([self.actor.model])))
-            if not non_finite:
+            weights = self._agreed_count(len(non_finite_weights([self.actor.model])))
+            optimizer = self._agreed_count(len(non_finite_optimizer_state(self.actor.optimizer, [self.actor.model])))
+            if not weights and not optimizer:
                 break
-            problem = f"{non_finite} weight tensors hold NaN or infinite values once loaded"
+            problem = " and ".join(f"{count} {what} tensors" for count, what in
+                                   ((weights, "weight"), (optimizer, "optimizer state")) if count)
+            problem += " hold NaN or infinite values once loaded"
             garbage.append(f"{path} is damaged ({problem})")
             run_on_rank0(lambda: set_aside(path, [problem], instead=None), what="setting a damaged checkpoint aside",
                          broadcast_result=False)
