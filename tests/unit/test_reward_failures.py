@@ -118,6 +118,28 @@ def test_validation_responses_do_not_count_towards_the_error_rate(tmp_path, mode
         engine.shutdown()
 
 
+def test_a_worker_killed_between_calls_is_replaced_when_the_next_call_finds_it_gone(tmp_path):
+    """Issue 42 (found by bench/chaos.py): a reward worker SIGKILLed while idle broke its pipe, and the next call sent
+    to it raised BrokenPipeError out of the rollout (exit 1, a restart). Now the call goes to its replacement."""
+    import os
+    import signal
+
+    from dapo_megatron.reward.pool import RewardPool
+
+    pool = RewardPool(_reward_file(tmp_path, FAILING_FILE), num_workers=1, timeout_s=30)
+    try:
+        call = {"data_source": "src", "solution_str": "7", "ground_truth": "7", "extra_info": {}}
+        assert pool.run([call])[0][0][0] == "ok"
+        victim = pool._workers[0].process
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        [[(status, value)]] = pool.run([call])
+        assert (status, value.score) == ("ok", 1.0) and pool.restarts == 1
+        assert pool._workers[0].process.pid != victim.pid
+    finally:
+        pool.close()
+
+
 def test_the_threshold_must_be_a_fraction():
     check_reward_function(_config("reward.max_error_fraction=1"))
     with pytest.raises(ConfigError, match=r"reward.max_error_fraction: must be between 0 and 1 \(1: never stop\), "
