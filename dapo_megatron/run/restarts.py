@@ -14,12 +14,16 @@ run:
   watchdog recorded (``faults.jsonl``);
 * a launcher count past ``trainer.max_restarts`` is refused (:class:`RestartLimitError`, a launch error: the SLURM
   script does not requeue it), so a fault that comes back every time ends the job instead of looping.
+
+``python -m dapo_megatron.run.restarts may-heal CODE`` exits 0 when a run that ended with CODE is worth restarting
+(what the SLURM script asks before it requeues its job).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -101,3 +105,15 @@ def _last_row(path: Path) -> dict | None:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "may-heal" or not args[1].lstrip("-").isdigit():
+        print("usage: python -m dapo_megatron.run.restarts may-heal EXIT_CODE", file=sys.stderr)
+        return 2
+    return 0 if restart_may_heal(int(args[1])) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
