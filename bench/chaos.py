@@ -12,6 +12,7 @@ reward-kill/stop trainer SIGKILL / SIGSTOP of a reward worker process (``reward.
 disk-full       trainer the checkpoint folder's filesystem (a tmpfs: needs root) filled before a save; the filler is
                         removed once the failed attempt has ended (the space an operator or a cleanup frees)
 sglang-kill/stop sglang SIGKILL / SIGSTOP of the SGLang server (disk transport: a server can be relaunched)
+sglang-stop-handoff sglang SIGSTOP of the server the moment the step's weights are on disk for it: mid-handoff
 sandbox-kill/stop tools SIGKILL / SIGSTOP of a running bubblewrap sandbox call (the tool-task model, warm-started)
 =============== ======= ============================================================================================
 
@@ -71,6 +72,7 @@ KINDS = {"rank-kill": ("trainer", "rank", signal.SIGKILL), "rank-stop": ("traine
          "reward-kill": ("trainer", "reward", signal.SIGKILL), "reward-stop": ("trainer", "reward", signal.SIGSTOP),
          "disk-full": ("trainer", "disk", None),
          "sglang-kill": ("sglang", "sglang", signal.SIGKILL), "sglang-stop": ("sglang", "sglang", signal.SIGSTOP),
+         "sglang-stop-handoff": ("sglang", "sglang", signal.SIGSTOP),
          "sandbox-kill": ("tools", "sandbox", signal.SIGKILL), "sandbox-stop": ("tools", "sandbox", signal.SIGSTOP)}
 
 
@@ -96,6 +98,7 @@ class RunResult:
     steps_differing: int | None = None  # steps whose metrics (clock readings aside) differ from the baseline's
     final_step: int | None = None
     accuracy: float | None = None
+    leftovers: list[str] = field(default_factory=list)  # processes naming the run directory still alive at its end
 
 
 # ------------------------------------------------------------------------------------------------------- one run
@@ -115,6 +118,8 @@ def run_job(name: str, run_dir: Path, overrides: list[str], kinds: list[str], *,
     fault hits (default: random)."""
     job, rng = JOBS[name], random.Random(seed)
     plan = sorted(zip(rng.sample(range(2, steps - 2, 3), len(kinds)), kinds)) if kinds else []
+    for stale in (run_dir, run_dir.with_name(run_dir.name + ".log")):  # auto_resume would continue an old run
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     ballast = mount_tmpfs(run_dir) if "disk-full" in kinds else None
     run = JobRun(REPO / job.config, run_dir, overrides, ranks=job.ranks, restarts=len(kinds) + 1)
     result = RunResult(name, str(run_dir), exit_code=-1, wall_s=0.0)
@@ -134,7 +139,21 @@ def run_job(name: str, run_dir: Path, overrides: list[str], kinds: list[str], *,
             subprocess.run(["umount", "-l", str(ballast.parent)], check=False)
     result.wall_s = time.monotonic() - run.started
     summarize(result, run_dir)
+    time.sleep(2.0)  # what the launcher's teardown kills has gone by then
+    result.leftovers = leftovers(run_dir)
     return result
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """Processes still alive whose command line names ``run_dir`` (a rank's, a checkpoint writer's, a server's)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline", "status"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if str(run_dir) in line and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(f"{process.info['pid']}: {line[:160]}")
+    return found
 
 
 def inject(run: JobRun, kind: str, step: int, rng: random.Random, stop_rank: int | None, ballast: Path | None,
@@ -149,6 +168,9 @@ def inject(run: JobRun, kind: str, step: int, rng: random.Random, stop_rank: int
         ballast.unlink()  # the space comes back: the restart can save again
         return FaultResult(kind, step, "the checkpoint filesystem", time.monotonic() - start if detected else None)
     victim = find_victim(run, part, rng, stop_rank, budget_s)
+    if kind == "sglang-stop-handoff":  # the disk transport's snapshot of the next version: the server loads it next
+        snapshot = run.run_dir / "sglang" / "weights" / f"v{step + 1}"
+        wait_until(snapshot.exists, budget_s)
     label = f"rank {victim.environ().get('RANK')}" if part == "rank" else part
     hit = list(run.ranks().values()) if part == "rank" else [victim]
     start = time.monotonic()

@@ -36,6 +36,8 @@ def test_a_stopped_rank_and_a_killed_reward_worker_are_healed_without_losing_or_
     assert faulty["steps_differing"] == 0 and faulty["final_step"] == baseline["final_step"] == 14
     assert faulty["accuracy"] == baseline["accuracy"]
 
+    # nothing of either run is left running (a stopped rank's checkpoint writers were: writers_die_with_their_trainer)
+    assert faulty["leftovers"] == [] and baseline["leftovers"] == [], (faulty["leftovers"], baseline["leftovers"])
     # the output's reader died at the first fault: rank 1's line (rank 0 was the one stopped) is in console.log
     console = (run_dir / "console.log").read_text()
     assert "its reader is gone" in console and stop["watchdog_line"] in console
