@@ -20,7 +20,8 @@ from torch.distributed import TCPStore
 from dapo_megatron.cli import _with_where
 from dapo_megatron.config import ConfigError
 from dapo_megatron.launch_env import free_port
-from dapo_megatron.run.watchdog import RankActivity, Silence, Watchdog, kill_if_visible
+from dapo_megatron.platform import flight_recorder_env
+from dapo_megatron.run.watchdog import RankActivity, Silence, Watchdog, collective_limit, kill_if_visible
 
 TIMEOUT_S = 4.0  # ten heartbeats; a loaded 2-core machine delays a live one by far less
 PEER = textwrap.dedent("""
@@ -146,3 +147,17 @@ def test_an_error_leaving_a_stage_names_where_it_happened_in_its_one_line():
     with pytest.raises(ValueError, match="unknown stage 'warmup'"):
         with activity.in_stage("warmup"):
             pass
+
+
+def test_the_collectives_wait_a_little_longer_than_the_watchdog_and_nccl_records_them():
+    """A stopped rank must be named by the watchdog, not reported by gloo/NCCL as a bare timeout at the same instant
+    (seen end to end before the margin); on NCCL the flight recorder dumps every rank's last collectives into the run
+    directory when one times out, unless the user set those variables; nothing of it on gloo."""
+    assert collective_limit(600, watched=True) == 600 + 2 * 10 + 5 and collective_limit(20, watched=True) == 29
+    assert collective_limit(600, watched=False) == 600
+    assert flight_recorder_env("/runs/a", "nccl", environ={}) == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/a/nccl_flight_recorder/rank_"}
+    mine = flight_recorder_env("/runs/a", "nccl", environ={"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"})
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in mine and len(mine) == 2
+    assert flight_recorder_env("/runs/a", "gloo", environ={}) == {}
