@@ -139,12 +139,16 @@ SMALL_RUN = ["trainer.total_steps=2", "trainer.save_every=1", "warm_start.enable
              "eval.every=0", "rollout.max_response_length=24", "algorithm.overlong_buffer_len=4"]
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.tensor=2"]], ids=["dp2", "tp2"])
-def test_tiny_cpu_training_job(tmp_path, layout):
-    job = submit([*CPU_JOB, "slurm/dapo_train.sbatch", str(TINY_CPU_CONFIG), *SMALL_RUN, *layout],
+def test_tiny_cpu_training_job_tp2(tmp_path):
+    """DP = 2 is the requeue test's job below (the same checks, and a restart)."""
+    job = submit([*CPU_JOB, "slurm/dapo_train.sbatch", str(TINY_CPU_CONFIG), *SMALL_RUN, "parallel.tensor=2"],
                  tmp_path, job_env(tmp_path), deadline_s=900)
     assert job.returncode == 0, job.output[-6000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
+    _assert_a_finished_run(run_dir, job)
+
+
+def _assert_a_finished_run(run_dir: Path, job) -> None:
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), sorted(p.name for p in run_dir.iterdir())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert metrics, "metrics.jsonl is empty"
@@ -154,7 +158,8 @@ def test_tiny_cpu_training_job(tmp_path, layout):
 
 
 def test_a_killed_rank_requeues_the_job_which_resumes_from_its_newest_checkpoint(tmp_path):
-    """Issue 42.2, SLURM's restart loop: with DAPO_MAX_REQUEUES=1, rank 1 SIGKILLed once checkpoint 1 is complete
+    """Issue 42.2, SLURM's restart loop, on the DP = 2 job the plain training test ran before (its checks too): with
+    DAPO_MAX_REQUEUES=1, rank 1 SIGKILLed once checkpoint 1 is complete
     ends the step (srun --kill-on-bad-exit); the script requeues the job, whose second start (SLURM_RESTART_COUNT=1)
     continues from the newest complete checkpoint to the end: exit 0, one row in restarts.jsonl, no step logged
     twice. SLURM holds a requeued job for ~2 minutes before it starts it again; the test starts it at once."""
@@ -174,6 +179,7 @@ def test_a_killed_rank_requeues_the_job_which_resumes_from_its_newest_checkpoint
     subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True, timeout=60)
     result = job.wait(deadline_s=900)
     assert result.returncode == 0, result.output[-6000:]
+    _assert_a_finished_run(run_dir, result)  # what the plain DP = 2 job checked
     assert f"requeueing job {job.job_id} (restart 1 of at most 1)" in result.output
     [restart] = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert (restart["launcher"], restart["launcher_restart"]) == ("slurm", 1) and restart["resumed_step"] >= 1
