@@ -25,6 +25,10 @@ MFU. Where Transformer Engine is importable the MFU rows time both paths (:func:
    ``rollout.placement: colocated``, dense and Qwen3-MoE (:mod:`gpu_check_colocated` says what each measures). The
    SGLang side (release/resume with the memory saver, CUDA IPC into resumed weights) needs SGLang on the GPU machine,
    which this check does not have;
+   ``routing replay with full recomputation`` — a replayed MoE update with and without ``model.recompute: full``,
+   what megatron's replay queue holds on the GPU, host syncs in the replay's code (:mod:`gpu_check_routing`);
+   ``SGLang on this GPU`` — R3 routing end to end, samples in flight, by-value payload entries against a real server
+   where SGLang is installed, else skipped with the reason (:mod:`gpu_check_sglang`);
 8. ``training MFU`` — per layer path, tokens/s of DAPO updates on packed micro-batches of a realistic token budget
    for Qwen2.5-0.5B- and 1.5B-shaped random models, and MFU = model FLOP/s ÷ the H200's dense BF16 spec
    (989 TFLOP/s; row 1 gives the measured GEMM peak to compare with). Model FLOPs = 6 · N · tokens (N = the
@@ -257,6 +261,8 @@ def format_table(rows: list[Row], header: str) -> str:
 
 def run_check(shapes: CheckShapes) -> list[Row]:
     from gpu_check_colocated import colocated_moe_row, colocated_row
+    from gpu_check_routing import replay_recompute_row
+    from gpu_check_sglang import sglang_row
 
     from dapo_megatron.backend_registry import transformer_engine_importable
     from dapo_megatron.platform import destroy_distributed, init_distributed, seed_everything
@@ -273,6 +279,8 @@ def run_check(shapes: CheckShapes) -> list[Row]:
             rows.append(colocated_row(shapes, actor, spec, device))
             del actor
         rows.append(colocated_moe_row(shapes, device))
+        rows.append(replay_recompute_row(shapes, device))
+        rows.append(sglang_row(shapes, device))
         kernels = mfu_kernels(torch.cuda.is_available(), transformer_engine_importable())
         for label, shape in shapes.mfu_models:
             rows += [mfu_row(shapes, label, shape, H200_BF16_DENSE_TFLOPS, path) for path in kernels]

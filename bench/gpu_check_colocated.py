@@ -96,7 +96,8 @@ def colocated_row(shapes: CheckShapes, actor, spec, device: torch.device) -> Row
                 "grad_norm": update["grad_norm"]})
 
 
-def _moe_spec(shapes: CheckShapes):
+def moe_spec(shapes: CheckShapes):
+    """A two-layer Qwen3-MoE (tiny under ``--tiny``), the MoE rows' model."""
     from dapo_megatron.policy.model_spec import model_spec_from_hf
     from dapo_megatron.policy.shapes import published_hf_config
 
@@ -117,7 +118,7 @@ def colocated_moe_row(shapes: CheckShapes, device: torch.device) -> Row:
     from dapo_megatron.policy.packing import PolicySample
     from dapo_megatron.trainer.colocation import Colocation
 
-    spec = _moe_spec(shapes)
+    spec = moe_spec(shapes)
     # no distributed optimizer: the parameters megatron builds on the CPU must be moved to the GPU before wrapping
     actor = build_actor(spec, backend=select_backend("auto"), model=ModelConfig(precision="bf16"),
                         parallel=ParallelConfig(use_distributed_optimizer=False),

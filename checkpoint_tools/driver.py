@@ -115,6 +115,9 @@ class ConversionJob(abc.ABC):
     def written_dtype(self) -> torch.dtype:
         """The dtype of the written weights (for log lines)."""
 
+    def adapt(self, model) -> None:
+        """Change the built stage before it is filled (LoRA exports add the adapters); nothing by default."""
+
     @abc.abstractmethod
     def fill(self, model, spec) -> None:
         """Load this rank's parameters from the input."""
@@ -156,6 +159,7 @@ def convert_on_rank(environ: Mapping[str, str] | None, job: ConversionJob, stagi
                                      precision=precision, expert_parallel=job.expert_parallel)
         tconfig.perform_initialization = False  # every parameter is loaded below; skip the random init
         model = build_model(spec, tconfig, backend)
+        job.adapt(model)
         with bad_input():
             job.fill(model, spec)
         if rank0:

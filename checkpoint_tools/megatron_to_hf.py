@@ -154,6 +154,17 @@ class MegatronToHfJob(ConversionJob):
         write_side_files(self.source.side_files_dir, staging, self.output_dtype)
 
 
+def require_full_weights(metadata, source: CheckpointSource) -> None:
+    """A LoRA run's checkpoint holds its adapters alone (the base is the run's HF folder): say which tool reads it."""
+    from dapo_megatron.policy.lora_names import is_adapter_parameter
+
+    keys = list(metadata.state_dict_metadata)
+    if keys and all(is_adapter_parameter(key) for key in keys):
+        raise ConversionError(f"{source.model_dir} holds LoRA adapters alone (a run with model.lora.enabled): "
+                              f"python -m checkpoint_tools.lora_export writes them as a PEFT folder, or with --merged "
+                              f"the base with the adapter merged in")
+
+
 def plan_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from: str | Path | None = None,
                         tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
                         dtype: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
@@ -166,7 +177,9 @@ def plan_megatron_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_from: st
         raise ConversionError(f"--dtype must be one of {sorted(OUTPUT_DTYPES)}, got {dtype!r}")
     max_shard_bytes = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
     checked_spec(source.side_files_dir, tensor_parallel, pipeline_parallel, expert_parallel)
-    stored = dominant_dtype(read_checkpoint_metadata(source.model_dir))
+    metadata = read_checkpoint_metadata(source.model_dir)
+    require_full_weights(metadata, source)
+    stored = dominant_dtype(metadata)
     return MegatronToHfJob(out=out, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                            expert_parallel=expert_parallel, force=force,
                            source=source, model_dtype=stored if stored in MODEL_DTYPES else torch.float32,

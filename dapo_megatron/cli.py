@@ -35,6 +35,7 @@ from pathlib import Path
 
 from dapo_megatron.config import load_config
 from dapo_megatron.launch_env import launch_env
+from dapo_megatron.overrides.megatron_core.transformer_engine_import import hold_back_broken_transformer_engine
 from dapo_megatron.run.stop_signals import INTERRUPTED_EXIT_CODE, StopNow
 from dapo_megatron.user_errors import UserError
 
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--data-parallel", type=int, default=None, help="DP size (default: parallel.data, else 1)")
     plan.add_argument("--gpu-memory-gb", type=float, default=None,
                       help="memory of one GPU, in 10^9 bytes (default: parallel.gpu_memory_gb, else 80)")
+    plan.add_argument("--host-memory-gb", type=float, default=None,
+                      help="host memory of one node, in 10^9 bytes (default: parallel.host_memory_gb, else 1000)")
+    plan.add_argument("--gpus-per-node", type=int, default=8, help="trainer ranks on one node (default: 8)")
     plan.add_argument("--local-spec", action="store_true",
                       help="plan megatron's local spec (no Transformer Engine: unfused attention, no sequence "
                            "parallelism) instead of the TE path")
@@ -97,8 +101,11 @@ LOGGING_COMMANDS = ("prepare-tiny", "train", "eval")
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Load the config (when the command takes one), then import the command's module and run it."""
+    """Load the config (when the command takes one), then import the command's module and run it. Before that
+    import loads megatron-core, a Transformer Engine that is installed but does not load is held back, so megatron
+    takes it as absent and the backend's choice names its error (overrides/megatron_core/transformer_engine_import)."""
     config = load_config(args.config, args.overrides) if "config" in args else None
+    hold_back_broken_transformer_engine()
     command = importlib.import_module(f"dapo_megatron.commands.{args.command_module}")
     if args.command in LOGGING_COMMANDS:
         _setup_logging(_rank_from_env())

@@ -72,20 +72,32 @@ def loss_of(**algorithm):
 
 
 def build_test_actor(hf_dir: str | Path, tensor_parallel: int, pipeline_parallel: int, settings: dict,
-                     seed: int = 0, expert_parallel: int = 1):
+                     seed: int = 0, expert_parallel: int = 1, recompute: str | None = None):
     """Initialize this rank's TP/PP(/EP) layout and build the actor from ``settings`` (:func:`actor_settings`) with
-    the HF weights loaded, the way the trainer does."""
+    the HF weights loaded, the way the trainer does. ``recompute``: the activation recomputation to build with where
+    the backend would choose none (the CPU backend never recomputes; a test of what recomputation changes needs
+    it)."""
     from dapo_megatron.platform import init_distributed, seed_everything
     from dapo_megatron.policy.actor import build_actor
     from dapo_megatron.policy.hf_loader import load_hf_weights, load_model_spec
 
     backend = init_distributed(tensor_parallel, pipeline_parallel, expert_parallel=expert_parallel).backend
+    if recompute is not None:
+        backend = _recomputing(backend, recompute)
     seed_everything(seed)
     spec = load_model_spec(hf_dir)
     actor = build_actor(spec, backend=backend, **settings)
     load_hf_weights(actor.model, spec, hf_dir)
     actor.optimizer.reload_model_params()
     return actor, spec
+
+
+def _recomputing(backend, recompute: str):
+    class Recomputing(type(backend)):
+        def recompute(self, requested):
+            return recompute
+
+    return Recomputing()
 
 
 def gather_hf_weights(actor, spec) -> dict[str, torch.Tensor] | None:

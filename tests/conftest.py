@@ -4,6 +4,7 @@ import pytest
 
 # tests/ and bench/ are on sys.path through pyproject.toml's `pythonpath`: the helpers import as top-level modules.
 from sglang_fixtures import sglang_model_dir, sglang_server  # noqa: F401 - one SGLang server per session
+from sglang_stub import sglang_stub  # noqa: F401 - an HTTP server answering in SGLang's wire format
 from tiny_models import build_tiny_qwen2
 
 

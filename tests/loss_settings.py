@@ -8,7 +8,7 @@ from dapo_megatron.config import AlgorithmConfig
 
 _DEFAULTS = AlgorithmConfig()
 SCHEMA_SETTINGS = dict(eps_low=_DEFAULTS.eps_low, eps_high=_DEFAULTS.eps_high, clip_ratio_c=_DEFAULTS.clip_ratio_c,
-                       agg=_DEFAULTS.loss_agg)
+                       agg=_DEFAULTS.aggregation)
 ADVANTAGE_EPS = _DEFAULTS.advantage_eps
 
 

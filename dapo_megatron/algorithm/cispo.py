@@ -50,10 +50,6 @@ def cispo_loss(
     [1 − eps_low_is, 1 + eps_high_is] the range the stop-gradient IS weight is clipped to."""
     name = "cispo_loss"
     check_inputs(name, logprobs, old_logprobs, advantages, mask, agg)
-    if eps_low_is < 0.0:
-        raise ValueError(f"{name}: eps_low_is must be >= 0 (1 or more: no lower bound), got {eps_low_is}")
-    if eps_high_is < 0.0:
-        raise ValueError(f"{name}: eps_high_is must be >= 0, got {eps_high_is}")
     counts, weights, advantage, log_ratio = masked_terms(logprobs, old_logprobs, advantages, mask)
     ratio = torch.exp(log_ratio.detach().clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     is_weight = ratio.clamp(max(1.0 - eps_low_is, 0.0), 1.0 + eps_high_is)

@@ -44,7 +44,6 @@ from torch import Tensor
 from dapo_megatron.algorithm.loss import (
     LOG_RATIO_LIMIT,
     aggregate,
-    check_clip_range,
     check_inputs,
     loss_metrics,
     masked_terms,
@@ -68,7 +67,6 @@ def gspo_loss(
     :func:`dapo_megatron.algorithm.loss.policy_loss`, with ``eps_low`` / ``eps_high`` the sequence-ratio clip range."""
     name = "gspo_loss"
     check_inputs(name, logprobs, old_logprobs, advantages, mask, agg)
-    check_clip_range(name, eps_low, eps_high)
     counts, weights, advantage, log_ratio = masked_terms(logprobs, old_logprobs, advantages, mask)
     sequence_log_ratio = (log_ratio.sum(dim=-1) / weights.sum(dim=-1).clamp(min=1.0)).unsqueeze(-1)
     if token_level:

@@ -37,9 +37,10 @@ this call's masked tokens unless noted:
     num_active_sequences    int, sequences here with at least one masked token
 ``merge_micro_batch_metrics`` combines several calls' metrics with those weights.
 
-The input checks, the masking, the aggregation and the metrics are the same for every objective of
-:mod:`dapo_megatron.algorithm.objectives` (``gspo.py`` and ``cispo.py`` use the helpers below); only ℓ_{i,t}
-and what the clip fractions count differ.
+The clip ranges are the config's to check (:class:`dapo_megatron.config.AlgorithmConfig` and each objective's
+section), once per run: these functions take them as given. The input checks, the masking, the aggregation and the
+metrics are the same for every objective of :mod:`dapo_megatron.algorithm.objectives` (``gspo.py`` and ``cispo.py``
+use the helpers below); only ℓ_{i,t} and what the clip fractions count differ.
 """
 
 from __future__ import annotations
@@ -72,14 +73,6 @@ def check_inputs(name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: 
         )
     if agg not in LOSS_AGG_MODES:
         raise ValueError(f"{name}: unknown agg {agg!r}; expected one of {LOSS_AGG_MODES}")
-
-
-def check_clip_range(name: str, eps_low: float, eps_high: float) -> None:
-    """A ratio clip range [1 − eps_low, 1 + eps_high] around 1."""
-    if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"{name}: eps_low must be in [0, 1), got {eps_low}")
-    if eps_high < 0.0:
-        raise ValueError(f"{name}: eps_high must be >= 0, got {eps_high}")
 
 
 def masked_terms(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
@@ -162,7 +155,7 @@ def policy_loss(
         old_logprobs: [B, T] log π_θold of the same tokens (detached here).
         advantages: [B] per-sample or [B, T] per-token advantages (detached here).
         mask: [B, T] bool or numeric, 1 for response tokens that count.
-        eps_low, eps_high: the decoupled clip range [1 − eps_low, 1 + eps_high].
+        eps_low, eps_high: the decoupled clip range [1 − eps_low, 1 + eps_high] (0 <= eps_low < 1, eps_high >= 0).
         clip_ratio_c: dual-clip bound c > 1 for negative advantages; None disables it.
         agg: "token-mean" (DAPO), "seq-mean-token-mean" (GRPO) or "seq-mean-token-sum".
         num_tokens: token-mean only — global masked-token count N across micro-batches and DP ranks.
@@ -173,9 +166,6 @@ def policy_loss(
     """
     name = "policy_loss"
     check_inputs(name, logprobs, old_logprobs, advantages, mask, agg)
-    check_clip_range(name, eps_low, eps_high)
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"{name}: clip_ratio_c must be > 1 (reference recipe: 10), got {clip_ratio_c}")
     counts, weights, advantage, log_ratio = masked_terms(logprobs, old_logprobs, advantages, mask)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
 

@@ -3,10 +3,13 @@
 
 Each registry entry is a builder from the :class:`~dapo_megatron.config.AlgorithmConfig` to a function with every
 setting bound, so the policy runs a loss it is given and knows nothing of ε or aggregation. A new objective is one
-entry here (and its test); its settings and their defaults live in the schema only.
+entry here, its name and its paper's shared settings (``OBJECTIVE_DEFAULTS``) in the schema, and its test; its
+settings and their defaults live in the schema only.
 
 Policy losses — ``loss(logprobs, old_logprobs, advantages, mask, *, num_tokens, num_sequences) -> (loss, metrics)``
-(:class:`PolicyLoss`), the aggregation ``algorithm.loss_agg`` bound:
+(:class:`PolicyLoss`), the aggregation bound (``algorithm.loss_agg``, or where it is null the objective's own from
+``OBJECTIVE_DEFAULTS`` in :mod:`dapo_megatron.config.algorithm`: token-mean for dapo and cispo, seq-mean-token-mean
+for gspo and gspo_token, each its paper's):
 
     "dapo"        decoupled clip (Clip-Higher) per token, optional dual clip — :func:`.loss.policy_loss`
                   with ``algorithm.eps_low / eps_high / clip_ratio_c``
@@ -76,16 +79,16 @@ AdvantageEstimator = Callable[[Tensor], Tensor]
 
 
 def _dapo(a: "AlgorithmConfig") -> PolicyLoss:
-    return partial(policy_loss, eps_low=a.eps_low, eps_high=a.eps_high, clip_ratio_c=a.clip_ratio_c, agg=a.loss_agg)
+    return partial(policy_loss, eps_low=a.eps_low, eps_high=a.eps_high, clip_ratio_c=a.clip_ratio_c, agg=a.aggregation)
 
 
 def _gspo(a: "AlgorithmConfig", *, token_level: bool) -> PolicyLoss:
-    return partial(gspo_loss, eps_low=a.gspo.eps_low, eps_high=a.gspo.eps_high, agg=a.loss_agg,
+    return partial(gspo_loss, eps_low=a.gspo.eps_low, eps_high=a.gspo.eps_high, agg=a.aggregation,
                    token_level=token_level)
 
 
 def _cispo(a: "AlgorithmConfig") -> PolicyLoss:
-    return partial(cispo_loss, eps_low_is=a.cispo.eps_low_is, eps_high_is=a.cispo.eps_high_is, agg=a.loss_agg)
+    return partial(cispo_loss, eps_low_is=a.cispo.eps_low_is, eps_high_is=a.cispo.eps_high_is, agg=a.aggregation)
 
 
 POLICY_LOSSES: dict[str, Callable[["AlgorithmConfig"], PolicyLoss]] = {

@@ -27,7 +27,7 @@ The backend supplies:
   :mod:`dapo_megatron.overrides.megatron_core.cpu_compat`);
 * ``layer_spec(spec, num_layers)`` and ``rope_in_attention`` — what :func:`dapo_megatron.policy.model.build_model`
   builds;
-* ``packer`` — how the actor lays samples out in rows (:class:`dapo_megatron.policy.packing.RowPacker`);
+* ``packer`` — how the actor lays samples out in rows (:class:`dapo_megatron.backend.interfaces.RowPacker`);
 * ``tp_gather`` — how the weight handoff gathers TP shards (:mod:`dapo_megatron.handoff.tp_gather`);
 * ``host_compute()`` — a context for host-side tensor work that never names CUDA (packing, the embedded engine's
   generation): the CPU backend runs it without megatron's device redirect, which only slows it down there;

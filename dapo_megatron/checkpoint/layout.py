@@ -3,7 +3,8 @@
 One trainer checkpoint (``<run_dir>/checkpoints/step_000012``)::
 
     model/            megatron-core distributed checkpoint of the model (loads at any TP/PP; the same format
-                      checkpoint_tools.hf_to_megatron writes and checkpoint_tools.megatron_to_hf reads)
+                      checkpoint_tools.hf_to_megatron writes and checkpoint_tools.megatron_to_hf reads); with LoRA
+                      of the adapters alone (the frozen base is the run's HF folder; checkpoint_tools.lora_export)
     optimizer/        distributed checkpoint of the Megatron optimizer (Adam moments, fp32 master weights; holds no
                       tensors when written before the first applied update)
     trainer_state.pt  step, LR-scheduler state, data-sampler position, dynamic-sampling buffer, weight version

@@ -33,6 +33,7 @@ from dapo_megatron.checkpoint import layout
 from dapo_megatron.config import DAPOConfig, save_config
 from dapo_megatron.hf_format.folder import copy_side_files
 from dapo_megatron.hf_format.mismatch import TensorMismatch
+from dapo_megatron.policy.lora_names import is_adapter_parameter
 from dapo_megatron.overrides.megatron_core.checkpointing import (
     OPTIMIZER_STATE_METADATA,
     give_empty_adam_state,
@@ -91,11 +92,16 @@ def save_model(model_chunks: list, directory: str | Path) -> None:
 
 
 def model_sharded_state_dict(model_chunks: list) -> dict:
+    """What a checkpoint holds of the model: every parameter, or with LoRA (a frozen base) the adapters alone — the
+    base is the run's HF folder, which the trainer and ``checkpoint_tools`` load before the checkpoint."""
     if len(model_chunks) != 1:
         raise CheckpointError("virtual pipeline stages (several model chunks per rank) are not supported")
     module = model_chunks[0]
     module = getattr(module, "module", module)  # Megatron DDP wraps the GPTModel
-    return module.sharded_state_dict()
+    state = module.sharded_state_dict()
+    if any(is_adapter_parameter(name) for name, _ in module.named_parameters()):
+        state = {key: value for key, value in state.items() if is_adapter_parameter(key)}
+    return state
 
 
 def load_model(model_chunks: list, directory: str | Path) -> None:
@@ -110,7 +116,8 @@ def load_model(model_chunks: list, directory: str | Path) -> None:
     module = model_chunks[0]
     module = getattr(module, "module", module)
     missing, unexpected = module.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    lora = any(is_adapter_parameter(name) for name, _ in module.named_parameters())
+    missing = [k for k in missing if not k.endswith("_extra_state") and (is_adapter_parameter(k) or not lora)]
     mismatch = TensorMismatch(missing=missing, unexpected=list(unexpected))
     if mismatch:
         raise CheckpointError(mismatch.report(f"{directory} does not fit the model"))

@@ -23,7 +23,7 @@ mostly generated during the previous step(s) by the weights of then:
   request submitted before that version (its first tokens are at least that old) is aborted and its prompt
   regenerated. Only what the next batch can use counts towards how far ahead the driver is.
   The loss then treats the remaining stale tokens per ``algorithm.rollout_correction``
-  (:func:`dapo_megatron.trainer.samples.corrected_samples`).
+  (:meth:`dapo_megatron.trainer.policy_update.PolicyUpdate.corrected`).
 * **Nothing lost.** Aborted requests' prompts go back to the front of the queue. The checkpoint holds the sampler,
   the buffered groups and every prompt queued or in flight; after ``--resume`` the latter are generated again
   (``async/regenerated_prompts``). A prompt ledger (``async/ledger/*``) checks the books every step:
@@ -74,7 +74,7 @@ class _SinceLastBatch:
 
 class AsyncRolloutCollector:
     """Steps 1–4 from a driver thread (see the module docstring). The thread starts with the first :meth:`collect`,
-    or earlier with :meth:`start`. ``reward`` as for :class:`~.rollout_collector.RolloutCollector`."""
+    or earlier with :meth:`start`. ``reward`` as for :class:`~.sync.RolloutCollector`."""
 
     def __init__(self, engine: RolloutEngine, sampler: PromptSampler, tokenizer, config: DAPOConfig,
                  reward: RewardScorer):

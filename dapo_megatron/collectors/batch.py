@@ -10,6 +10,11 @@ value in a narrower dtype only when that loses nothing).
 Unpacked, the per-token fields stay tensors: each response's token ids, engine log-probs and token versions are views
 into the flat tensors that crossed (ids and versions as int64, log-probs in the dtype they crossed in). Python lists
 of ~80M tokens and log-probs on every rank cost ~30 bytes per value more and seconds to build.
+
+The engine's routing (R3, ``RolloutGroup.routed_experts``) does not cross: it stays on rank 0, and every other rank
+gets each response's routing as a tensor of its shape on the ``meta`` device (no storage). Each rank later asks rank
+0 for the rows it routes, its own share of the step (:mod:`dapo_megatron.policy.rollout_routing`): sent to every
+rank, the routing of the paper's batch would be up to 142 GB on every rank's host.
 """
 
 from __future__ import annotations
@@ -30,14 +35,31 @@ _PER_GROUP = ("prompt_ids", "weight_version", "ground_truth", "data_source")
 _PER_RESPONSE = ("responses", "engine_logprobs", "finish_reasons", "accs", "scores", "overlong_penalties")
 _OPTIONAL_PER_TOKEN = ("token_versions", "loss_masks")  # None, or one list per response, as long as the response
 _ROUTING = ("routed_experts",)  # None, or per response an int16 [tokens, layers, k] tensor (or None)
+_ROUTING_VALUES = ("routed_experts",)  # the packed tensor that stays on rank 0 (its lengths and shape travel)
 # Read by the step's rollout metrics on rank 0 before the batch travels: they stay behind (the defaults arrive).
 _METRICS_ONLY = ("source_name", "reward_errors", "reward_timeouts", "reward_extras", "format_weight", "format_matches",
                  "reflections", "tool_use")
 
 
 def hand_over_rollouts(collect: Callable[[], RolloutBatch], *, what: str) -> RolloutBatch:
-    """``collect()`` on rank 0; every rank calls this and returns the same batch (or raises the same Rank0Error)."""
-    return unpack_rollout_batch(run_on_rank0(lambda: pack_rollout_batch(*collect()), what=what))
+    """``collect()`` on rank 0; every rank calls this and returns the same batch (or raises the same Rank0Error),
+    but for the engine's routing, whose values only rank 0 keeps (the module docstring)."""
+    kept_on_rank0: dict[str, torch.Tensor] = {}
+
+    def collect_and_pack() -> Packed:
+        packed = pack_rollout_batch(*collect())
+        kept_on_rank0.update(routing_kept_back(packed))
+        return packed
+
+    packed = run_on_rank0(collect_and_pack, what=what)
+    packed.tensors.update(kept_on_rank0)
+    return unpack_rollout_batch(packed)
+
+
+def routing_kept_back(packed: Packed) -> dict[str, torch.Tensor]:
+    """Takes the engine's routing values out of ``packed`` (what crosses keeps their lengths and shapes); returns
+    them for the caller to put back."""
+    return {name: packed.tensors.pop(name) for name in _ROUTING_VALUES if name in packed.tensors}
 
 
 def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) -> Packed:
@@ -84,6 +106,10 @@ def pack_rollout_batch(groups: list[RolloutGroup], metrics: dict[str, float]) ->
     routed = [r for g in groups for r in (g.routed_experts or [None] * len(g.responses))]
     if any(r is not None for r in routed):  # R3 only: a batch without routing packs as before
         present = [torch.as_tensor(r) for r in routed if r is not None]
+        flat = next((tuple(r.shape) for r in present if r.dim() != 3), None)
+        if flat is not None:  # SGLang's reply is [tokens, layers * k]: its reader splits it (sglang/requests.py)
+            raise ValueError(f"pack_rollout_batch: routed experts of shape {flat}; each response's must be "
+                             f"[tokens, layers, top-k]")
         meta["routing_shape"] = tuple(present[0].shape[1:])
         if any(tuple(r.shape[1:]) != meta["routing_shape"] for r in present):
             raise ValueError("pack_rollout_batch: responses' routed experts differ in layers or top-k")
@@ -131,12 +157,18 @@ def unpack_rollout_batch(packed: Packed) -> RolloutBatch:
 
 
 def _routed_experts(t: dict, meta: dict) -> list[torch.Tensor | None]:
-    """Per response, its routed experts as a view ``[tokens, layers, k]`` of the flat int16 tensor, or None."""
-    if "routed_experts" not in t:
+    """Per response, its routed experts as a view ``[tokens, layers, k]`` of the flat int16 tensor, or None; where
+    the values stayed on rank 0, a ``meta`` tensor of that shape."""
+    if "has_routed_experts" not in t:
         return [None] * len(t["response_lengths"])
-    width = meta["routing_shape"][0] * meta["routing_shape"][1]
-    views = iter(_views(t["routed_experts"].view(torch.int16), [n * width for n in t["routed_lengths"].tolist()]))
-    return [next(views).view(-1, *meta["routing_shape"]) if has else None for has in t["has_routed_experts"].tolist()]
+    shape, lengths = meta["routing_shape"], t["routed_lengths"].tolist()
+    if "routed_experts" in t:
+        width = shape[0] * shape[1]
+        pieces = iter(v.view(-1, *shape) for v in _views(t["routed_experts"].view(torch.int16),
+                                                          [n * width for n in lengths]))
+    else:
+        pieces = iter(torch.empty((n, *shape), dtype=torch.int16, device="meta") for n in lengths)
+    return [next(pieces) if has else None for has in t["has_routed_experts"].tolist()]
 
 
 def _lengths(lists: list[list]) -> torch.Tensor:

@@ -2,7 +2,7 @@
 on, and how a group is made: the sampling parameters of its generate call (:func:`sampling_params`, seeded per step
 and round by :func:`generation_seed`) and its reward (:func:`score_groups`: the reward of
 :class:`~dapo_megatron.reward.scorer.RewardScorer` — the DAPO math rule by default — plus the soft format bonus and
-the soft overlong punishment). Both collectors (:mod:`.rollout_collector`, :mod:`.async_collector`) build groups
+the soft overlong punishment). Both collectors (:mod:`.sync`, :mod:`.asynchronous`) build groups
 here, and only here."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class RolloutGroup:
     token was sampled by ``weight_version``.
 
     Per-token fields (prompt and response ids, engine log-probs, token versions) are lists as the collector scores
-    them on rank 0 and tensors once the batch reached every rank (:mod:`.rollout_batch`); everything reading them
+    them on rank 0 and tensors once the batch reached every rank (:mod:`.batch`); everything reading them
     takes either, and none walks them token by token in Python.
     """
 

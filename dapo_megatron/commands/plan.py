@@ -1,33 +1,44 @@
 """``dapo-megatron plan``: the training ranks' GPU memory per pipeline stage for a config
 (:mod:`dapo_megatron.policy.memory`), then what shares its GPUs (colocated servers:
-:mod:`dapo_megatron.rollout.gpu_sharing`) and routing replay's host memory; exit 1 when something does not fit."""
+:mod:`dapo_megatron.rollout.gpu_sharing`) and the host memory per node (:mod:`dapo_megatron.policy.host_memory`);
+exit 1 when something does not fit."""
 
 from __future__ import annotations
 
 import argparse
 
 from dapo_megatron.config import ConfigError, DAPOConfig
-from dapo_megatron.policy.memory import memory_table, plan_stages
+from dapo_megatron.policy.host_memory import (
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_HOST_MEMORY_GB,
+    host_memory,
+    host_memory_lines,
+)
+from dapo_megatron.policy.lora_memory import with_lora
+from dapo_megatron.policy.lora_sizes import adapter_sizes
+from dapo_megatron.policy.memory import GB, memory_table, plan_stages
 from dapo_megatron.policy.model_spec import ModelSpec
-from dapo_megatron.policy.moe_routing import recorded_routing_bytes
-from dapo_megatron.policy.rollout_routing import rollout_routing_bytes
-from dapo_megatron.rollout.gpu_sharing import sharing_report
+from dapo_megatron.rollout.gpu_sharing import optimizer_offloading_ranks, sharing_report
 from dapo_megatron.run.model_source import model_spec_for_plan
 
 
 def run(args: argparse.Namespace, config: DAPOConfig) -> int:
     spec, origin = model_spec_for_plan(config)
     gpu_memory_gb = args.gpu_memory_gb or config.parallel.gpu_memory_gb or 80.0
+    host_memory_gb = args.host_memory_gb or config.parallel.host_memory_gb or DEFAULT_HOST_MEMORY_GB
     report, fits = plan_report(config, spec, origin, data_parallel=args.data_parallel,
-                               gpu_memory_gb=gpu_memory_gb, local_spec=args.local_spec)
+                               gpu_memory_gb=gpu_memory_gb, local_spec=args.local_spec,
+                               host_memory_gb=host_memory_gb, gpus_per_node=args.gpus_per_node)
     print(report)
     return 0 if fits else 1
 
 
 def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parallel: int | None = None,
-                gpu_memory_gb: float = 80.0, local_spec: bool = False) -> tuple[str, bool]:
-    """``dapo-megatron plan``: (the printed report, whether every stage fits ``gpu_memory_gb``) for ``config``'s
-    layout of ``spec``, whose shape came from ``origin``.
+                gpu_memory_gb: float = 80.0, local_spec: bool = False, host_memory_gb: float = DEFAULT_HOST_MEMORY_GB,
+                gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> tuple[str, bool]:
+    """``dapo-megatron plan``: (the printed report, whether every stage fits ``gpu_memory_gb`` and every node
+    ``host_memory_gb``) for ``config``'s layout of ``spec``, whose shape came from ``origin``, on nodes of
+    ``gpus_per_node`` GPUs.
 
     The layout is the config's: TP and PP, DP from ``parallel.data`` (or ``data_parallel``), the distributed optimizer,
     ``trainer.micro_batch_tokens``, ``model.precision`` and ``model.recompute``. It plans for the GPU production path,
@@ -41,9 +52,19 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         raise ConfigError(f"parallel.expert: {p.expert} expert-parallel ranks must divide the data-parallel size, "
                           f"{dp} ({source})")
     stages, sequence_parallel = plan_stages(config, spec, data_parallel=dp, local_spec=local_spec)
-    routing = routing_replay_line(config, spec, stages, data_parallel=dp)
+    lora = config.model.lora
+    if lora.enabled:  # the base frozen, the adapters trained (policy/lora_memory.py)
+        stages = with_lora(stages, spec, lora, tensor_parallel=p.tensor, data_parallel=dp, expert_parallel=p.expert,
+                           precision=config.model.precision, distributed_optimizer=p.use_distributed_optimizer,
+                           micro_batch_tokens=config.trainer.micro_batch_tokens, transformer_engine=not local_spec)
+    routing = routing_replay_line(config, spec, stages)
     sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
-    fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
+    world = p.tensor * p.pipeline * dp
+    host = host_memory(config, spec, stages, data_parallel=dp, sequence_parallel=sequence_parallel,
+                       ranks_per_node=min(gpus_per_node, world),
+                       offloading_ranks=optimizer_offloading_ranks(config, ranks_on_node=min(gpus_per_node, world)))
+    host_lines, host_fits = host_memory_lines(host, config, budget_gb=host_memory_gb)
+    gpu_fits = all(stage.total_bytes <= gpu_memory_gb * 1e9 for stage in stages) and sharing_fits
     lines = [
         f"model: {spec.arch}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}"
         + (f", {spec.moe.num_experts} experts (top {spec.moe.topk})" if spec.moe is not None else "") + f" ({origin})",
@@ -53,37 +74,38 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         f"per micro-batch: {config.trainer.micro_batch_tokens} tokens; recompute: {config.model.recompute}; "
         f"sequence parallel: {'on' if sequence_parallel else 'off'}; attention: "
         f"{'megatron local spec (unfused)' if local_spec else 'Transformer Engine (fused)'}",
+        *([lora_line(config, spec)] if lora.enabled else []),
         "",
         memory_table(stages, gpu_memory_gb=gpu_memory_gb),
         *([routing] if routing else []),
         "",
         *sharing,
         *([""] if sharing else []),
-        f"{'fits' if fits else 'does NOT fit'} in {gpu_memory_gb:g} GB per GPU "
-        f"(the memory model: dapo_megatron/policy/memory.py)",
+        *host_lines,
+        *([""] if host_lines else []),
+        f"{'fits' if gpu_fits else 'does NOT fit'} in {gpu_memory_gb:g} GB per GPU"
+        + (f"; the host memory {'fits' if host_fits else 'does NOT fit'} in {host_memory_gb:g} GB per node (the memory "
+           f"model: dapo_megatron/policy/memory.py, host_memory.py)" if host_lines
+           else " (the memory model: dapo_megatron/policy/memory.py)"),
     ]
-    return "\n".join(lines), fits
+    return "\n".join(lines), gpu_fits and host_fits
 
 
-def routing_replay_line(config: DAPOConfig, spec: ModelSpec, stages, *, data_parallel: int) -> str | None:
-    """With routing replay, the routing a rank records for its share of a step's tokens (at most every sample at the
-    prompt and response limits), which waits in pinned host memory until the last update replays it
-    (:func:`dapo_megatron.policy.moe_routing.recorded_routing_bytes`); None without replay."""
+def lora_line(config: DAPOConfig, spec: ModelSpec) -> str:
+    lora = config.model.lora
+    sizes = adapter_sizes(spec, rank=lora.rank, target_modules=lora.target_modules)
+    return (f"LoRA: rank {lora.rank} on {', '.join(lora.target_modules)}: {sizes.trainable / 1e6:.1f}M trained "
+            f"parameters ({100 * sizes.trainable_fraction:.2f} % of {sizes.model / 1e9:.2f}B), the base frozen "
+            f"(no gradients, no optimizer state); handoff: {lora.handoff}")
+
+
+def routing_replay_line(config: DAPOConfig, spec: ModelSpec, stages) -> str | None:
+    """With routing replay, what it keeps on the GPU (in the stage totals above); None without replay."""
     if spec.moe is None or config.algorithm.moe_routing_replay == "none":
         return None
-    c = config
-    samples = c.trainer.train_batch_size * c.rollout.n_samples / data_parallel
-    tokens = int(samples * (c.data.max_prompt_length + c.rollout.max_response_length))
-    layers = max(stage.layers for stage in stages)
-    host = recorded_routing_bytes(tokens=tokens, layers=layers, topk=spec.moe.topk)
-    line = (f"routing replay ({c.algorithm.moe_routing_replay}): up to {host / 1e9:.2f} GB of recorded routing per "
-            f"rank and step in pinned host memory ({tokens:,} tokens x {layers} layers x top-{spec.moe.topk}, int16), "
-            f"none on the GPU")
-    if c.algorithm.moe_routing_replay != "replay_rollout":
-        return line
-    # R3: the engine's routing of every sample of the step travels with the batch, to every rank, on the host
-    per_sample = rollout_routing_bytes(tokens=c.data.max_prompt_length + c.rollout.max_response_length - 1,
-                                       layers=spec.num_layers, topk=spec.moe.topk)
-    batch = per_sample * c.trainer.train_batch_size * c.rollout.n_samples
-    return (f"{line}; plus the engine's routing of the step's batch on every rank's host: up to "
-            f"{per_sample / 1e6:.1f} MB a sample ({spec.num_layers} layers), {batch / 1e9:.2f} GB a step")
+    largest = max(stages, key=lambda stage: stage.routing_bytes)
+    held = ("with model.recompute: full, each micro-batch in flight keeps its own until its recomputed forward"
+            if config.model.recompute == "full" else "one micro-batch's at a time")
+    return (f"routing replay ({config.algorithm.moe_routing_replay}) on the GPU: "
+            f"{largest.routing_bytes / GB * 1e3:.1f} MB of int64 targets on stage {largest.stage}, in its total "
+            f"({held}); on the host: below")

@@ -6,7 +6,7 @@ from dapo_megatron.config.data import DataConfig, SyntheticDataConfig, TrainSour
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.eval import EvalConfig
 from dapo_megatron.config.loading import config_to_dict, load_config, parse_override, save_config
-from dapo_megatron.config.model import ModelConfig, MoEConfig, TinyModelConfig
+from dapo_megatron.config.model import LoRAConfig, ModelConfig, MoEConfig, TinyModelConfig
 from dapo_megatron.config.optim import OptimConfig
 from dapo_megatron.config.parallel import ParallelConfig
 from dapo_megatron.config.reward import FormatRewardConfig, RewardConfig
@@ -17,7 +17,7 @@ from dapo_megatron.config.warm_start import WarmStartConfig
 
 __all__ = [
     "AlgorithmConfig", "ConfigError", "DAPOConfig", "DataConfig", "EmbeddedConfig", "EvalConfig", "FormatRewardConfig",
-    "MlflowConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RewardConfig", "RolloutConfig",
-    "SGLangConfig", "SyntheticDataConfig", "TinyModelConfig", "TrainSourceConfig", "TrainerConfig", "WandbConfig",
-    "WarmStartConfig", "config_to_dict", "load_config", "parse_override", "save_config",
+    "LoRAConfig", "MlflowConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RewardConfig",
+    "RolloutConfig", "SGLangConfig", "SyntheticDataConfig", "TinyModelConfig", "TrainSourceConfig", "TrainerConfig",
+    "WandbConfig", "WarmStartConfig", "config_to_dict", "load_config", "parse_override", "save_config",
 ]

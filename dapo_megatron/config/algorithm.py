@@ -12,6 +12,16 @@ from dapo_megatron.config.errors import require, require_finite_numbers
 # a new objective is its registry entry, its name here, and its test.
 PolicyLossName = Literal["dapo", "gspo", "gspo_token", "cispo"]
 AdvantageEstimatorName = Literal["grpo"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+# What each objective's paper prescribes for the settings it shares with the others, applied where the config leaves
+# them null (its clip ranges have their own sections: algorithm.gspo, algorithm.cispo). The keys are the registry's
+# (a test holds them equal).
+OBJECTIVE_DEFAULTS: dict[str, dict[str, object]] = {
+    "dapo": {"loss_agg": "token-mean"},  # DAPO eq. (10): 1 / Σ|o_i| over every token of the batch
+    "gspo": {"loss_agg": "seq-mean-token-mean"},  # GSPO eq. (5): the mean over the group's responses
+    "gspo_token": {"loss_agg": "seq-mean-token-mean"},  # GSPO eq. (13): 1/G Σ_i 1/|y_i| Σ_t
+    "cispo": {"loss_agg": "token-mean"},  # MiniMax-M1's CISPO: 1 / Σ|o_i|, as DAPO
+}
 # The SGLang server flag without which a server returns no routing (moe_routing_replay: replay_rollout needs it).
 SGLANG_ROUTING_FLAG = "--enable-return-routed-experts"
 
@@ -55,7 +65,9 @@ class AlgorithmConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher; = eps_low gives GRPO's symmetric clip
     clip_ratio_c: float | None = 10.0  # dual clip for negative advantages
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    # token-mean (DAPO), seq-mean-token-mean (GRPO, GSPO) or seq-mean-token-sum; null: the objective's own
+    # (OBJECTIVE_DEFAULTS), so policy_loss: gspo alone trains the GSPO paper's objective.
+    loss_agg: LossAggregation | None = None
     advantage_eps: float = 1e-6
     overlong_filtering: bool = True  # zero the loss mask of truncated samples
     overlong_penalty: bool = True  # soft overlong punishment
@@ -83,6 +95,17 @@ class AlgorithmConfig:
     # (dapo_megatron/policy/rollout_routing.py); "none" lets each forward
     # route by itself (dapo_megatron/policy/moe_routing.py). When to choose which: docs/models.md.
     moe_routing_replay: Literal["none", "replay_old", "replay_rollout"] = "none"
+
+    @property
+    def objective_defaults_applied(self) -> dict[str, object]:
+        """The settings this config leaves null that ``policy_loss``'s own defaults fill ({key: value})."""
+        own = OBJECTIVE_DEFAULTS.get(self.policy_loss, {})
+        return {key: value for key, value in own.items() if getattr(self, key) is None}
+
+    @property
+    def aggregation(self) -> LossAggregation:
+        """``loss_agg``, or the objective's own where it is null."""
+        return self.loss_agg if self.loss_agg is not None else OBJECTIVE_DEFAULTS[self.policy_loss]["loss_agg"]
 
     @property
     def resolved_surplus_policy(self) -> Literal["keep", "drop"]:

@@ -165,8 +165,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def config_to_dict(config: DAPOConfig) -> dict:
-    return dataclasses.asdict(config)
+    """The config the run runs with: every value as set, and the objective's own defaults where it left a setting
+    null (``algorithm.objective_defaults_applied``) — what a resume compares and ``config.yaml`` records."""
+    tree = dataclasses.asdict(config)
+    tree["algorithm"].update(config.algorithm.objective_defaults_applied)
+    return tree
+
+
+def objective_defaults_note(config: DAPOConfig) -> str | None:
+    """One line naming the settings ``algorithm.policy_loss``'s own defaults filled, or None."""
+    applied = config.algorithm.objective_defaults_applied
+    if not applied:
+        return None
+    listed = ", ".join(f"algorithm.{key}={value}" for key, value in applied.items())
+    return f"algorithm.policy_loss={config.algorithm.policy_loss} applied its paper's {listed} (not set in the config)"
 
 
 def save_config(config: DAPOConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    note = objective_defaults_note(config)
+    header = f"# {note}\n" if note else ""
+    Path(path).write_text(header + yaml.safe_dump(config_to_dict(config), sort_keys=False))

@@ -44,6 +44,54 @@ class MoEConfig:
         require(self.aux_loss_coeff >= 0, "model.moe.aux_loss_coeff", f"must be >= 0, got {self.aux_loss_coeff}")
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the policy's linear layers, the base frozen (:mod:`dapo_megatron.policy.lora`).
+
+    Off by default. On: every ``target_modules`` linear of every layer (a mixture-of-experts model's experts too)
+    gets ``W x + (alpha / rank) · B A x`` with ``A`` ``[rank, in]`` (Kaiming-uniform) and ``B`` ``[out, rank]`` (zero),
+    and only ``A`` and ``B`` train: no gradient buffer and no optimizer state exist for the base. The defaults follow
+    "LoRA Without Regret" (Thinking Machines, 2025): every linear layer adapted, ``alpha`` 32 with the ``1 / rank``
+    scale, a learning rate about 10x full fine-tuning's (``lr_multiplier``, applied to ``optim.lr``), no weight decay
+    (``weight_decay``, in place of ``optim.weight_decay``)."""
+
+    enabled: bool = False
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0  # on each adapter's input, in training forwards only
+    # megatron's names of the linears (one fused linear_qkv for q/k/v, one linear_fc1 for gate/up; an expert's
+    # linear_fc1 / linear_fc2 count as linear_fc1 / linear_fc2)
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    lr_multiplier: float = 1.0  # the adapters train at optim.lr x this
+    # The adapters' decoupled weight decay, in place of optim.weight_decay (only the adapters train). 0 as in "LoRA
+    # Without Regret" (and PEFT's and TRL's defaults): decay would pull B A toward the base, and A away from its
+    # initial scale, at lr_multiplier times the full model's rate.
+    weight_decay: float = 0.0
+    # What reaches the rollout engine after each step: "adapter" (the adapter tensors alone; SGLang serves them by
+    # name, the embedded engine merges them into its copy of the base) or "merged" (W + (alpha / rank) · B A, the
+    # full weights, as without LoRA).
+    handoff: Literal["adapter", "merged"] = "adapter"
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> None:
+        require(self.rank >= 1, "model.lora.rank", f"must be >= 1, got {self.rank}")
+        require(self.alpha > 0, "model.lora.alpha", f"must be > 0, got {self.alpha}")
+        require(0 <= self.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        require(self.lr_multiplier > 0, "model.lora.lr_multiplier", f"must be > 0, got {self.lr_multiplier}")
+        require(self.weight_decay >= 0, "model.lora.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
+        require(bool(self.target_modules) and not unknown, "model.lora.target_modules",
+                f"must name some of {', '.join(LORA_TARGETS)}; got {self.target_modules}")
+        require(len(set(self.target_modules)) == len(self.target_modules), "model.lora.target_modules",
+                f"names a module twice: {self.target_modules}")
+
+
 Kernels = Literal["auto", "transformer_engine", "local"]
 Recompute = Literal["selective", "full", "none"]
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -66,8 +114,10 @@ class ModelConfig:
     # without it; "local" takes the local layers on purpose. Without CUDA the CPU layers run (dapo_megatron.cpu).
     kernels: Kernels = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
         require_finite_numbers(self, "model.")
         self.moe.validate()
+        self.lora.validate()
         require(self.source == "tiny" or bool(self.hf_path), "model.hf_path", "is required when model.source = hf")

@@ -37,6 +37,9 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     # One GPU's memory (10^9 bytes) this layout is meant for: the default of `dapo-megatron plan --gpu-memory-gb`.
     gpu_memory_gb: float | None = None  # unset: 80
+    # One node's host memory (10^9 bytes) a step may fill (routing replay's routing, a colocated optimizer's state):
+    # checked by `dapo-megatron plan` (unset: 1000) and by the input checks before a launch (unset: this node's RAM).
+    host_memory_gb: float | None = None
 
     def validate(self) -> None:
         require_finite_numbers(self, "parallel.")
@@ -46,6 +49,8 @@ class ParallelConfig:
         require(self.slow_collective_timeout_s >= self.collective_timeout_s, "parallel.slow_collective_timeout_s",
                 f"must be >= parallel.collective_timeout_s ({self.collective_timeout_s:g}), got "
                 f"{self.slow_collective_timeout_s:g}")
+        require(self.host_memory_gb is None or self.host_memory_gb > 0, "parallel.host_memory_gb",
+                f"must be > 0 (or null), got {self.host_memory_gb}")
         require(not self.overlap_param_gather or self.use_distributed_optimizer, "parallel.overlap_param_gather",
                 "needs parallel.use_distributed_optimizer: true (only the distributed optimizer all-gathers "
                 "parameters)")

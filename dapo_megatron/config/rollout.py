@@ -26,9 +26,9 @@ class SGLangConfig:
     launch_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     max_restarts: int = 2
-    # /generate requests in flight at once (each a prompt with its n samples); null: what the servers run at once,
-    # Σ over servers of ceil(SGLang's running-request limit / n) (dapo_megatron/rollout/sglang/pool.py)
-    max_concurrent_requests: int | None = None
+    # samples on the servers at once, whatever the requests carry (a prompt's n, a multi-turn turn's 1); null: what
+    # the servers run at once, Σ over servers of SGLang's running-request limit (dapo_megatron/rollout/sglang/pool.py)
+    max_in_flight_samples: int | None = None
     # 0: /generate calls and their JSON parsing run in threads of rank 0's process (the GIL they hold slows the
     # kernel launches of rank 0, everyone's straggler); N > 0: in N worker processes of their own, which return
     # compact arrays (dapo_megatron/rollout/sglang/reply_workers.py)
@@ -49,8 +49,8 @@ class SGLangConfig:
         require(self.launch_timeout_s > 0, "rollout.sglang.launch_timeout_s", "must be > 0")
         require(self.request_timeout_s > 0, "rollout.sglang.request_timeout_s", "must be > 0")
         require(self.max_restarts >= 0, "rollout.sglang.max_restarts", "must be >= 0")
-        require(self.max_concurrent_requests is None or self.max_concurrent_requests >= 1,
-                "rollout.sglang.max_concurrent_requests", "must be >= 1 or null (derived from the servers)")
+        require(self.max_in_flight_samples is None or self.max_in_flight_samples >= 1,
+                "rollout.sglang.max_in_flight_samples", "must be >= 1 or null (derived from the servers)")
         require(self.reply_processes >= 0, "rollout.sglang.reply_processes",
                 f"must be >= 0 (0: in rank 0's process), got {self.reply_processes}")
         require(self.base_gpu_id is None or self.base_gpu_id >= 0, "rollout.sglang.base_gpu_id",

@@ -17,19 +17,25 @@ from dapo_megatron.config.errors import ConfigError
 # someone typed, never a default or a typo.
 Isolation = Literal["bubblewrap", "none_i_accept_the_risk", "remote"]
 OPT_OUT = "none_i_accept_the_risk"
+# Where a call's limits hold: "per_call", a cgroup per call (memory with shared memory, processes and CPU time of
+# all its processes together), or "rlimits_only", the weaker mode a user names where no cgroup can be made: each
+# process is bounded on its own (address space, CPU time), processes per call by RLIMIT_NPROC.
+CallLimits = Literal["per_call", "rlimits_only"]
+RLIMITS_ONLY = "rlimits_only"
 PREFIX = "rollout.tools"
 RESERVED_NAMES = ("calls", "failed", "wall_s")  # the metric names tools/<name>/... would collide with
 
 
 @dataclass
 class SandboxLimits:
-    """Per call. ``wall_s`` is enforced by the trainer (it kills the call's processes); the others are rlimits of
-    the sandboxed process; ``workdir_mb`` is the size of its private tmpfs."""
+    """Per call. ``wall_s`` is enforced by the trainer (it kills the call's processes); ``cpu_s``, ``memory_mb``
+    and ``processes`` hold for the call's processes together (its cgroup) and for each process (rlimits, the second
+    line; the only one under ``cgroup: rlimits_only``); ``workdir_mb`` is the size of its private tmpfs."""
 
     wall_s: float = 10.0  # from start to the last byte of output
-    cpu_s: int = 10  # RLIMIT_CPU: SIGXCPU at cpu_s, SIGKILL one second later
-    memory_mb: int = 1024  # RLIMIT_AS: an allocation past it fails (Python: MemoryError)
-    processes: int = 32  # RLIMIT_NPROC, counted inside the call's own user namespace (processes and threads)
+    cpu_s: int = 10  # the call's CPU time (cgroup, read by the trainer); each process's RLIMIT_CPU (SIGXCPU)
+    memory_mb: int = 1024  # the call's memory, shared memory and tmpfs (cgroup); each process's RLIMIT_AS
+    processes: int = 32  # processes and threads: pids.max of the call; RLIMIT_NPROC in its user namespace
     open_files: int = 64  # RLIMIT_NOFILE
     file_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write
     workdir_mb: int = 64  # size of its working folder (and of its /tmp), both tmpfs, gone after the call
@@ -46,6 +52,9 @@ class SandboxConfig:
     ro_paths: list[str] = field(default_factory=list)  # more folders shown read-only (a venv with sympy, ...)
     # When the trainer runs as root the sandbox runs as this uid instead: RLIMIT_NPROC does not apply to root.
     uid: int = 65534
+    cgroup: CallLimits = "per_call"  # per_call refuses to start where no cgroup can be made (docs/tools-sandbox.md)
+    cgroup_parent: str | None = None  # the cgroup (as /proc/self/cgroup names it) to make the calls' cgroups in
+    warm: int = 4  # sandboxes started ahead of demand, each for one call (0: each call starts its own)
     remote_url: str | None = None  # isolation=remote: a SandboxFusion service (POST {remote_url}/run_code)
     remote_connect_timeout_s: float = 5.0
     limits: SandboxLimits = field(default_factory=SandboxLimits)
@@ -96,6 +105,13 @@ class ToolsConfig:
             _positive(getattr(limits, name), f"sandbox.limits.{name}")
         if limits.processes < 2:
             _fail("sandbox.limits.processes", "must be at least 2 (the interpreter and the sandbox's init)")
+        if sandbox.cgroup not in ("per_call", RLIMITS_ONLY):
+            _fail("sandbox.cgroup", f"must be per_call or {RLIMITS_ONLY}, got {sandbox.cgroup!r}")
+        if sandbox.cgroup_parent is not None and not sandbox.cgroup_parent.startswith("/"):
+            _fail("sandbox.cgroup_parent", f"must be a cgroup path starting with '/' (as /proc/self/cgroup shows "
+                                           f"it), got {sandbox.cgroup_parent!r}")
+        if isinstance(sandbox.warm, bool) or not isinstance(sandbox.warm, int) or sandbox.warm < 0:
+            _fail("sandbox.warm", f"must be an integer >= 0, got {sandbox.warm!r}")
         if not 0 < sandbox.uid < 2**32 - 1:
             _fail("sandbox.uid", f"must be a non-root uid (1 .. 4294967294), got {sandbox.uid}")
         _positive(sandbox.remote_connect_timeout_s, "sandbox.remote_connect_timeout_s")

@@ -1,6 +1,6 @@
 """Everything that exists only so the policy, the handoff and SGLang run (and run fast) on a machine without CUDA.
 
-The rest of the project never imports from here: :func:`dapo_megatron.backend_registry_backend` picks
+The rest of the project never imports from here: :func:`dapo_megatron.backend_registry.select_backend` picks
 :class:`~dapo_megatron.cpu.backend.CpuBackend` when there is no CUDA, and the code that needs a platform choice asks
 that backend.
 

@@ -21,6 +21,10 @@ Who does what (every rank calls the same function; it returns/yields nothing on 
   each later stage broadcasting in its own group {rank 0, its source}, stage by stage, so one process can feed the
   inference engine; :func:`stream_stage_buckets` instead hands each stage's buckets to the engine's per-stage
   receiver on the stage's own source (the two routes: :mod:`dapo_megatron.handoff.stage_routes`).
+* ``every_rank``: every rank of the model makes the same buckets on its own device (each parameter all-gathered
+  over its TP and expert TP × EP groups; DP replicas export their own identical copies), which is what a handoff
+  handing each GPU's copy to a colocated server on that GPU needs (:mod:`dapo_megatron.handoff.gpu_copies`). One
+  pipeline stage only: a rank holds its stage's layers.
 * With ``overlap_param_gather`` the distributed optimizer leaves the updated parameters sharded over DP until the
   next training forward gathers them: every export first finishes that gather
   (:func:`dapo_megatron.policy.optimizer.sync_params`), or it would export stale weights.
@@ -33,7 +37,7 @@ before asking for the next (its tensors may be views of one receive buffer).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,7 +45,7 @@ from megatron.core import parallel_state
 
 from dapo_megatron.backend.interfaces import TensorParallelGather
 from dapo_megatron.handoff.stage_routes import StageStreamReceiver, stage_broadcast_groups
-from dapo_megatron.handoff.tp_gather import ProcessGroupGather
+from dapo_megatron.handoff.tp_gather import ProcessGroupAllGather, ProcessGroupGather
 from dapo_megatron.hf_format.buckets import Bucket, bucketed, nbytes
 from dapo_megatron.policy.hf_loader import model_stage_mappings, unwrap_model
 from dapo_megatron.policy.model_spec import ModelSpec
@@ -50,6 +54,7 @@ from dapo_megatron.policy.weight_mapping import BoundMapping, ShardGeometry, Spl
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 PROCESS_GROUP_GATHER = ProcessGroupGather()
+PROCESS_GROUP_ALL_GATHER = ProcessGroupAllGather()
 _ALIGN = 16  # byte alignment of each tensor inside a packed p2p buffer, so every dtype view is valid
 
 
@@ -62,9 +67,15 @@ def _is_expert_export_member(spec: ModelSpec) -> bool:
     return spec.moe is not None and parallel_state.get_expert_data_parallel_rank() == 0
 
 
-def _split_mappings(model: torch.nn.Module, spec: ModelSpec) -> tuple[list[BoundMapping], list[BoundMapping]]:
+StageMappings = Callable[[torch.nn.Module, ModelSpec], list[BoundMapping]]
+"""Which parameters an export moves: the model's HF weights (:func:`model_stage_mappings`, the default) or its LoRA
+adapters (:func:`dapo_megatron.policy.lora_mapping.adapter_stage_mappings`)."""
+
+
+def _split_mappings(model: torch.nn.Module, spec: ModelSpec, mappings: StageMappings = model_stage_mappings
+                    ) -> tuple[list[BoundMapping], list[BoundMapping]]:
     """This stage's exported mappings: (the dense ones, this rank's experts), each in model order."""
-    mappings = [m for m in model_stage_mappings(model, spec) if m.exported]
+    mappings = [m for m in mappings(model, spec) if m.exported]
     return [m for m in mappings if m.expert is None], [m for m in mappings if m.expert is not None]
 
 
@@ -102,22 +113,25 @@ def _full_tensors(mapping: BoundMapping, geometry: ShardGeometry, shards: list[t
 
 
 def _stage_hf_tensors(model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype | None,
-                      tp_gather: TensorParallelGather) -> Iterator[tuple[str, torch.Tensor]]:
+                      tp_gather: TensorParallelGather, mappings: StageMappings = model_stage_mappings,
+                      every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for this stage, on its source (TP rank 0 of DP rank 0), in
-    :func:`stage_export_mappings` order; the other members only take part in the gathers."""
+    :func:`stage_export_mappings` order; the other members only take part in the gathers. ``every_rank``: on every
+    rank, the gathers all-gathers."""
     params = dict(unwrap_model(model).named_parameters())
-    dense, experts = _split_mappings(model, spec)
-    if _is_export_source_group_member():
-        yield from _dense_hf_tensors(dense, params, spec, dtype, tp_gather)
-    if experts and _is_expert_export_member(spec):
-        yield from _expert_hf_tensors(experts, params, spec, dtype, tp_gather)
+    dense, experts = _split_mappings(model, spec, mappings)
+    if every_rank or _is_export_source_group_member():
+        yield from _dense_hf_tensors(dense, params, spec, dtype, tp_gather, every_rank)
+    if experts and (every_rank or _is_expert_export_member(spec)):
+        yield from _expert_hf_tensors(experts, params, spec, dtype, tp_gather, every_rank)
 
 
 def _dense_hf_tensors(mappings: list[BoundMapping], params: dict, spec: ModelSpec, dtype: torch.dtype | None,
-                      tp_gather: TensorParallelGather) -> Iterator[tuple[str, torch.Tensor]]:
+                      tp_gather: TensorParallelGather, every_rank: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """The non-expert tensors: TP shards gathered to TP rank 0 (norms and the router are replicated)."""
     geometry = ShardGeometry(spec, parallel_state.get_tensor_model_parallel_world_size())
-    is_source = parallel_state.get_tensor_model_parallel_rank() == 0
+    is_source = every_rank or parallel_state.get_tensor_model_parallel_rank() == 0
+    tp_gather = PROCESS_GROUP_ALL_GATHER if every_rank else tp_gather
     split = [params[m.megatron_name].detach() for m in mappings if m.split is not Split.REPLICATED]
     gather = tp_gather.open(parallel_state.get_tensor_model_parallel_group(), split)
     number = 0
@@ -134,7 +148,7 @@ def _dense_hf_tensors(mappings: list[BoundMapping], params: dict, spec: ModelSpe
 
 
 def _expert_hf_tensors(mappings: list[BoundMapping], params: dict, spec: ModelSpec, dtype: torch.dtype | None,
-                       tp_gather: TensorParallelGather) -> Iterator[tuple[str, torch.Tensor]]:
+                       tp_gather: TensorParallelGather, every_rank: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """The experts: each local slot's shards of every EP rank gathered over the expert TP × EP group to its rank 0
     (the stage's source), which yields them expert by expert."""
     group = parallel_state.get_expert_tensor_and_model_parallel_group()
@@ -143,12 +157,14 @@ def _expert_hf_tensors(mappings: list[BoundMapping], params: dict, spec: ModelSp
     coordinates: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(coordinates, (parallel_state.get_expert_tensor_parallel_rank(),
                                          parallel_state.get_expert_model_parallel_rank()), group=group)
-    is_source = dist.get_rank(group) == 0
-    if is_source and not (_is_export_source_group_member() and parallel_state.get_tensor_model_parallel_rank() == 0):
+    is_source = every_rank or dist.get_rank(group) == 0
+    if not every_rank and is_source and not (_is_export_source_group_member()
+                                             and parallel_state.get_tensor_model_parallel_rank() == 0):
         raise RuntimeError("rank 0 of the expert TP x EP group is not the stage's export source: unexpected "
                            "megatron rank order")
     ep_size, local = parallel_state.get_expert_model_parallel_world_size(), _local_experts(spec)
     ep_rank = parallel_state.get_expert_model_parallel_rank()
+    tp_gather = PROCESS_GROUP_ALL_GATHER if every_rank else tp_gather
     gather = tp_gather.open(group, [params[m.megatron_name].detach() for m in mappings])
     for number, mapping in enumerate(mappings):
         shards = gather.shards(number, params[mapping.megatron_name].detach())
@@ -164,20 +180,24 @@ def _expert_hf_tensors(mappings: list[BoundMapping], params: dict, spec: ModelSp
 
 
 def export_hf_buckets(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      dtype: torch.dtype | None = None, tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER
-                      ) -> Iterator[Bucket]:
-    """This pipeline stage's HF tensors in buckets of ≤ ``bucket_bytes``, yielded on the stage's source rank only.
+                      dtype: torch.dtype | None = None, tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER,
+                      mappings: StageMappings = model_stage_mappings, every_rank: bool = False) -> Iterator[Bucket]:
+    """This pipeline stage's HF tensors in buckets of ≤ ``bucket_bytes``, yielded on the stage's source rank only
+    (``every_rank``: the same buckets on every rank, see the module docstring).
 
     Every rank of the model must drain the iterator (the TP ranks of DP rank 0 take part in collectives while it
     runs). ``dtype`` casts the exported tensors (e.g. bf16 for the inference engine); default: the parameters' dtype.
     ``tp_gather``: how the TP shards reach the source (the backend's; see :mod:`dapo_megatron.handoff.tp_gather`).
+    ``mappings``: which parameters (:data:`StageMappings`).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if every_rank and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("export_hf_buckets(every_rank=True) needs one pipeline stage: a rank holds its stage's layers")
     sync_params(model)  # every DP rank takes part; a no-op unless overlap_param_gather deferred the gather
-    if not (_is_export_source_group_member() or _is_expert_export_member(spec)):
+    if not (every_rank or _is_export_source_group_member() or _is_expert_export_member(spec)):
         return
-    yield from bucketed(_stage_hf_tensors(model, spec, dtype, tp_gather), bucket_bytes)
+    yield from bucketed(_stage_hf_tensors(model, spec, dtype, tp_gather, mappings, every_rank), bucket_bytes)
 
 
 def _aligned(n: int) -> int:
@@ -227,7 +247,8 @@ def _this_stage_source() -> tuple[bool, int, int]:
 
 def gather_hf_buckets_to_rank0(model: torch.nn.Module, spec: ModelSpec, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                                dtype: torch.dtype | None = None,
-                               tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER) -> Iterator[Bucket]:
+                               tp_gather: TensorParallelGather = PROCESS_GROUP_GATHER,
+                               mappings: StageMappings = model_stage_mappings) -> Iterator[Bucket]:
     """Every stage's buckets, yielded on global rank 0 in stage order; every rank must drain it.
 
     Stage 0's buckets come straight from :func:`export_hf_buckets`; then each later stage's source broadcasts its
@@ -239,7 +260,8 @@ def gather_hf_buckets_to_rank0(model: torch.nn.Module, spec: ModelSpec, *, bucke
     if rank == 0 and not (is_source and stage == 0):
         raise RuntimeError("global rank 0 is not TP 0 / DP 0 / PP 0: unexpected megatron rank order")
     stages = stage_broadcast_groups() if num_stages > 1 else None
-    buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype, tp_gather=tp_gather)
+    buckets = export_hf_buckets(model, spec, bucket_bytes=bucket_bytes, dtype=dtype, tp_gather=tp_gather,
+                                mappings=mappings)
     if rank == 0:
         yield from buckets
         device = next(unwrap_model(model).parameters()).device

@@ -42,3 +42,21 @@ class ProcessGroupGather:
 
     def open(self, group, shards: Sequence[torch.Tensor]) -> ShardGather:
         return _PerParameterGather(group)
+
+
+class _PerParameterAllGather(_PerParameterGather):
+    def shards(self, index: int, own: torch.Tensor) -> list[torch.Tensor]:
+        own = own.detach().contiguous()
+        if self.size == 1:
+            return [own]
+        gathered = [torch.empty_like(own) for _ in range(self.size)]
+        dist.all_gather(gathered, own, group=self.group)
+        return gathered
+
+
+class ProcessGroupAllGather:
+    """One ``dist.all_gather`` per parameter: every rank of the group gets every shard (an export on every rank,
+    :func:`dapo_megatron.handoff.exporter.export_hf_buckets` with ``every_rank``; NCCL between GPUs)."""
+
+    def open(self, group, shards: Sequence[torch.Tensor]) -> ShardGather:
+        return _PerParameterAllGather(group)

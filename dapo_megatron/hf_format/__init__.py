@@ -10,7 +10,7 @@ The one home of HF-format I/O (no megatron here; ``transformers`` only to read a
 * :mod:`.mismatch` — the one "missing / unexpected / wrong shape" report.
 """
 
-from dapo_megatron.hf_format.buckets import Bucket, bucketed, checked_buckets, nbytes
+from dapo_megatron.hf_format.buckets import Bucket, BucketWithCopies, bucketed, checked_buckets, nbytes
 from dapo_megatron.hf_format.folder import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -34,7 +34,7 @@ from dapo_megatron.hf_format.writer import (
 )
 
 __all__ = [
-    "Bucket", "bucketed", "checked_buckets", "nbytes",
+    "Bucket", "BucketWithCopies", "bucketed", "checked_buckets", "nbytes",
     "CONFIG_FILE", "INDEX_FILE", "SIDE_FILES", "SINGLE_FILE", "HFFormatError", "copy_side_files", "load_hf_config",
     "StoredTensor", "encode_safetensors_header", "read_safetensors_header",
     "TensorMismatch", "WrongShape", "compare_shapes",

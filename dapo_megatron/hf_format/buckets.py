@@ -15,6 +15,16 @@ import torch
 Bucket = list[tuple[str, torch.Tensor]]
 
 
+class BucketWithCopies(list):
+    """A bucket as the process that sends it holds it, and ``copies``: the same bucket on other GPUs of its node,
+    each serialized by the process driving that GPU (GPU index → bytes, e.g. CUDA IPC handles): a transport can hand
+    a consumer on such a GPU its local copy instead of the data (:mod:`dapo_megatron.handoff.gpu_copies`)."""
+
+    def __init__(self, bucket: Bucket, copies: dict[int, bytes]) -> None:
+        super().__init__(bucket)
+        self.copies = copies
+
+
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 

@@ -1,5 +1,5 @@
 """Workarounds of upstream behaviour, one folder per upstream package: :mod:`.megatron_core` (megatron-core 0.16.1),
-:mod:`.sglang` (SGLang 0.5.23).
+:mod:`.sglang` (SGLang 0.5.23), :mod:`.bubblewrap` (the system's bwrap, 0.8.0 on Debian 12).
 
 Each fix is a named function (or constant) of its module, applied from one place, and has a "can it go?" test that
 runs the upstream code without it and asserts the defect is still there: when a new pin fixes the defect, that test

@@ -49,6 +49,7 @@ from dapo_megatron.algorithm.loss import TOKEN_MEAN_METRICS
 from dapo_megatron.overrides.megatron_core.optimizer_step import clip_and_step
 from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
+from dapo_megatron.policy.lora import add_adapters
 from dapo_megatron.policy.model import (
     build_model,
     config_row_multiple,
@@ -90,19 +91,21 @@ def aligned_batching(batching: PackedBatching, multiple: int) -> PackedBatching:
 
 
 def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", parallel: "ParallelConfig",
-                optim: "OptimConfig", routing_replay: bool, micro_batch_tokens: int, temperature: float) -> "Actor":
+                optim: "OptimConfig", routing_replay: bool, micro_batch_tokens: int, temperature: float,
+                seed: int = 0) -> "Actor":
     """This rank's model stage for ``spec`` at the initialized TP/PP layout on ``backend``, ready to train.
 
     ``model.precision`` picks the parameter dtype and ``model.recompute`` the activation recomputation (as the
     backend allows); ``parallel`` the sequence parallelism (where megatron supports it), the optimizer and the
     communication overlap; ``optim`` its settings; ``routing_replay`` builds a mixture-of-experts model whose
     routers can replay recorded choices (``algorithm.moe_routing_replay``: R2 or R3); micro-batches are packed to
-    ``micro_batch_tokens`` tokens and log-probs taken at the rollout ``temperature``.
+    ``micro_batch_tokens`` tokens and log-probs taken at the rollout ``temperature``. ``model.lora.enabled``: the
+    base is frozen and adapters drawn from ``seed`` are all that trains (:mod:`dapo_megatron.policy.lora`).
     """
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
     sequence_parallel = sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,
                                                   use_transformer_engine=backend.uses_transformer_engine)
-    require_sequence_parallel_for_moe_training(spec, tensor_parallel=tensor_parallel,
+    require_sequence_parallel_for_moe_training(has_experts=spec.moe is not None, tensor_parallel=tensor_parallel,
                                                sequence_parallel=sequence_parallel,
                                                use_transformer_engine=backend.uses_transformer_engine)
     tconfig = transformer_config(
@@ -116,9 +119,15 @@ def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", 
         moe_aux_loss_coeff=model.moe.aux_loss_coeff,
         moe_routing_replay=routing_replay,
     )
+    stage = build_model(spec, tconfig, backend)
+    if model.lora.enabled:
+        add_adapters(stage, model.lora, seed=seed)
+        # only the adapters train; megatron's param groups would decay each (2-D) one by optim.weight_decay
+        optim = replace(optim, weight_decay=model.lora.weight_decay)
     ddp_model, optimizer, scheduler = wrap_for_training(
-        build_model(spec, tconfig, backend), optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
-        overlap_grad_reduce=parallel.overlap_grad_reduce, overlap_param_gather=parallel.overlap_param_gather)
+        stage, optim, use_distributed_optimizer=parallel.use_distributed_optimizer,
+        overlap_grad_reduce=parallel.overlap_grad_reduce, overlap_param_gather=parallel.overlap_param_gather,
+        lr_multiplier=model.lora.lr_multiplier if model.lora.enabled else 1.0)
     return Actor(ddp_model, optimizer, scheduler, backend=backend, real_vocab_size=spec.vocab_size,
                  batching=PackedBatching(token_budget=micro_batch_tokens),
                  temperature=temperature)
@@ -173,15 +182,20 @@ class Actor:
 
     def plan(self, samples: Sequence[PolicySample], batching: PackedBatching | None):
         """This DP rank's packed micro-batches of the mini-batch ``samples``, on the model's device."""
+        return self.on_device(self.host_plan(samples, batching))
+
+    def host_plan(self, samples: Sequence[PolicySample], batching: PackedBatching | None):
+        """:meth:`plan`'s micro-batches still on the host (what R3 lays the engine's routing out from)."""
         self._check_same_minibatch_on_dp_ranks(samples)
         with self.backend.host_compute():  # packing never names CUDA
-            plan = plan_data_parallel(
+            return plan_data_parallel(
                 samples, self._batching(batching), self.backend.packer, data_parallel=self.dp_size,
                 data_parallel_rank=self.dp_rank, vocab_size=self.real_vocab_size,
             )
+
+    def on_device(self, plan):
         device = self.device
-        plan.micro_batches = [mb.to(device) for mb in plan.micro_batches]
-        return plan
+        return replace(plan, micro_batches=[mb.to(device) for mb in plan.micro_batches])
 
     def _check_same_minibatch_on_dp_ranks(self, samples: Sequence[PolicySample]) -> None:
         """Every DP rank must be handed the same mini-batch (each takes its own share of it)."""
@@ -361,12 +375,14 @@ class Actor:
         """
         temperature = self.temperature if temperature is None else temperature
         sync_params(self.model)  # with overlap_param_gather the last update's all-gather waits for a training forward
-        plan = self.plan(samples, batching)
+        host_plan = self.host_plan(samples, batching)
         if (record_routing or engine_routing is not None) and self.routing_replay is None:
             raise ValueError("record_routing needs a model built with routing replay (algorithm.moe_routing_replay)")
         replay = self.routing_replay.recording() if record_routing else nullcontext()
-        if engine_routing is not None:
-            replay = replaying_on_stage(self.routing_replay, plan.micro_batches, samples, engine_routing, self.device)
+        if engine_routing is not None:  # laid out from the host micro-batches: no copy back from the GPU per row
+            replay = replaying_on_stage(self.routing_replay, host_plan.micro_batches, samples, engine_routing,
+                                        self.device)
+        plan = self.on_device(host_plan)
         self.model.eval()
         try:
             with replay as recorded:

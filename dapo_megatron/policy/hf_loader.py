@@ -18,6 +18,7 @@ import torch
 from megatron.core import parallel_state
 
 from dapo_megatron.hf_format import HFFormatError, HFWeights, compare_shapes, load_hf_config
+from dapo_megatron.policy.lora_names import is_adapter_parameter
 from dapo_megatron.policy.model_spec import ModelSpec, model_spec_from_hf
 from dapo_megatron.policy.weight_mapping import (
     BoundMapping,
@@ -35,7 +36,7 @@ class HFCheckpointError(HFFormatError):
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
-    """:func:`load_hf_config` then :func:`~dapo_megatron.policy.model.model_spec_from_hf`."""
+    """:func:`load_hf_config` then :func:`~dapo_megatron.policy.model_spec.model_spec_from_hf`."""
     return model_spec_from_hf(load_hf_config(model_dir))
 
 
@@ -65,7 +66,7 @@ def model_stage_mappings(model: torch.nn.Module, spec: ModelSpec) -> list[BoundM
                 f"stage {pp_rank}: layer {local} is megatron layer_number {layer.layer_number}, expected "
                 f"{offset + local + 1} (only the even pipeline split is supported)"
             )
-    names = [n for n, _ in model.named_parameters()]
+    names = [n for n, _ in model.named_parameters() if not is_adapter_parameter(n)]  # LoRA's are not the HF model's
     mappings = stage_mappings(spec, layer_offset=offset, num_local_layers=len(layers),
                               first_stage=model.pre_process, last_stage=model.post_process,
                               transformer_engine=uses_transformer_engine_names(names),

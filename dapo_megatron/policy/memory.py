@@ -56,11 +56,16 @@ recomputes the softmax in chunks, so nothing else of vocabulary width lives
 tensors, float32 ``[n, R]`` (n samples in the row, R its longest response; ~12 of them), tens of MB — e.g. one
 20480-token response packed with 64 samples of 64 tokens is 65 × 20480 × 4 B × 12 ≈ 64 MB.
 
+**Routing replay's targets** (``algorithm.moe_routing_replay``, :mod:`.moe_routing`): the expert ids each router
+is replayed with, int64 ``[t/S, k]`` per MoE layer (``S`` = T under sequence parallelism), one micro-batch's on the
+GPU at a time; with full recomputation every micro-batch in flight keeps its own until its recomputed forward
+(megatron's REPLAY_BACKWARD queue). The host side (what replay keeps between passes): :mod:`.host_memory`.
+
 **Margin**: 3 GB for the CUDA context, NCCL's communicator buffers and library workspaces, plus 10 % of the
 activations and logits for the caching allocator's fragmentation.
 
 Not modelled: the forward-only log-prob passes (they keep nothing and run at other times), FP8 weight caches and
-amax histories (Transformer Engine; small next to the above), CPU memory.
+amax histories (Transformer Engine; small next to the above).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ FIXED_MARGIN_BYTES = 3 * GB
 FRAGMENTATION = 0.10
 LOGPROB_CHUNK_TEMPORARIES = 4  # float32 chunk buffers live at once in the vocab-parallel log-prob
 LOGPROB_CHUNK_COPIES = 2  # chunks in the activation dtype: the rows read, the gradient cast back
+REPLAY_TARGET_BYTES = 8  # int64: the indices megatron's router gathers its scores with
 
 
 @dataclass(frozen=True)
@@ -95,11 +101,13 @@ class StageMemory:
     logits_bytes: int
     margin_bytes: int
     expert_parameters: int = 0  # of ``parameters``, a MoE model's experts (optimizer state sharded over DP / EP)
+    frozen_parameters: int = 0  # of ``parameters``, those that never train (a LoRA run's base: policy/lora_memory.py)
+    routing_bytes: int = 0  # routing replay's targets (int64) of the micro-batches that hold them
 
     @property
     def total_bytes(self) -> int:
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
-                + self.logits_bytes + self.margin_bytes)
+                + self.logits_bytes + self.margin_bytes + self.routing_bytes)
 
     def as_dict(self) -> dict[str, int]:
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "total_bytes": self.total_bytes}
@@ -162,12 +170,14 @@ def estimate_memory(
     sequence_parallel: bool = True,
     fused_attention: bool = True,
     expert_parallel: int = 1,
+    routing_replay: bool = False,
 ) -> list[StageMemory]:
     """Per-stage memory of one GPU (see the module docstring for the model and its sources), stage 0 first.
 
     ``sequence_parallel`` is whether it is in effect (it needs TP > 1); ``fused_attention`` whether the attention
     kernel keeps no score matrix (Transformer Engine) or megatron's local attention is used; ``expert_parallel``
-    ranks (of the ``data_parallel`` ones) share a MoE model's experts.
+    ranks (of the ``data_parallel`` ones) share a MoE model's experts; ``routing_replay``: the routers replay
+    recorded choices.
     """
     check_parallel_layout(spec, tensor_parallel, pipeline_parallel, expert_parallel)
     if data_parallel % expert_parallel:
@@ -213,8 +223,13 @@ def estimate_memory(
         logits = 0
         if last:
             logits = sum(logprob_buffers(t * (padded_vocab_size(spec.vocab_size, tp) // tp), act_bytes).values())
+        routing = 0
+        if routing_replay and spec.moe is not None:
+            holding = in_flight if recompute == "full" else 1
+            routing = holding * -(-t // sp) * layers * spec.moe.topk * REPLAY_TARGET_BYTES
         stages.append(StageMemory(
             stage=stage, layers=layers, parameters=parameters, micro_batches_in_flight=in_flight,
+            routing_bytes=routing,
             params_bytes=parameters * weight_bytes, grads_bytes=parameters * 4,
             optimizer_bytes=int((parameters - experts) * optimizer_per_param + experts * expert_optimizer_per_param),
             activations_bytes=activations,
@@ -249,5 +264,6 @@ def plan_stages(config: DAPOConfig, spec: ModelSpec, *, data_parallel: int, loca
         micro_batch_tokens=config.trainer.micro_batch_tokens, distributed_optimizer=p.use_distributed_optimizer,
         precision=config.model.precision, recompute=config.model.recompute, sequence_parallel=sequence_parallel,
         fused_attention=not local_spec, expert_parallel=p.expert,
+        routing_replay=config.algorithm.moe_routing_replay != "none",
     )
     return stages, sequence_parallel

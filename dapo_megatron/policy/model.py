@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from dapo_megatron.config import ConfigError
 from dapo_megatron.config.model import Precision, Recompute
 from dapo_megatron.policy.model_spec import (
     ModelSpec,
@@ -48,20 +49,23 @@ def sequence_parallel_enabled(requested: bool, *, tensor_parallel: int, use_tran
     return requested and tensor_parallel > 1 and use_transformer_engine
 
 
-def require_sequence_parallel_for_moe_training(spec: ModelSpec, *, tensor_parallel: int,
+def require_sequence_parallel_for_moe_training(*, has_experts: bool, tensor_parallel: int,
                                                sequence_parallel: bool, use_transformer_engine: bool) -> None:
     """megatron-core 0.16.1's MoE layer raises in training when TP > 1 runs without sequence parallelism
     (``moe_layer.py``, ``forward``); the first update would crash after a whole rollout. Refuse the layout up front,
-    naming what to change (:class:`ParallelLayoutError`)."""
-    if spec.moe is None or tensor_parallel < 2 or sequence_parallel:
+    naming the keys to change: a :class:`~dapo_megatron.config.ConfigError` (the input checks raise it before
+    anything is built, :func:`dapo_megatron.run.input_checks.check_training_layout`; one line and exit code 2
+    wherever it is raised)."""
+    if not has_experts or tensor_parallel < 2 or sequence_parallel:
         return
     why = ("parallel.sequence_parallel is false" if use_transformer_engine else
            "sequence parallelism needs Transformer Engine's layer spec, and this run uses megatron's local layers "
            "(no Transformer Engine, or model.kernels: local)")
-    raise ParallelLayoutError(
-        f"a mixture-of-experts model trains at parallel.tensor={tensor_parallel} only with sequence parallelism "
-        f"(megatron-core's MoE layer refuses it otherwise), and {why}: set parallel.sequence_parallel: true with "
-        f"Transformer Engine, or parallel.tensor: 1 and split the experts with parallel.expert")
+    raise ConfigError(
+        f"parallel.sequence_parallel / parallel.tensor: a mixture-of-experts model trains at parallel.tensor="
+        f"{tensor_parallel} only with sequence parallelism (megatron-core's MoE layer refuses it otherwise), and "
+        f"{why}: set parallel.sequence_parallel: true with Transformer Engine, or parallel.tensor: 1 and split the "
+        f"experts with parallel.expert")
 
 
 def recompute_settings(recompute: Recompute) -> dict[str, Any]:

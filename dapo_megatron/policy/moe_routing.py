@@ -22,9 +22,18 @@ keeps the indices of every forward of a pass, per router, one entry per micro-ba
 :meth:`RoutingReplay.replaying` hands them back in the same order. A micro-batch must therefore hold the same tokens
 in both passes: the π_old pass runs the update's very mini-batch with the update's batching
 (:class:`dapo_megatron.trainer.policy_update.PolicyUpdate`), and a token count that does not match is an error.
-Under 1F1B pipelining a stage runs its micro-batches' forwards in order, so the order holds with PP > 1; full
-activation recomputation would run a router twice per micro-batch and is refused. R3 (``replay_rollout``) replays the
-rollout engine's routing through the same routers: :mod:`dapo_megatron.policy.rollout_routing`.
+Under 1F1B pipelining a stage runs its micro-batches' forwards in order, so the order holds with PP > 1.
+
+Both replays go through one seam, :meth:`RoutingReplay.routed_by`: a function chooses each forward's experts, per
+router and micro-batch. With activation recomputation (``model.recompute: full``) a router runs again in backward,
+re-running its micro-batch's forward: that forward is recognized (it runs inside autograd's backward,
+:func:`inside_backward`), consumes nothing, and routes with megatron's REPLAY_BACKWARD, which pops the target the
+micro-batch's forward used (megatron queues each target in order; backward runs micro-batches in the order of their
+forwards). Without recomputation that queue is not kept (:func:`dapo_megatron.overrides.megatron_core.router_replay.
+set_replay_target`), so the GPU holds one micro-batch's targets per router, not the whole pass's. Targets reach the
+GPU as int16, copied without blocking and widened there; the recorded indices leave it the same way, into pinned
+host memory. R3 (``replay_rollout``) replays the rollout engine's routing through the seam:
+:mod:`dapo_megatron.policy.rollout_routing`.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from __future__ import annotations
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,6 +49,8 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch import Tensor
+
+from dapo_megatron.overrides.megatron_core.router_replay import set_replay_target
 
 
 def moe_routers(model: torch.nn.Module) -> list[TopKRouter]:
@@ -66,7 +77,7 @@ class RouterLoadMonitor:
 
     def _hook(self, index: int):
         def record(router: TopKRouter, args, output) -> None:
-            if not self._active:
+            if not self._active or inside_backward():  # a recomputed forward routes its tokens a second time
                 return
             _, routing_map = output
             with torch.no_grad():
@@ -117,16 +128,40 @@ ROUTING_INDEX_BYTES = 2  # int16: expert indices < 32768
 
 
 def host_copy(indices: Tensor) -> Tensor:
-    """``indices`` as int16 in host memory, pinned when they come from the GPU (so the replay's copy back runs
-    asynchronously). A step's recorded routing lives from π_old's pass to the last update: on the GPU that is
-    ``layers · k · 2`` bytes a token (768 B for Qwen3-30B-A3B) for every token of the rank's share of the step."""
-    host = indices.to(device="cpu", dtype=torch.int16)
-    return host.pin_memory() if indices.is_cuda else host
+    """``indices`` as int16 in host memory: from the GPU narrowed there and copied without blocking into pinned memory
+    (whatever later reads it on the GPU is ordered after the copy on the same stream). A step's recorded routing
+    lives from π_old's pass to the last update: on the GPU that is ``layers · k · 2`` bytes a token (768 B for
+    Qwen3-30B-A3B) for every token of the rank's share of the step."""
+    if not indices.is_cuda:
+        return indices.to(torch.int16, copy=True)
+    narrow = indices.to(torch.int16)
+    host = torch.empty(narrow.shape, dtype=torch.int16, pin_memory=True)
+    host.copy_(narrow, non_blocking=True)
+    return host
+
+
+def on_device(indices: Tensor, device: torch.device) -> Tensor:
+    """Host int16 indices as the int64 a router gathers with on ``device``: copied as int16 (without blocking from
+    pinned memory), widened there."""
+    return indices.to(device, non_blocking=True).long()
 
 
 def recorded_routing_bytes(*, tokens: int, layers: int, topk: int) -> int:
     """Host bytes of the routing one rank records for ``tokens`` tokens through ``layers`` MoE layers."""
     return tokens * layers * topk * ROUTING_INDEX_BYTES
+
+
+def inside_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread: a forward that runs then re-runs a
+    checkpointed micro-batch (activation recomputation; torch's own checkpoint asks the same way)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def recomputes_routers(config) -> bool:
+    """Whether a ``TransformerConfig``'s activation recomputation re-runs the routers in backward: full
+    recomputation, or the selective ``moe`` module (the whole MoE layer)."""
+    return config.recompute_granularity == "full" or (
+        config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ()))
 
 
 @dataclass
@@ -137,6 +172,33 @@ class RecordedRouting:
     per_router: list[list[Tensor]] = field(default_factory=list)
 
 
+class MicroBatchQueues:
+    """Per router, one ``[tokens, k]`` entry per micro-batch, taken in the order the forwards run; ``what`` says where
+    they came from ("recorded", "laid out"), ``hint`` what a token-count mismatch means."""
+
+    def __init__(self, per_router: list[list[Tensor]], *, what: str, hint: str = "") -> None:
+        self.queues = [deque(entries) for entries in per_router]
+        self.what, self.hint = what, hint
+
+    def take(self, index: int, tokens: int) -> Tensor:
+        if not self.queues[index]:
+            raise RuntimeError(f"routing replay: router {index} ran more forwards than were {self.what}")
+        entry = self.queues[index].popleft()
+        if entry.shape[0] != tokens:
+            raise RuntimeError(f"routing replay: router {index} routes {tokens} tokens, the {self.what} micro-batch "
+                               f"has {entry.shape[0]}{self.hint}")
+        return entry
+
+    def require_all_taken(self) -> None:
+        left = [len(queue) for queue in self.queues if queue]
+        if left:
+            raise RuntimeError(f"routing replay: {left[0]} {self.what} micro-batches were not run")
+
+
+ChooseExperts = Callable[[int, TopKRouter, Tensor], Tensor]
+"""``(router index, router, hidden [T, H])`` → the ``[T, k]`` int64 expert ids it routes this forward with."""
+
+
 class RoutingReplay:
     """Record a pass's routing and replay it in another (see the module docstring)."""
 
@@ -145,9 +207,7 @@ class RoutingReplay:
         missing = [r for r in self.routers if r.router_replay is None]
         if missing or not self.routers:
             raise ValueError("routing replay needs a mixture-of-experts model built with moe_enable_routing_replay")
-        if self.routers[0].config.recompute_granularity == "full":
-            raise ValueError("routing replay cannot run with full activation recomputation: the recomputed forward "
-                             "would consume the next micro-batch's routing")
+        self.recomputes = recomputes_routers(self.routers[0].config)
 
     @contextmanager
     def recording(self) -> Iterator[RecordedRouting]:
@@ -156,7 +216,8 @@ class RoutingReplay:
 
         def keep(index: int):
             def hook(router: TopKRouter, args, output) -> None:
-                recorded.per_router[index].append(host_copy(router.router_replay.get_recorded_indices()))
+                if not inside_backward():  # a recomputed forward chose nothing new
+                    recorded.per_router[index].append(host_copy(router.router_replay.get_recorded_indices()))
             return hook
 
         with self._action(RouterReplayAction.RECORD, [r.register_forward_hook(keep(i))
@@ -164,31 +225,39 @@ class RoutingReplay:
             yield recorded
 
     @contextmanager
-    def replaying(self, recorded: RecordedRouting) -> Iterator[None]:
-        """The forwards in the block route with ``recorded``'s indices, micro-batch by micro-batch; every recorded
-        micro-batch must be used."""
-        if len(recorded.per_router) != len(self.routers):
-            raise ValueError(f"recorded routing of {len(recorded.per_router)} routers for {len(self.routers)}")
-        queues = [deque(indices) for indices in recorded.per_router]
-
+    def routed_by(self, choose: ChooseExperts) -> Iterator[None]:
+        """The forwards in the block route with ``choose``'s experts, called once per router and micro-batch
+        forward; a recomputed forward routes as its micro-batch's forward did (megatron's REPLAY_BACKWARD) without
+        calling it."""
         def target(index: int):
             def hook(router: TopKRouter, args) -> None:
-                tokens = args[0].numel() // args[0].shape[-1]
-                if not queues[index]:
-                    raise RuntimeError(f"routing replay: router {index} ran more forwards than were recorded")
-                indices = queues[index].popleft()
-                if indices.shape[0] != tokens:
-                    raise RuntimeError(f"routing replay: router {index} routes {tokens} tokens, the recorded pass "
-                                       f"routed {indices.shape[0]} in this micro-batch (different batching)")
-                router.router_replay.set_target_indices(indices.to(device=args[0].device, dtype=torch.long))
+                replay = router.router_replay
+                if inside_backward():
+                    replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+                    return
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+                experts = choose(index, router, args[0].reshape(-1, args[0].shape[-1]))
+                set_replay_target(replay, experts, kept_for_recompute=self.recomputes)
             return hook
 
         with self._action(RouterReplayAction.REPLAY_FORWARD, [r.register_forward_pre_hook(target(i))
                                                                for i, r in enumerate(self.routers)]):
             yield
-        left = [len(queue) for queue in queues if queue]
-        if left:
-            raise RuntimeError(f"routing replay: {left[0]} recorded micro-batches were not replayed")
+
+    @contextmanager
+    def replaying(self, recorded: RecordedRouting) -> Iterator[None]:
+        """The forwards in the block route with ``recorded``'s indices, micro-batch by micro-batch; every recorded
+        micro-batch must be used."""
+        if len(recorded.per_router) != len(self.routers):
+            raise ValueError(f"recorded routing of {len(recorded.per_router)} routers for {len(self.routers)}")
+        queues = MicroBatchQueues(recorded.per_router, what="recorded", hint=" (different batching)")
+
+        def choose(index: int, router: TopKRouter, hidden: Tensor) -> Tensor:
+            return on_device(queues.take(index, hidden.shape[0]), hidden.device)
+
+        with self.routed_by(choose):
+            yield
+        queues.require_all_taken()
 
     @contextmanager
     def _action(self, action: RouterReplayAction, hooks: list) -> Iterator[None]:

@@ -50,10 +50,16 @@ def ddp_config(*, use_distributed_optimizer: bool, overlap_grad_reduce: bool = F
 
 
 def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distributed_optimizer: bool,
-                      overlap_grad_reduce: bool = False, overlap_param_gather: bool = False):
-    """``(DistributedDataParallel(stage), optimizer, scheduler)``; the stage is an unwrapped ``GPTModel``."""
+                      overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                      lr_multiplier: float = 1.0):
+    """``(DistributedDataParallel(stage), optimizer, scheduler)``; the stage is an unwrapped ``GPTModel``.
+
+    Only the parameters that require a gradient are trained: megatron's DDP gives the others no gradient buffer and
+    its optimizer no main copy or moments (with LoRA, :func:`dapo_megatron.policy.lora.add_adapters` froze the base).
+    ``lr_multiplier`` scales ``optim.lr`` (``model.lora.lr_multiplier``: adapters train at a higher rate)."""
 
     tconfig = stage.config
+    lr = optim.lr * lr_multiplier
     ddp_model = DistributedDataParallel(
         tconfig, ddp_config(use_distributed_optimizer=use_distributed_optimizer,
                             overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather),
@@ -65,8 +71,8 @@ def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distr
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
-            lr=optim.lr,
-            min_lr=optim.lr,
+            lr=lr,
+            min_lr=lr,
             weight_decay=optim.weight_decay,
             adam_beta1=optim.adam_beta1,
             adam_beta2=optim.adam_beta2,
@@ -81,9 +87,9 @@ def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distr
     )
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if optim.warmup_steps else optim.lr,
-        max_lr=optim.lr,
-        min_lr=optim.lr,
+        init_lr=0.0 if optim.warmup_steps else lr,
+        max_lr=lr,
+        min_lr=lr,
         lr_warmup_steps=optim.warmup_steps,
         lr_decay_steps=optim.warmup_steps + 1,  # unused by the constant style; must exceed warmup
         lr_decay_style="constant",
@@ -106,3 +112,23 @@ def sync_params(ddp_model) -> bool:
         return False
     ddp_model.start_param_sync(force_sync=True)
     return True
+
+
+def training_state_bytes(ddp_model, optimizer) -> dict[str, int]:
+    """Bytes this rank holds for training, measured on the objects: ``weights`` (every parameter of the stage),
+    ``grad_buffers`` (megatron DDP's gradient buffers: only parameters that require a gradient get a slot),
+    ``main_params`` (the optimizer's fp32 copies of 16-bit parameters) and ``moments`` (Adam's state tensors, which
+    exist once a step was applied). With LoRA the last three are the adapters' alone."""
+    def size(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    grad_buffers = sum(size(buffer.grad_data) for buffer in ddp_model.buffers + ddp_model.expert_parallel_buffers)
+    main_params = moments = 0
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for groups in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            main_params += sum(size(param) for group in getattr(chained, groups, None) or [] for param in group)
+        for state in chained.optimizer.state.values():
+            moments += sum(size(value) for value in state.values() if isinstance(value, torch.Tensor)
+                           and value.dim() > 0)
+    return {"weights": sum(size(param) for param in ddp_model.module.parameters()), "grad_buffers": grad_buffers,
+            "main_params": main_params, "moments": moments}

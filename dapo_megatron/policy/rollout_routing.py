@@ -7,35 +7,41 @@ last sampled token through the model), per MoE layer — SGLang's ``meta_info["r
 (``sglang/srt/state_capturer/base.py``, ``get_topk``: tokens ``[0, seqlen − 1)``), which the embedded engine records
 the same way. A sample without routing (``None``) is routed by the trainer's own routers.
 
-:func:`engine_targets` lays the samples' routing out for THIS rank's packed micro-batches, whatever the backend's
-row layout: the row position of every token a response log-prob depends on is known from ``response_index`` (the
-logits predicting response token ``t`` sit at the position of sequence token ``P − 1 + t``, and the prompt's tokens
-are contiguous before its last one), which holds for the THD layout and the CPU "segments" layout alike. Under
-sequence parallelism a TP rank's routers see its contiguous share of the row; a pipeline stage's routers their own
-layers (``router.layer_number``). Positions the engine did not route (the last response token, padding, a sample
-without routing) are ``-1``.
+Only global rank 0 holds the engine's routing of a step (it collected it; the rollout batch carries only its shapes
+to the other ranks, :mod:`dapo_megatron.collectors.batch`). For each forward pass every rank asks rank 0 for exactly
+the rows it routes (:class:`RoutingRequest`): the tokens of its DP share's micro-batches, within its sequence-parallel
+part of each row, for its pipeline stage's layers; rank 0 answers every rank in turn (:func:`rows_from_rank0`). A
+rank thus receives its own share, never the step's whole routing.
 
-:func:`replaying_engine_routing` replays those targets in a forward pass through megatron-core's ``RouterReplay``
-(REPLAY_FORWARD; :class:`dapo_megatron.policy.moe_routing.RoutingReplay` holds the routers), filling ``-1`` with the
-router's own top-k of that pass, and keeps what it replayed as a :class:`RecordedRouting`: π_old's pass runs it, and
-every update of the step replays exactly π_old's routing (as R2 does). It also counts, per (token, layer) the engine
-routed, whether the router's own top-k on the same hidden states is the engine's set (:class:`RoutingAgreement`).
+The row position of every token a response log-prob depends on is known from ``response_index`` (the logits
+predicting response token ``t`` sit at the position of sequence token ``P − 1 + t``, and the prompt's tokens are
+contiguous before its last one), which holds for the THD layout and the CPU "segments" layout alike (where samples of
+one prompt share its positions, the last of them in the row routes them). Under sequence parallelism a TP rank's
+routers see its contiguous share of the row; a pipeline stage's routers their own layers (``router.layer_number``).
+Positions the engine did not route (the last response token, padding, a sample without routing) are ``-1``.
+
+:func:`replaying_engine_routing` replays those targets in a forward pass through
+:meth:`dapo_megatron.policy.moe_routing.RoutingReplay.routed_by` (megatron's REPLAY_FORWARD), filling ``-1`` with
+the router's own top-k of that pass, and keeps what it replayed as a :class:`RecordedRouting`: π_old's pass runs it,
+and every update of the step replays exactly π_old's routing (as R2 does). It also counts, on the device, per (token,
+layer) the engine routed, whether the router's own top-k on the same hidden states is the engine's set
+(:class:`RoutingAgreement`); the counts are read once, after the pass.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch import Tensor
 
-from dapo_megatron.policy.moe_routing import RecordedRouting, RoutingReplay
+from dapo_megatron.policy.moe_routing import MicroBatchQueues, RecordedRouting, RoutingReplay, host_copy, on_device
 from dapo_megatron.policy.packing import MicroBatch, PolicySample
+from dapo_megatron.rank_zero import waiting_group
 
 UNROUTED = -1  # a position the engine gave no routing for: the router chooses itself
 
@@ -43,13 +49,11 @@ UNROUTED = -1  # a position the engine gave no routing for: the router chooses i
 def routing_layout(routing: Tensor | None, *, prompt_length: int, response_length: int, layers: int, topk: int,
                    where: str) -> Tensor | None:
     """``routing`` checked against its sample: ``[P + R − 1, L, k]`` int16 (the engine may also include the last
-    token: one more row, dropped; SGLang's ``[P + R − 1, L · k]`` is split into layers here). Raises ValueError
-    naming ``where``."""
+    token: one more row, dropped). Raises ValueError naming ``where``. A rank other than 0 holds only the shape (a
+    tensor on the ``meta`` device), which is checked the same."""
     if routing is None:
         return None
     routing = torch.as_tensor(routing)
-    if routing.dim() == 2 and routing.shape[1] == layers * topk:
-        routing = routing.reshape(routing.shape[0], layers, topk)
     expected = prompt_length + response_length - 1
     if routing.dim() != 3 or tuple(routing.shape[1:]) != (layers, topk) or routing.shape[0] not in (expected,
                                                                                                    expected + 1):
@@ -59,48 +63,141 @@ def routing_layout(routing: Tensor | None, *, prompt_length: int, response_lengt
 
 
 def sequence_positions(mb: MicroBatch, row: int, prompt_length: int, response_length: int) -> Tensor:
-    """Flat row positions of sequence tokens ``0 … P + R − 2`` of the micro-batch's ``row``-th sample."""
-    predictors = mb.response_index[row, :response_length].cpu()
+    """Flat row positions of sequence tokens ``0 … P + R − 2`` of the micro-batch's ``row``-th sample (``mb`` on the
+    host)."""
+    predictors = mb.response_index[row, :response_length]
     first = int(predictors[0]) - (prompt_length - 1)
     return torch.cat([torch.arange(first, first + prompt_length - 1), predictors])
 
 
-def engine_targets(micro_batches: Sequence[MicroBatch], samples: Sequence[PolicySample],
-                   routing: Sequence[Tensor | None], *, layers: Sequence[int], topk: int, split: int = 1,
-                   part: int = 0) -> RecordedRouting:
-    """Per router (``layers``: this stage's, 0-based global layer numbers) and micro-batch, the ``[S / split, k]``
-    int16 expert ids of the micro-batch's row share ``part`` (sequence parallelism: the TP rank), ``UNROUTED`` where
-    the engine gave none."""
-    per_router: list[list[Tensor]] = [[] for _ in layers]
-    layer_index = torch.tensor(list(layers), dtype=torch.long)
-    for mb in micro_batches:
+@dataclass
+class RoutingRequest:
+    """The engine routing one rank needs for one pass: for each entry ``(sample, runs)`` the rows of the sample's
+    tokens ``[start, end)`` of each run, at the rank's ``layers`` (0-based global layer numbers). What is sent to
+    rank 0; ``placements`` (where each entry's rows go: micro-batch number, positions in the rank's part of its row)
+    stays with the rank."""
+
+    layers: list[int]
+    entries: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)
+    placements: list[tuple[int, Tensor]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return sum(end - start for _, runs in self.entries for start, end in runs)
+
+    def for_rank0(self) -> "RoutingRequest":
+        return RoutingRequest(self.layers, self.entries)
+
+
+def _runs(indices: Tensor) -> list[tuple[int, int]]:
+    """Sorted token indices as ``[start, end)`` runs of consecutive ones."""
+    values = indices.tolist()
+    runs, start = [], values[0]
+    for previous, value in zip(values, values[1:]):
+        if value != previous + 1:
+            runs.append((start, previous + 1))
+            start = value
+    runs.append((start, values[-1] + 1))
+    return runs
+
+
+def routing_request(micro_batches: Sequence[MicroBatch], samples: Sequence[PolicySample], routed: Sequence[bool], *,
+                    layers: Sequence[int], split: int = 1, part: int = 0) -> RoutingRequest:
+    """What this rank asks for: the routed samples' tokens that land in its ``part`` of ``split`` of each of its
+    (host) micro-batches' rows."""
+    request = RoutingRequest(list(layers))
+    for number, mb in enumerate(micro_batches):
         if mb.tokens.shape[0] != 1:
             raise ValueError(f"rollout routing replay needs one packed row per micro-batch, got {mb.tokens.shape[0]}")
         length = mb.tokens.shape[1]
         if length % split:
             raise ValueError(f"a row of {length} tokens does not split over {split} sequence-parallel ranks")
-        row = torch.full((length, len(layers), topk), UNROUTED, dtype=torch.int16)
-        for position, index in enumerate(mb.sample_indices):
-            if routing[index] is None:
-                continue
-            sample = samples[index]
-            row[sequence_positions(mb, position, sample.prompt_length, sample.response_length)] = \
-                routing[index][:, layer_index]
+        owner = torch.full((length,), -1, dtype=torch.long)  # which row sample routes each position (the last one)
+        token = torch.full((length,), -1, dtype=torch.long)
+        for row, index in enumerate(mb.sample_indices):
+            if routed[index]:
+                sample = samples[index]
+                positions = sequence_positions(mb, row, sample.prompt_length, sample.response_length)
+                owner[positions], token[positions] = index, torch.arange(len(positions))
         share = length // split
-        for r in range(len(layers)):
-            per_router[r].append(row[part * share:(part + 1) * share, r].contiguous())
-    return RecordedRouting(per_router)
+        start = part * share
+        owner, token = owner[start:start + share], token[start:start + share]
+        for index in owner[owner >= 0].unique().tolist():
+            mine = (owner == index).nonzero().reshape(-1)
+            order = token[mine].argsort()
+            request.entries.append((index, _runs(token[mine][order])))
+            request.placements.append((number, mine[order]))
+    return request
+
+
+def answer_request(request: RoutingRequest, routing: Sequence[Tensor | None]) -> Tensor:
+    """Rank 0's answer: int16 ``[request.tokens, len(layers), k]``, the entries' rows in order."""
+    layers = torch.tensor(request.layers, dtype=torch.long)
+    rows = [routing[index][start:end][:, layers] for index, runs in request.entries for start, end in runs]
+    if not rows:
+        topk = next((r.shape[-1] for r in routing if r is not None), 1)
+        return torch.empty(0, len(request.layers), topk, dtype=torch.int16)
+    return torch.cat(rows).to(torch.int16)
+
+
+def rows_from_rank0(request: RoutingRequest, answer: Callable[[RoutingRequest], Tensor], *, topk: int) -> Tensor:
+    """Every rank calls this (a collective on :func:`~dapo_megatron.rank_zero.waiting_group`): rank 0 gathers the
+    requests and sends each rank its answer, computed by ``answer`` there; returns this rank's rows."""
+    group = waiting_group()
+    if group is None:
+        return answer(request)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    requests: list | None = [None] * world if rank == 0 else None
+    dist.gather_object(request.for_rank0(), requests, dst=0, group=group)
+    if rank == 0:
+        for other in range(1, world):
+            rows = answer(requests[other]).contiguous()
+            if rows.numel():
+                dist.send(rows.view(torch.uint8).reshape(-1), dst=other, group=group)  # gloo sends no int16
+        return answer(request)
+    rows = torch.empty(request.tokens, len(request.layers), topk, dtype=torch.int16)
+    if rows.numel():
+        dist.recv(rows.view(torch.uint8).reshape(-1), src=0, group=group)
+    return rows
+
+
+def placed_targets(request: RoutingRequest, rows: Tensor, micro_batches: Sequence[MicroBatch], *, topk: int,
+                   split: int = 1) -> RecordedRouting:
+    """Per router and micro-batch the ``[S / split, k]`` int16 expert ids of the rank's part of the row: ``rows``
+    where the request placed them, ``UNROUTED`` elsewhere."""
+    parts = [torch.full((mb.tokens.shape[1] // split, len(request.layers), topk), UNROUTED, dtype=torch.int16)
+             for mb in micro_batches]
+    offset = 0
+    for number, positions in request.placements:
+        parts[number][positions] = rows[offset:offset + len(positions)]
+        offset += len(positions)
+    return RecordedRouting([[part[:, r].contiguous() for part in parts] for r in range(len(request.layers))])
+
+
+def engine_targets(micro_batches: Sequence[MicroBatch], samples: Sequence[PolicySample],
+                   routing: Sequence[Tensor | None], *, layers: Sequence[int], topk: int, split: int = 1,
+                   part: int = 0) -> RecordedRouting:
+    """In one process: per router (``layers``: 0-based global layer numbers) and micro-batch, the ``[S / split, k]``
+    int16 expert ids of the micro-batch's row part ``part`` (sequence parallelism: the TP rank), ``UNROUTED``
+    where the engine gave none."""
+    request = routing_request(micro_batches, samples, [r is not None for r in routing], layers=layers, split=split,
+                              part=part)
+    return placed_targets(request, answer_request(request, routing), micro_batches, topk=topk, split=split)
 
 
 def stage_targets(routers, micro_batches: Sequence[MicroBatch], samples: Sequence[PolicySample],
                   routing: Sequence[Tensor | None], *, sequence_parallel: bool) -> RecordedRouting:
-    """:func:`engine_targets` for this rank: its stage's ``routers`` and, under sequence parallelism, its TP share."""
+    """This rank's targets (a collective): its stage's ``routers``, under sequence parallelism its TP part, its DP
+    share's host ``micro_batches``; the rows come from rank 0, the one rank holding ``routing``'s values."""
     if len(routing) != len(samples):
         raise ValueError(f"engine routing for {len(routing)} samples, {len(samples)} samples")
     split = parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1
-    return engine_targets(micro_batches, samples, routing, layers=[router.layer_number - 1 for router in routers],
-                          topk=routers[0].topk, split=split,
-                          part=parallel_state.get_tensor_model_parallel_rank() if split > 1 else 0)
+    part = parallel_state.get_tensor_model_parallel_rank() if split > 1 else 0
+    topk = routers[0].topk
+    request = routing_request(micro_batches, samples, [r is not None for r in routing],
+                              layers=[router.layer_number - 1 for router in routers], split=split, part=part)
+    rows = rows_from_rank0(request, lambda asked: answer_request(asked, routing), topk=topk)
+    return placed_targets(request, rows, micro_batches, topk=topk, split=split)
 
 
 @dataclass
@@ -121,65 +218,71 @@ def own_topk(router, hidden: Tensor) -> Tensor:
     return torch.topk(logits, router.topk, dim=-1).indices
 
 
+@dataclass
+class ReplayedPass:
+    """What a replayed pass leaves: the routing it used (for the updates) and, on the device until the pass ends,
+    the agreement counts ``[decisions, agreed]`` (:attr:`counts`, None before the first forward)."""
+
+    routing: RecordedRouting
+    counts: Tensor | None = None
+
+    def agreement(self) -> RoutingAgreement:
+        if self.counts is None:
+            return RoutingAgreement()
+        decisions, agreed = self.counts.tolist()
+        return RoutingAgreement(int(decisions), int(agreed))
+
+
 @contextmanager
-def replaying_engine_routing(replay: RoutingReplay, targets: RecordedRouting
-                             ) -> Iterator[tuple[RecordedRouting, RoutingAgreement]]:
+def replaying_engine_routing(replay: RoutingReplay, targets: RecordedRouting) -> Iterator[ReplayedPass]:
     """The forwards in the block route with ``targets`` (micro-batch by micro-batch, the router's own top-k where
-    ``UNROUTED``); yields what was replayed (for the updates) and the agreement counts, filled as the block runs."""
+    ``UNROUTED``); yields what was replayed and the agreement counts, filled as the block runs."""
     routers = replay.routers
     if len(targets.per_router) != len(routers):
         raise ValueError(f"engine routing for {len(targets.per_router)} routers, the stage has {len(routers)}")
-    queues = [list(reversed(indices)) for indices in targets.per_router]
-    replayed = RecordedRouting([[] for _ in routers])
-    agreement = RoutingAgreement()
+    on_gpu = next(routers[0].parameters()).is_cuda
+    queues = MicroBatchQueues([[t.pin_memory() if on_gpu else t for t in indices] for indices in targets.per_router],
+                              what="laid out")
+    replayed = ReplayedPass(RecordedRouting([[] for _ in routers]))
 
-    def target(index: int):
-        def hook(router, args) -> None:
-            hidden = args[0].reshape(-1, args[0].shape[-1])
-            if not queues[index]:
-                raise RuntimeError(f"rollout routing replay: router {index} ran more forwards than were laid out")
-            wanted = queues[index].pop()
-            if wanted.shape[0] != hidden.shape[0]:
-                raise RuntimeError(f"rollout routing replay: router {index} routes {hidden.shape[0]} tokens, the "
-                                   f"layout has {wanted.shape[0]}")
-            with torch.no_grad():
-                own = own_topk(router, hidden)
-            wanted = wanted.to(device=own.device, dtype=torch.long)
+    def choose(index: int, router, hidden: Tensor) -> Tensor:
+        wanted = queues.take(index, hidden.shape[0])
+        with torch.no_grad():
+            own = own_topk(router, hidden)
+            wanted = on_device(wanted, own.device)
             routed = wanted[:, 0] != UNROUTED
             same = (torch.sort(own, dim=-1).values == torch.sort(wanted, dim=-1).values).all(-1)
-            agreement.decisions += int(routed.sum())
-            agreement.agreed += int((same & routed).sum())
+            counts = torch.stack([routed.sum(), (same & routed).sum()])
+            replayed.counts = counts if replayed.counts is None else replayed.counts + counts
             used = torch.where(routed[:, None], wanted, own)
-            replayed.per_router[index].append(used.to(device="cpu", dtype=torch.int16))
-            router.router_replay.set_target_indices(used)
-        return hook
+        replayed.routing.per_router[index].append(host_copy(used))
+        return used
 
-    with replay._action(RouterReplayAction.REPLAY_FORWARD, [r.register_forward_pre_hook(target(i))
-                                                             for i, r in enumerate(routers)]):
-        yield replayed, agreement
-    left = [len(queue) for queue in queues if queue]
-    if left:
-        raise RuntimeError(f"rollout routing replay: {left[0]} laid-out micro-batches were not run")
+    with replay.routed_by(choose):
+        yield replayed
+    queues.require_all_taken()
 
 
 @contextmanager
 def replaying_on_stage(replay: RoutingReplay, micro_batches: Sequence[MicroBatch], samples: Sequence[PolicySample],
                        routing: Sequence[Tensor | None], device: torch.device
                        ) -> Iterator[tuple[RecordedRouting, RoutingAgreement]]:
-    """:func:`replaying_engine_routing` of this rank's :func:`stage_targets`; the agreement, once the block ran, is
-    summed over the ranks (a collective: every rank runs the block)."""
+    """:func:`replaying_engine_routing` of this rank's :func:`stage_targets` (``micro_batches`` on the host); the
+    agreement, once the block ran, is summed over the ranks (collectives: every rank runs the block)."""
     sequence_parallel = replay.routers[0].config.sequence_parallel
     targets = stage_targets(replay.routers, micro_batches, samples, routing, sequence_parallel=sequence_parallel)
-    with replaying_engine_routing(replay, targets) as (replayed, agreement):
-        yield replayed, agreement
-    total = summed_agreement(agreement, device, sequence_parallel=sequence_parallel)
+    agreement = RoutingAgreement()
+    with replaying_engine_routing(replay, targets) as replayed:
+        yield replayed.routing, agreement
+    counts = replayed.counts if replayed.counts is not None else torch.zeros(2, dtype=torch.long, device=device)
+    total = summed_agreement(counts.to(device=device, dtype=torch.float64), sequence_parallel=sequence_parallel)
     agreement.decisions, agreement.agreed = total.decisions, total.agreed
 
 
-def summed_agreement(agreement: RoutingAgreement, device: torch.device, *, sequence_parallel: bool) -> RoutingAgreement:
-    """The counts over every rank that routed distinct (token, layer) pairs: DP (and EP) ranks hold other tokens,
-    TP ranks under sequence parallelism other parts of the row, pipeline stages other layers."""
-    counts = torch.tensor([agreement.decisions, agreement.agreed], dtype=torch.float64, device=device)
+def summed_agreement(counts: Tensor, *, sequence_parallel: bool) -> RoutingAgreement:
+    """``counts`` (``[decisions, agreed]`` on the training device) summed over every rank that routed distinct
+    (token, layer) pairs: DP (and EP) ranks hold other tokens, TP ranks under sequence parallelism other parts of the
+    row, pipeline stages other layers; read once."""
     groups = [parallel_state.get_data_parallel_group()]
     if sequence_parallel:
         groups.append(parallel_state.get_tensor_model_parallel_group())
@@ -187,7 +290,8 @@ def summed_agreement(agreement: RoutingAgreement, device: torch.device, *, seque
     for group in groups:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
-    return RoutingAgreement(int(counts[0]), int(counts[1]))
+    decisions, agreed = counts.tolist()
+    return RoutingAgreement(int(decisions), int(agreed))
 
 
 def rollout_routing_bytes(*, tokens: int, layers: int, topk: int) -> int:

@@ -56,8 +56,8 @@ class Split(enum.Enum):
 Placement = Literal["first_stage", "layer", "expert", "last_stage"]
 Condition = Literal["always", "qkv_bias", "untied", "tied_copy", "qk_norm", "dense", "moe"]
 # Symbolic HF shapes: V vocab, H hidden, Q = heads × head_dim, KV = kv_heads × head_dim, F = ffn (intermediate) size,
-# D = head_dim, X = number of experts, M = one expert's ffn size.
-Dim = Literal["V", "H", "Q", "KV", "F", "D", "X", "M"]
+# D = head_dim, X = number of experts, M = one expert's ffn size, R = a LoRA adapter's rank (policy/lora_mapping.py).
+Dim = Literal["V", "H", "Q", "KV", "F", "D", "X", "M", "R"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,7 @@ class ShardGeometry:
 
     spec: ModelSpec
     tensor_parallel: int
+    lora_rank: int = 0  # the size of dim "R" (LoRA adapters' mappings); 0: no adapters
 
     @property
     def padded_vocab_size(self) -> int:
@@ -163,6 +164,10 @@ class ShardGeometry:
 
     def size(self, dim: Dim) -> int:
         s = self.spec
+        if dim == "R":
+            if not self.lora_rank:
+                raise ValueError("no LoRA rank given: no size for 'R'")
+            return self.lora_rank
         if dim in ("X", "M"):
             if s.moe is None:
                 raise ValueError(f"{s.arch} has no experts: no size for {dim!r}")
@@ -308,8 +313,8 @@ def hf_from_shards(mapping: BoundMapping, geometry: ShardGeometry,
     if len(shards) != geometry.tensor_parallel:
         raise ValueError(f"{mapping.megatron_name}: got {len(shards)} shards for "
                          f"tensor_parallel={geometry.tensor_parallel}")
-    if mapping.split is Split.REPLICATED:
-        return [shards[0]]
+    if mapping.split is Split.REPLICATED:  # several HF tensors share it (a fused linear's LoRA A): each is it
+        return [shards[0]] * len(mapping.hf_names)
     per_rank = [split_shard(mapping, geometry, s) for s in shards]
     if len(per_rank) == 1:  # one rank: its pieces are the tensors (views of its shard, nothing copied)
         full = per_rank[0]

@@ -9,7 +9,8 @@ Two engines implement it:
 
 Both receive new weights the same way: the buckets of ``(hf_name, tensor)`` pairs the Megatron-side exporter
 (:mod:`dapo_megatron.handoff.exporter`) makes, consumed as they come (never re-bucketed), tagged with a monotonically
-increasing version number.
+increasing version number. With LoRA (``model.lora.handoff: adapter``) the base comes that way once and then
+:meth:`~RolloutEngine.update_adapter` brings each new adapter alone, under the same version numbers.
 
 Two ways to generate, both offered by both engines:
 
@@ -44,6 +45,8 @@ from dapo_megatron.hf_format.buckets import Bucket
 
 if TYPE_CHECKING:
     import torch
+
+    from dapo_megatron.hf_format.peft_adapter import PeftAdapter
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -193,6 +196,12 @@ class RolloutEngine(abc.ABC):
         loudly if afterwards the engine does not serve ``version``. Streamed requests in flight continue on the new
         weights (see the module docstring).
         """
+
+    def update_adapter(self, adapter: "PeftAdapter", version: int) -> None:
+        """Serve the base weights of the last :meth:`update_weights` with the LoRA ``adapter`` (full tensors by PEFT's
+        names) as ``version`` (``model.lora.handoff: adapter``). An engine that cannot raises; the trainer then needs
+        ``handoff: merged``."""
+        raise NotImplementedError(f"{type(self).__name__} does not take LoRA adapters; use model.lora.handoff: merged")
 
     def stage_stream_receiver(self):
         """How each pipeline stage's source can stream its weights into this engine directly, one stream per stage:

@@ -1,5 +1,5 @@
 """GPU memory of a trainer GPU that an SGLang server shares (``rollout.placement: colocated``), for ``dapo-megatron
-plan``: :func:`sharing_report`, printed after :mod:`.memory`'s table of the trainer alone.
+plan``: :func:`sharing_report`, printed after :mod:`dapo_megatron.policy.memory`'s table of the trainer alone.
 
 Colocated, every trainer GPU also holds one TP rank of a server, and the two take turns
 (:mod:`dapo_megatron.rollout.placement`, :mod:`dapo_megatron.trainer.colocation`). A GPU of ``G`` bytes, on each
@@ -8,8 +8,9 @@ pipeline stage (their trainer footprints differ), must hold in every turn:
 * generation: the trainer's weights and fixed margin (its gradient buffers are freed, and its optimizer state moved to
   host memory with ``rollout.offload_optimizer``); the server's context ``C``, its static memory ``S``
   (weights + KV cache) and the runtime memory ``R`` SGLang keeps for its activations and CUDA graphs;
-* training: the trainer's peak (:func:`.memory.estimate_memory`) and ``C`` (the server released everything else,
-  its CUDA graphs too: the server is launched with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` unless the user set it);
+* training: the trainer's peak (:func:`dapo_megatron.policy.memory.estimate_memory`) and ``C`` (the server released
+  everything else, its CUDA graphs too: the server is launched with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` unless the
+  user set it);
 * weight handoff: the trainer without activations plus the handoff buckets it holds at once
   (:func:`handoff_buckets_on_gpu`); ``C`` and the server's weights.
 
@@ -36,7 +37,9 @@ import os
 from dataclasses import dataclass
 
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, GB, StageMemory, layer_parameters, moe_layer_parameters
+from dapo_megatron.policy.lora_sizes import adapter_sizes, linear_shapes, model_parameter_count
+from dapo_megatron.rollout.sglang.lora_adapters import LORA_SLOTS
+from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, GB, StageMemory
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.rollout.sglang.server import MEMORY_SAVER_CUDA_GRAPH_ENV, cuda_graphs_released
 from dapo_megatron.rollout.sglang.transports import IPC_WINDOW_BUCKETS
@@ -69,9 +72,23 @@ def sglang_runtime_reserve_bytes(gpu_bytes: int, tp: int) -> int:
 
 def model_parameters(spec: ModelSpec) -> int:
     """Parameters of the whole model as SGLang serves it (the unpadded vocabulary; a MoE model's experts too)."""
-    embedding = spec.vocab_size * spec.hidden_size
-    layer = layer_parameters(spec, 1) + moe_layer_parameters(spec, 1, 1)
-    return spec.num_layers * layer + embedding + (0 if spec.tie_embeddings else embedding) + spec.hidden_size
+    return model_parameter_count(spec)
+
+
+FP8_FLAG = ("--quantization", "fp8")
+
+
+def served_weight_bytes(spec: ModelSpec, dtype_bytes: int, server_args: list[str]) -> int:
+    """The weights of a server: every parameter at ``dtype_bytes``, or with ``--quantization fp8`` among its
+    arguments the linear layers' at 1 byte (SGLang quantizes them on load; embeddings, norms and the output layer
+    stay)."""
+    total = model_parameters(spec) * dtype_bytes
+    quantized = any(server_args[i:i + 2] == list(FP8_FLAG) for i in range(len(server_args) - 1)) \
+        or f"{FP8_FLAG[0]}={FP8_FLAG[1]}" in server_args
+    if not quantized:
+        return total
+    linears = sum(n_in * n_out * copies for n_in, n_out, copies in linear_shapes(spec).values()) * spec.num_layers
+    return total - linears * (dtype_bytes - 1)
 
 
 def handoff_buckets_on_gpu(transport: str) -> int:
@@ -115,7 +132,12 @@ def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], 
     gpu = int(gpu_memory_gb * GB)
     tp, fraction = s.tp_per_server, s.mem_fraction_static
     dtype_bytes = 4 if config.model.precision == "fp32" else 2
-    server_weights = model_parameters(spec) * dtype_bytes // tp
+    lora = config.model.lora
+    adapters_served = lora.enabled and lora.handoff == "adapter"
+    server_weights = served_weight_bytes(spec, dtype_bytes, s.extra_server_args) // tp
+    if adapters_served:  # SGLang's LoRA pool: --max-loras-per-batch adapters at the rank, in the weights' dtype
+        server_weights += LORA_SLOTS * adapter_sizes(spec, rank=lora.rank, target_modules=lora.target_modules
+                                                     ).handoff * dtype_bytes // tp
     bucket = max(int(r.handoff_bucket_mb * MIB), spec.vocab_size * spec.hidden_size * dtype_bytes)
     handoff_buckets = handoff_buckets_on_gpu(s.transport) * bucket
     runtime = sglang_runtime_reserve_bytes(gpu, tp)
@@ -127,13 +149,19 @@ def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], 
     resident_graphs = 0 if cuda_graphs_released else sglang_cuda_graph_bytes(gpu, tp)
     result = []
     for stage in stages:
-        moments = int((stage.parameters - stage.expert_parameters) * moments_share
+        trained = stage.parameters - stage.frozen_parameters
+        moments = int((trained - stage.expert_parameters) * moments_share
                       + stage.expert_parameters * expert_moments_share)
         main_params = stage.optimizer_bytes - moments
         resident = stage.params_bytes + stage.grads_bytes + FIXED_MARGIN_BYTES
+        # a LoRA run's frozen base waits in host memory outside the training turn (trainer/colocation.py)
+        frozen = stage.frozen_parameters * dtype_bytes
         # while the servers generate the gradient buffers are freed (dapo_megatron/trainer/colocation.py)
-        at_launch = resident - stage.grads_bytes + (0 if r.offload_optimizer else main_params)
-        generating = resident - stage.grads_bytes + (0 if r.offload_optimizer else stage.optimizer_bytes)
+        at_launch = resident - stage.grads_bytes - frozen + (0 if r.offload_optimizer else main_params)
+        generating = resident - stage.grads_bytes - frozen + (0 if r.offload_optimizer else stage.optimizer_bytes)
+        # handing off an adapter needs no base on the trainer's side; full (or merged) weights are read from it
+        handing_off = resident + stage.optimizer_bytes - (frozen if adapters_served else 0) \
+            + (0 if adapters_served else handoff_buckets)
         free_at_launch = gpu - SERVER_CONTEXT_BYTES - at_launch
         static = int(fraction * free_at_launch)
         kv_cache = static - server_weights
@@ -141,11 +169,19 @@ def shared_gpus(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], 
             stage=stage.stage,
             generation=(generating, SERVER_CONTEXT_BYTES + static + runtime),
             training=(stage.total_bytes, SERVER_CONTEXT_BYTES + resident_graphs),
-            handoff=(resident + stage.optimizer_bytes + handoff_buckets,
-                     SERVER_CONTEXT_BYTES + server_weights + resident_graphs),
+            handoff=(handing_off, SERVER_CONTEXT_BYTES + server_weights + resident_graphs),
             kv_cache_bytes=kv_cache, kv_cache_tokens=max(kv_cache, 0) // per_token,
         ))
     return result
+
+
+def optimizer_offloading_ranks(config: DAPOConfig, *, ranks_on_node: int, on_gpu: bool = True) -> int:
+    """Trainer ranks of rank 0's node that move their optimizer state to host memory while colocated servers
+    generate (``rollout.offload_optimizer``): those whose GPU a server's TP rank shares."""
+    r = config.rollout
+    if not (on_gpu and r.engine == "sglang" and r.placement == "colocated" and r.offload_optimizer):
+        return 0
+    return min(r.sglang.num_servers * r.sglang.tp_per_server, ranks_on_node)
 
 
 def sharing_report(config: DAPOConfig, spec: ModelSpec, stages: list[StageMemory], *, data_parallel: int,

@@ -26,7 +26,9 @@ the last two points measured against the CPU server):
   it they answer 200 and change nothing; the CPU server has no memory saver (it is CUDA-only), so on CPU the
   sequence runs and frees nothing;
 * resumed regions do not get their contents back (no ``--enable-weights-cpu-backup``): weights are resumed only to
-  receive new ones, and generating with released weights is refused here instead of decoding garbage;
+  receive new ones, and generating with released weights is refused here instead of decoding garbage. LoRA's
+  adapter handoff pushes no weights after the start, so its servers run with that flag and get their base back
+  (:mod:`dapo_megatron.rollout.sglang.lora_adapters`);
 * resuming a tag that is not released kills the server (a ``KeyError`` in its scheduler ends the process), so the
   engine tracks what each server released (:class:`ServerMemory`) and only ever resumes that;
 * a release needs an idle server (no running request): sync mode only (``config.schema`` refuses async).

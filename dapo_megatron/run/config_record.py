@@ -12,6 +12,7 @@ or how work is split into memory is listed in :data:`MUTABLE_ON_RESUME` and may 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 from datetime import datetime, timezone
@@ -21,9 +22,11 @@ from typing import Any
 import yaml
 
 from dapo_megatron.config import ConfigError, DAPOConfig, config_to_dict, save_config
+from dapo_megatron.config.loading import objective_defaults_note
 
 CONFIG_FILE = "config.yaml"
 HISTORY_FILE = "config_history.jsonl"
+logger = logging.getLogger(__name__)
 
 # Dotted keys, or prefixes ending in ".", a resumed run may change. Everything else must stay as the run began.
 MUTABLE_ON_RESUME = (
@@ -92,6 +95,9 @@ def record_start(run_dir: str | Path, config: DAPOConfig, *, run_id: str | None,
     or a new one when None)."""
     run_dir = Path(run_dir)
     run_id = run_id or secrets.token_hex(6)
+    note = objective_defaults_note(config)
+    if note:
+        logger.info("%s", note)
     previous = None
     if resumed_from is not None:
         previous = read_config_file(resumed_from / CONFIG_FILE) or read_config_file(run_dir / CONFIG_FILE)

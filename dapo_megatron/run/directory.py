@@ -3,7 +3,7 @@
 ``train`` claims its run directory (:func:`claim_run_directory`, on global rank 0, before anything is built) and holds
 it until the process ends:
 
-* the directory's lock (:mod:`.run_lock`): a second ``train`` (or ``prepare-tiny`` into it) is refused while the
+* the directory's lock (:mod:`.lock`): a second ``train`` (or ``prepare-tiny`` into it) is refused while the
   first lives, whichever node it runs on;
 * a directory that already holds a run — checkpoints, or logged metrics — is continued with ``--resume``, or moved
   aside whole with ``--overwrite`` (to ``<run_dir>.replaced-<UTC time>``, next to it: nothing is deleted); without

@@ -7,8 +7,9 @@
 * the user's model folder (``model.source = hf``): :func:`dapo_megatron.run.model_source.check_model_folder`,
   whether it splits over ``parallel.tensor`` × ``parallel.pipeline``, and, for training, whether its estimated
   memory (:mod:`dapo_megatron.policy.memory`) fits what a GPU has — or, on CPU, what this host has for the trainer
-  ranks it runs (:func:`check_training_memory`); with ``rollout.engine: embedded``, whether the engine's fp32 host
-  copy fits this host next to its trainer ranks (:func:`check_embedded_engine_memory`);
+  ranks it runs (:func:`check_training_memory`); whether a step's host memory on rank 0's node fits
+  ``parallel.host_memory_gb`` (:func:`check_host_memory`); with ``rollout.engine: embedded``, whether the engine's
+  fp32 host copy fits this host next to its trainer ranks (:func:`check_embedded_engine_memory`);
 * the data files and ``data.train`` sources (``data.source = dapo_math``): read and validated, every row (the trainer
   reuses what was read; a large folder read as drawn: its columns and first rows); enough distinct training prompts
   for a step's draws (:func:`check_enough_prompts`; once more after the prompts longer than
@@ -17,7 +18,7 @@
 * ``trainer.loggers``: their libraries installed (:func:`dapo_megatron.metrics.loggers.check_logger_libraries`);
 * the checkpoint a command starts from: ``train --resume`` the newest complete one under the run directory without
   missing or truncated files (:func:`dapo_megatron.checkpoint.newest_sound_checkpoint`; none is fine: the run starts
-  at step 0), written with the settings this run has where they cannot change (:mod:`.run_config`), at a step no
+  at step 0), written with the settings this run has where they cannot change (:mod:`.config_record`), at a step no
   later than ``trainer.total_steps``; ``eval --ckpt`` the one named.
 """
 
@@ -49,11 +50,13 @@ def check_run_inputs(config: DAPOConfig, *, world_size: int, backend: Backend, r
     """Raise the :class:`~dapo_megatron.user_errors.UserError` of the first bad input (see the module docstring).
     ``checkpoint``: the one ``eval`` reads (then nothing is trained, so the training memory is not checked)."""
     check_rollout_routing(config, backend)
-    if config.model.source == "hf":
-        spec = check_user_model(config)
+    spec = check_user_model(config) if config.model.source == "hf" else None
+    if checkpoint is None:
+        check_training_layout(config, spec, backend)
+    if spec is not None:
         if checkpoint is None:
-            check_training_layout(config, spec, backend)
             check_training_memory(config, spec, world_size=world_size, fused_attention=backend.uses_transformer_engine)
+            check_host_memory(config, spec, world_size=world_size, backend=backend)
         if config.rollout.engine == "embedded":
             check_embedded_engine_memory(config, spec, world_size=world_size, backend=backend)
     check_data_files(config)
@@ -95,18 +98,17 @@ def check_rollout_routing(config: DAPOConfig, backend: Backend) -> None:
 
 def check_training_layout(config: DAPOConfig, spec, backend: Backend) -> None:
     """A layout megatron-core accepts at build time but refuses in the first update (after a whole rollout): a
-    mixture-of-experts model at TP > 1 without sequence parallelism."""
+    mixture-of-experts model at TP > 1 without sequence parallelism. ``spec``: the user's model; None for
+    ``model.source = tiny``, whose model is made later (the warm start) and is a MoE when ``model.tiny.arch`` says
+    so."""
     from dapo_megatron.policy.model import require_sequence_parallel_for_moe_training, sequence_parallel_enabled
-    from dapo_megatron.policy.model_spec import ParallelLayoutError
 
     p, te = config.parallel, backend.uses_transformer_engine
-    try:
-        require_sequence_parallel_for_moe_training(
-            spec, tensor_parallel=p.tensor, use_transformer_engine=te,
-            sequence_parallel=sequence_parallel_enabled(p.sequence_parallel, tensor_parallel=p.tensor,
-                                                        use_transformer_engine=te))
-    except ParallelLayoutError as error:
-        raise ConfigError(f"parallel.sequence_parallel / parallel.tensor: {error}") from None
+    require_sequence_parallel_for_moe_training(
+        has_experts=spec.moe is not None if spec is not None else config.model.tiny.arch == "qwen3_moe",
+        tensor_parallel=p.tensor, use_transformer_engine=te,
+        sequence_parallel=sequence_parallel_enabled(p.sequence_parallel, tensor_parallel=p.tensor,
+                                                    use_transformer_engine=te))
 
 
 # A CPU rank's own cost besides its share of the model (Python, torch, megatron-core), measured at ~0.6-0.9 GB RSS
@@ -143,6 +145,39 @@ def check_training_memory(config: DAPOConfig, spec, *, world_size: int, fused_at
             f"vocab {spec.vocab_size}) at TP={p.tensor} PP={p.pipeline} DP={data_parallel} in "
             f"{config.model.precision} needs an estimated {need / 2**30:.1f} GiB ({per}pipeline stage "
             f"{largest.stage}: `dapo-megatron plan` breaks it down), but {what} has {have / 2**30:.1f} GiB")
+
+
+def check_host_memory(config: DAPOConfig, spec, *, world_size: int, backend: Backend,
+                      available: tuple[int, str] | None = None, ranks_on_node: int | None = None) -> None:
+    """Refuse a step whose host memory on rank 0's node — routing replay's routing, a colocated optimizer's state
+    moved there (:mod:`dapo_megatron.policy.host_memory`, at the length limits) — exceeds ``parallel.host_memory_gb``
+    (unset: this node's memory), naming both numbers. ``available`` ((bytes, what they are)), ``ranks_on_node``: for
+    tests; default: the budget, and the trainer ranks on this node."""
+    import psutil
+
+    from dapo_megatron.launch_env import local_world_size
+    from dapo_megatron.policy.host_memory import host_memory
+    from dapo_megatron.policy.memory import plan_stages
+    from dapo_megatron.rollout.gpu_sharing import optimizer_offloading_ranks
+
+    p = config.parallel
+    data_parallel = max(world_size // (p.tensor * p.pipeline), 1)
+    stages, sequence_parallel = plan_stages(config, spec, data_parallel=data_parallel,
+                                            local_spec=not backend.uses_transformer_engine)
+    ranks = min(local_world_size(), world_size) if ranks_on_node is None else ranks_on_node
+    memory = host_memory(config, spec, stages, data_parallel=data_parallel, sequence_parallel=sequence_parallel,
+                         ranks_per_node=ranks, offloading_ranks=optimizer_offloading_ranks(
+                             config, ranks_on_node=ranks, on_gpu=backend.device_type == "cuda"))
+    if available is None:
+        available = ((int(p.host_memory_gb * 1e9), "parallel.host_memory_gb") if p.host_memory_gb is not None
+                     else (psutil.virtual_memory().total, "this node"))
+    have, what = available
+    if memory.first_node_bytes > have:
+        raise ConfigError(
+            f"parallel.host_memory_gb: a step of this run may need {memory.first_node_bytes / 1e9:.1f} GB of host "
+            f"memory on rank 0's node ({ranks} ranks; routing replay "
+            f"{config.algorithm.moe_routing_replay} and the optimizer state colocated ranks move there, at the length "
+            f"limits: `dapo-megatron plan` breaks it down), but {what} has {have / 1e9:.1f} GB")
 
 
 def _largest_stage(config: DAPOConfig, spec, *, world_size: int, fused_attention: bool):

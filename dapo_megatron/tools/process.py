@@ -13,11 +13,22 @@ import selectors
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from dapo_megatron.tools.result import ToolResult, failure
 
 FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE, signal.SIGSYS}
 READ_CHUNK = 65536
+WATCH_S = 0.05  # how often a watch (the sandbox's CPU time and memory of the whole call) is asked
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why a call was ended before its process exited: a failure kind and the note the model reads."""
+
+    kind: str
+    note: str
 
 
 def run_process(tool: str, argv: list[str], *, wall_s: float, output_bytes: int, stdin: bytes = b"",
@@ -34,13 +45,26 @@ def run_process(tool: str, argv: list[str], *, wall_s: float, output_bytes: int,
                                    cwd=cwd, env=env, start_new_session=True, close_fds=True, **user_args)
     except OSError as error:
         return failure(tool, "crashed", f"[the tool process did not start: {error}]", time.monotonic() - start)
+    return finish_process(tool, process, stdin, start=start, wall_s=wall_s, output_bytes=output_bytes,
+                          signal_base=signal_base)
+
+
+def finish_process(tool: str, process: subprocess.Popen, stdin: bytes, *, start: float, wall_s: float,
+                   output_bytes: int, signal_base: int = 0, watch: Callable[[], Stop | None] | None = None,
+                   kill: Callable[[subprocess.Popen], None] | None = None) -> ToolResult:
+    """Feed ``stdin`` to a started process (in a session of its own, stdout a pipe) and read it to its end, at
+    most ``wall_s`` from now. ``watch``, if given, is asked every :data:`WATCH_S` while it runs; a :class:`Stop`
+    it returns ends the call with that kind and note. ``kill`` ends a call stopped early (default: SIGKILL to the
+    process group). ``start``: when the call began, for the wall time reported."""
+    kill = kill or _kill_group
+    deadline = time.monotonic() + wall_s
     try:
-        output, stop = _communicate(process, stdin, start + wall_s, output_bytes)
+        output, stop = _communicate(process, stdin, deadline, output_bytes, watch, _timeout(wall_s))
         if stop is not None:
-            _kill_group(process)
+            kill(process)
         status = process.wait()
     except BaseException:
-        _kill_group(process)
+        kill(process)
         process.wait()
         raise
     finally:
@@ -49,17 +73,13 @@ def run_process(tool: str, argv: list[str], *, wall_s: float, output_bytes: int,
                 pipe.close()
     wall = time.monotonic() - start
     text = output[:output_bytes].decode("utf-8", errors="replace")
-    if stop == "timeout":
-        return failure(tool, "timeout", f"{text}\n[timeout: still running after {wall_s:g} s wall time; killed]",
-                       wall)
-    if stop == "output_limit":
-        return failure(tool, "output_limit",
-                       f"{text}\n[output limit: more than {output_bytes} bytes of output; killed]", wall)
+    if stop is not None:
+        return failure(tool, stop.kind, f"{text}\n[{stop.note}]", wall)
     return _ended(tool, text, status, signal_base, wall)
 
 
-def _communicate(process: subprocess.Popen, stdin: bytes, deadline: float, cap: int
-                 ) -> tuple[bytes, str | None]:
+def _communicate(process: subprocess.Popen, stdin: bytes, deadline: float, cap: int,
+                 watch: Callable[[], Stop | None] | None, timeout: Stop) -> tuple[bytes, Stop | None]:
     """Feed ``stdin`` and read the output until EOF, the deadline or one byte past the cap, without blocking on
     either pipe (a process that neither reads nor exits must not hold the caller past the deadline); and why
     reading stopped early, if it did."""
@@ -74,8 +94,11 @@ def _communicate(process: subprocess.Popen, stdin: bytes, deadline: float, cap: 
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return b"".join(chunks), "timeout"
-            for key, _ in selector.select(timeout=left):
+                return b"".join(chunks), timeout
+            stop = watch() if watch is not None else None
+            if stop is not None:
+                return b"".join(chunks), stop
+            for key, _ in selector.select(timeout=min(left, WATCH_S) if watch is not None else left):
                 if key.fd == in_fd:
                     try:
                         sent += os.write(in_fd, stdin[sent:sent + READ_CHUNK])
@@ -88,20 +111,33 @@ def _communicate(process: subprocess.Popen, stdin: bytes, deadline: float, cap: 
                     continue
                 chunk = os.read(out_fd, READ_CHUNK)
                 if not chunk:  # EOF: every writer is gone
-                    return _wait(process, b"".join(chunks), deadline)
+                    return b"".join(chunks), _wait(process, deadline, watch, timeout)
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > cap:
-                    return b"".join(chunks), "output_limit"
+                    return b"".join(chunks), Stop("output_limit",
+                                                  f"output limit: more than {cap} bytes of output; killed")
 
 
-def _wait(process: subprocess.Popen, output: bytes, deadline: float) -> tuple[bytes, str | None]:
-    # The output is closed, but the process may still run (it closed its stdout): the deadline still holds.
-    try:
-        process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-    except subprocess.TimeoutExpired:
-        return output, "timeout"
-    return output, None
+def _wait(process: subprocess.Popen, deadline: float, watch: Callable[[], Stop | None] | None, timeout: Stop
+          ) -> Stop | None:
+    # The output is closed, but the process may still run (it closed its stdout): the deadline and the watch
+    # still hold.
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        try:
+            process.wait(timeout=min(left, WATCH_S) if watch is not None else left)
+            return None
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                return timeout
+        stop = watch()
+        if stop is not None:
+            return stop
+
+
+def _timeout(wall_s: float) -> Stop:
+    return Stop("timeout", f"timeout: still running after {wall_s:g} s wall time; killed")
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -1,28 +1,44 @@
 """The built-in ``python`` tool: a code block run in a sandbox, answered with its stdout+stderr.
 
-Isolation ``bubblewrap`` (the default; docs/tools-sandbox.md): each call is one ``bwrap`` process that unshares
-every namespace (user, pid, network, ipc, uts, cgroup), clears the environment, shows ``/usr`` (and the
-``ro_paths``) read-only on an otherwise empty, read-only root, gives the code fresh tmpfs folders as its working
-folder and ``/tmp`` (sized, gone after the call), ends with the trainer (``--die-with-parent``) and runs the
-interpreter under ``prlimit`` (CPU, address space, processes, open files, file size). The limits are set inside
-the call's user namespace, so its process count is its own; RLIMIT_NPROC is never enforced for root, so a trainer
-running as root starts ``bwrap`` as ``sandbox.uid`` instead.
+Isolation ``bubblewrap`` (the default; docs/tools-sandbox.md): each call runs in one ``bwrap`` sandbox of its own
+that unshares every namespace (user, pid, network, ipc, uts, cgroup), clears the environment, shows ``/usr`` (and
+the ``ro_paths``) read-only on an otherwise empty, read-only root, gives the code fresh tmpfs folders as its working
+folder, ``/tmp`` and ``/dev/shm`` (sized, gone after the call), ends with the trainer (``--die-with-parent``),
+installs a seccomp filter (:mod:`dapo_megatron.tools.seccomp`), starts with a fresh session keyring
+(:mod:`dapo_megatron.tools.keyring`) and runs the interpreter under ``prlimit``. Memory (shared memory included),
+processes and CPU time hold for the call as a whole in a cgroup of its own (:mod:`dapo_megatron.tools.cgroups`;
+``sandbox.cgroup: rlimits_only`` is the named weaker mode without one); the rlimits are the second line, set inside
+the call's user namespace. RLIMIT_NPROC is never enforced for root, so a trainer running as root starts ``bwrap``
+as ``sandbox.uid`` instead.
 
-The sandbox is checked when it is built: bwrap, prlimit and the interpreter must be there and one call must run;
-otherwise it refuses to start (:class:`ToolsError`) and names the opt-out, ``isolation: none_i_accept_the_risk``,
-which runs the code as a plain process under the same rlimits, wall time and output cap in a temporary folder.
+Sandboxes are started ahead of the calls (``sandbox.warm`` of them, :mod:`dapo_megatron.tools.warm_pool`); each
+runs one call and is gone (:mod:`dapo_megatron.tools.sandbox_process`).
+
+The sandbox is checked when it is built: bwrap, prlimit and the interpreter must be there, a cgroup must be
+possible (unless ``rlimits_only``) and one call must run; otherwise it refuses to start (:class:`ToolsError`) and
+names the opt-out, ``isolation: none_i_accept_the_risk``, which runs the code as a plain process under the same
+rlimits, wall time and output cap in a temporary folder.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
 import tempfile
+import time
+import weakref
+from dataclasses import replace
 
-from dapo_megatron.config.tools import OPT_OUT, PREFIX, SandboxConfig, ToolsError
+from dapo_megatron.config.tools import OPT_OUT, PREFIX, RLIMITS_ONLY, SandboxConfig, ToolsError
+from dapo_megatron.overrides.bubblewrap import sandbox_init as bubblewrap_init
+from dapo_megatron.tools.cgroups import CallCgroups, CgroupUnavailable
 from dapo_megatron.tools.process import run_process
-from dapo_megatron.tools.result import ToolResult
+from dapo_megatron.tools.result import ToolResult, failure
+from dapo_megatron.tools.sandbox_process import SETPRIV, SandboxCommand, start_sandbox
+from dapo_megatron.tools.seccomp import filter_program
+from dapo_megatron.tools.warm_pool import PoolClosed, WarmPool
 
 WORKDIR = "/sandbox"  # the code's working folder inside the sandbox
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-/usr links, or folders elsewhere
@@ -41,18 +57,43 @@ class CodeSandbox:
         self.isolation = sandbox.isolation
         self._prlimit = _find_prlimit()
         self._user = sandbox.uid if os.geteuid() == 0 else None
+        self._pool: WarmPool | None = None
         if self.isolation == "bubblewrap":
             self._check_python_visible()
-            self._bwrap = _find_bwrap(sandbox.bwrap)
-            self._nested_userns_flag = _supports(self._bwrap, "--disable-userns")
-            self._probe()
+            bwrap = _find_bwrap(sandbox.bwrap)
+            if self._user is not None and not os.access(SETPRIV, os.X_OK):
+                raise ToolsError(f"{PREFIX}.sandbox: {SETPRIV} (util-linux) is missing; a trainer running as root "
+                                 f"starts the sandbox as {PREFIX}.sandbox.uid with it")
+            command = SandboxCommand(bwrap, self._bwrap_options(_supports(bwrap, "--disable-userns")),
+                                     bubblewrap_init.with_own_init(self._limited_python()), ENV, _seccomp_filter(),
+                                     self._user, self.limits)
+            cgroups = _call_cgroups(sandbox)
+            self._pool = WarmPool(functools.partial(start_sandbox, command, cgroups), sandbox.warm)
+            # Whoever drops the sandbox without close() (the tool pool does not call it yet) still ends its
+            # waiting sandboxes and its cgroups, at the latest when the trainer exits.
+            self._release = weakref.finalize(self, _release, self._pool, cgroups)
+            try:
+                self._probe()
+            except BaseException:
+                self.close()
+                raise
 
     def run(self, code: str) -> ToolResult:
         """Run ``code`` (a whole Python program, read from stdin by the interpreter)."""
         data = code.encode("utf-8", errors="replace")
         if self.isolation == "bubblewrap":
-            return run_process(self.tool, self._bwrap_argv(), stdin=data, env=ENV, user=self._user,
-                               wall_s=self.limits.wall_s, output_bytes=self.limits.output_bytes, signal_base=128)
+            start = time.monotonic()
+            try:
+                sandbox = self._pool.take()
+            except PoolClosed:
+                return failure(self.tool, "refused", "[the code sandbox is closed]", time.monotonic() - start)
+            except Exception as error:
+                return failure(self.tool, "crashed", f"[the sandbox did not start: {type(error).__name__}: "
+                                                     f"{error}]", time.monotonic() - start)
+            try:
+                return sandbox.run(self.tool, data, self.limits, start)
+            finally:
+                self._pool.finished()
         folder = tempfile.mkdtemp(prefix="dapo-tool-")
         try:
             return run_process(self.tool, self._limited_python(), stdin=data, cwd=folder,
@@ -60,6 +101,11 @@ class CodeSandbox:
                                wall_s=self.limits.wall_s, output_bytes=self.limits.output_bytes)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        """End the sandboxes started ahead and remove the calls' cgroups; calls running finish first."""
+        if self._pool is not None:
+            self._release()
 
     # ------------------------------------------------------------------------------------------------ argv
 
@@ -69,10 +115,10 @@ class CodeSandbox:
                 f"--nproc={limits.processes}", f"--nofile={limits.open_files}", f"--fsize={limits.file_mb << 20}",
                 "--", self.config.python, "-I", "-"]
 
-    def _bwrap_argv(self) -> list[str]:
+    def _bwrap_options(self, nested_userns_flag: bool) -> list[str]:
         workdir_bytes = str(self.limits.workdir_mb << 20)
-        argv = [self._bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv",
-                "--ro-bind", "/usr", "/usr"]
+        argv = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv",
+                *bubblewrap_init.OPTIONS, "--ro-bind", "/usr", "/usr"]
         for path in SYSTEM_LINKS:
             if os.path.islink(path):
                 argv += ["--symlink", os.readlink(path), path]
@@ -85,12 +131,14 @@ class CodeSandbox:
                  "--size", workdir_bytes, "--tmpfs", "/tmp",
                  "--size", workdir_bytes, "--tmpfs", WORKDIR,
                  "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", "/tmp", "--chdir", WORKDIR,
-                 "--remount-ro", "/", "--remount-ro", "/dev"]  # their tmpfs would take writes without a bound
-        if self._nested_userns_flag:
+                 "--remount-ro", "/", "--remount-ro", "/dev",  # their tmpfs would take writes without a bound
+                 # POSIX semaphores and shared memory (multiprocessing's locks and queues) live in /dev/shm
+                 "--size", workdir_bytes, "--tmpfs", "/dev/shm"]
+        if nested_userns_flag:
             argv.append("--disable-userns")
         for name, value in ENV.items():
             argv += ["--setenv", name, value]
-        return [*argv, "--", *self._limited_python()]
+        return argv
 
     # ------------------------------------------------------------------------------------------------ checks
 
@@ -104,8 +152,16 @@ class CodeSandbox:
                                  "add its installation folder to ro_paths")
 
     def _probe(self) -> None:
-        result = run_process(self.tool, self._bwrap_argv(), stdin=PROBE.encode(), env=ENV, user=self._user,
-                             wall_s=PROBE_WALL_S, output_bytes=self.limits.output_bytes, signal_base=128)
+        start = time.monotonic()
+        try:
+            sandbox = self._pool.take()
+        except Exception as error:
+            raise ToolsError(f"{PREFIX}.sandbox.isolation=bubblewrap: the sandbox did not start: "
+                             f"{type(error).__name__}: {error}; {_opt_out_hint()}") from None
+        try:
+            result = sandbox.run(self.tool, PROBE.encode(), replace(self.limits, wall_s=PROBE_WALL_S), start)
+        finally:
+            self._pool.finished()
         words = result.text.split()
         if not result.ok or len(words) != 2 or words[0] != "sandbox-ok":
             detail = result.text.strip().splitlines()[0] if result.text.strip() else f"{result.kind}"
@@ -120,6 +176,31 @@ class CodeSandbox:
 def _opt_out_hint() -> str:
     return (f"fix the sandbox (docs/tools-sandbox.md) or set {PREFIX}.sandbox.isolation={OPT_OUT} to run "
             "model-written code without isolation")
+
+
+def _release(pool: WarmPool, cgroups: CallCgroups | None) -> None:
+    pool.close()
+    if cgroups is not None:
+        cgroups.close()
+
+
+def _call_cgroups(sandbox: SandboxConfig) -> CallCgroups | None:
+    if sandbox.cgroup == RLIMITS_ONLY:
+        return None
+    try:
+        return CallCgroups.find(sandbox.cgroup_parent)
+    except CgroupUnavailable as error:
+        raise ToolsError(f"{PREFIX}.sandbox.cgroup=per_call: no cgroup can be made for the calls: {error}; run the "
+                         f"trainer as root, give it a delegated cgroup without processes of its own "
+                         f"({PREFIX}.sandbox.cgroup_parent), or set {PREFIX}.sandbox.cgroup={RLIMITS_ONLY} to bound "
+                         "each process on its own (docs/tools-sandbox.md)") from None
+
+
+def _seccomp_filter() -> bytes:
+    try:
+        return filter_program()
+    except ValueError as error:
+        raise ToolsError(f"{PREFIX}.sandbox.isolation=bubblewrap: {error}; {_opt_out_hint()}") from None
 
 
 def _find_bwrap(setting: str) -> str:

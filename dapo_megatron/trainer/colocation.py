@@ -10,7 +10,11 @@ shares, so every rank also waits there until the servers have moved their memory
   their KV cache back; on exit the servers release it, then the optimizer state and the gradient buffers come back;
 * :meth:`Colocation.before_policy_update`: the servers release their weights;
 * :meth:`Colocation.before_handoff`: each rank returns its allocator's cached blocks (the update's activations),
-  so that the handoff can map the servers' weights again and fill them.
+  so that the handoff can map the servers' weights again and fill them; :meth:`Colocation.handoff_copies` says
+  whether the handoff gives each server rank the copy on its own GPU (:mod:`dapo_megatron.handoff.gpu_copies`).
+
+Where the servers go is decided once, here, on every rank (:meth:`Colocation.locate_servers`); the engine launches
+them on :attr:`Colocation.server_gpus`.
 
 Under separate placement every turn does nothing. The optimizer state moves with megatron-core's facility for RL,
 ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (0.16.1: the fp32 main parameters and Adam's moments;
@@ -18,6 +22,13 @@ megatron's own RL loop calls them around inference the same way), the gradient b
 ``DistributedDataParallel.offload_grad_buffers`` / ``restore_grad_buffers`` (their storage freed and reallocated
 zeroed: between steps they hold nothing); the bf16 weights stay. Ranks on other nodes, or on GPUs without a server,
 move nothing (:func:`~dapo_megatron.rollout.placement.rank_shares_a_server_gpu`).
+
+With LoRA the frozen base (every parameter that does not train) is on the GPU only for the policy update
+(:class:`FrozenWeights`): it leaves on entry to a generation turn and before an adapter handoff (which reads the
+adapters alone), and comes back once the servers released their weights for the update. It never changes, so its
+host copy is made once; each return is one host-to-device copy. That is what puts a 7B policy and its server on one
+24 GB GPU (examples/lora_qwen2.5_7b_24gb.yaml; the servers there restore their own base from host memory,
+``--enable-weights-cpu-backup``, rollout/sglang/lora_adapters.py).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from typing import Callable, Iterator
 import torch
 
 from dapo_megatron.config import DAPOConfig
+from dapo_megatron.handoff.gpu_copies import GpuCopies
 from dapo_megatron.launch_env import launch_env, local_world_size
 from dapo_megatron.rank_zero import run_on_rank0
 from dapo_megatron.rollout.engine import RolloutEngine
@@ -37,8 +49,51 @@ from dapo_megatron.rollout.placement import (
     rank_shares_a_server_gpu,
     require_one_stage_per_server,
 )
+from dapo_megatron.rollout.sglang.tensor_payloads import serialize_by_reference
+from dapo_megatron.rollout.sglang.transports import IPC_WINDOW_BUCKETS, collect_ipc_memory
 
 logger = logging.getLogger(__name__)
+
+
+class FrozenWeights:
+    """The parameters of ``model`` that never train (a LoRA policy's base), off the device between policy updates:
+    :meth:`release` frees their device storage (the first time after copying them to host memory, pinned when the
+    device is a GPU), :meth:`restore` copies them back. Megatron's DDP and optimizer hold no buffer for them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.parameters = [p for p in model.parameters() if not p.requires_grad]
+        self._host: list[torch.Tensor] | None = None
+        self.on_device = True
+
+    def release(self) -> None:
+        if not self.on_device or not self.parameters:
+            return
+        if self._host is None:
+            pinned = self.parameters[0].is_cuda
+            self._host = [p.detach().to("cpu", copy=True) for p in self.parameters]
+            self._host = [h.pin_memory() for h in self._host] if pinned else self._host
+        for parameter in self.parameters:
+            parameter.data = parameter.data.new_empty(0)
+        self.on_device = False
+
+    def restore(self) -> None:
+        if self.on_device:
+            return
+        device = self.parameters[0].device
+        for parameter, host in zip(self.parameters, self._host, strict=True):
+            parameter.data = host.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.on_device = True
+
+
+def copies_on_every_gpu(config: DAPOConfig, *, on_gpu: bool, world_size: int, ranks_on_node: int) -> bool:
+    """Whether the weight handoff makes the buckets on every trainer GPU and hands each colocated server rank its own
+    GPU's copy by CUDA IPC handle: colocated servers this run launches on CUDA (their GPUs known), the ``tensor``
+    transport, one pipeline stage (a rank holds its stage's layers only) and one node (the servers' node)."""
+    r = config.rollout
+    return (on_gpu and r.engine == "sglang" and r.placement == "colocated" and r.sglang.transport == "tensor"
+            and not r.sglang.urls and config.parallel.pipeline == 1 and world_size == ranks_on_node)
 
 
 class Colocation:
@@ -58,6 +113,8 @@ class Colocation:
         self.engine = engine
         self.config = config
         self.shares_a_server_gpu = True  # until locate_servers() knows this rank's GPU
+        self.frozen = FrozenWeights(model) if model is not None and config.model.lora.enabled else None
+        self.server_gpus: list[range] | None = None  # each launched server's GPUs, once located (CUDA, colocated)
 
     @property
     def offload_optimizer(self) -> bool:
@@ -68,6 +125,11 @@ class Colocation:
         """The gradient buffers hold nothing between steps (the next update zeroes them first): while the servers
         generate they are freed (megatron-core's ``offload_grad_buffers``), leaving the KV cache that much more."""
         return self.colocated and self.on_gpu and self.shares_a_server_gpu and self.model is not None
+
+    @property
+    def offload_frozen_weights(self) -> bool:
+        """A LoRA policy's frozen base leaves the GPU outside the update (see the module docstring)."""
+        return self.colocated and self.on_gpu and self.shares_a_server_gpu and self.frozen is not None
 
     def locate_servers(self) -> None:
         """Before the servers launch (on GPUs; every rank, so every rank stops with the same error): each colocated
@@ -82,6 +144,18 @@ class Colocation:
         here = launch_env()
         self.shares_a_server_gpu = rank_shares_a_server_gpu(ranges, global_rank=here.rank, local_rank=here.local_rank,
                                                             visible_gpus=visible_gpus)
+        self.server_gpus = ranges
+
+    def handoff_copies(self) -> GpuCopies | None:
+        """This rank's part in a handoff that gives each colocated server rank the copy on its own GPU, or None
+        where that route does not apply (:func:`copies_on_every_gpu`)."""
+        here = launch_env()
+        if not copies_on_every_gpu(self.config, on_gpu=self.on_gpu, world_size=here.world_size,
+                                   ranks_on_node=local_world_size()):
+            return None
+        serializes = self.shares_a_server_gpu and here.rank != 0  # rank 0's transport serializes its own copy
+        return GpuCopies(serialize=serialize_by_reference if serializes else None, window=IPC_WINDOW_BUCKETS,
+                         collect=collect_ipc_memory)
 
     @contextmanager
     def generating(self) -> Iterator[None]:
@@ -94,6 +168,8 @@ class Colocation:
             self.model.offload_grad_buffers()
         if self.offload_optimizer:
             self.optimizer.offload_to_cpu()
+        if self.offload_frozen_weights:
+            self.frozen.release()  # back in before_policy_update, once the servers released their weights
         self._return_cached_blocks()
         self._engine_turn("before_generation", "colocated servers taking their KV cache back")
         yield
@@ -106,8 +182,12 @@ class Colocation:
     def before_policy_update(self) -> None:
         if self.colocated:
             self._engine_turn("before_policy_update", "colocated servers releasing their weights")
+        if self.offload_frozen_weights:
+            self.frozen.restore()
 
     def before_handoff(self) -> None:
+        if self.offload_frozen_weights and self.config.model.lora.handoff == "adapter":
+            self.frozen.release()  # the servers take their base back from host memory: one copy on the GPU
         if self.colocated:
             self._return_cached_blocks()
 

@@ -44,7 +44,7 @@ from dapo_megatron.metrics.step import StepTimer, policy_metrics, step_metrics, 
 from dapo_megatron.run.stop_signals import StopSignals
 from dapo_megatron.data.task import eval_prompts, train_sampler
 from dapo_megatron.run.progress import WARN_AFTER_STEPS, TrainingProgress
-from dapo_megatron.trainer.weight_sync import sync_engine_weights
+from dapo_megatron.trainer.weight_sync import handoff_metrics, sync_engine_policy
 from dapo_megatron.platform import set_collective_timeout
 from dapo_megatron.run.restarts import RestartRecord
 from dapo_megatron.run.watchdog import RankActivity, collective_limit
@@ -78,6 +78,7 @@ class DAPOTrainer:
         self.run_id: str | None = None  # set by run(): new, or the resumed checkpoint's
         self.resumed_from: Path | None = None
         self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote or resumed from
+        self.handoff_bytes: int | None = None  # of the last weight handoff (rank 0); None: none yet
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             continue_in(self.run_dir / CONSOLE_LOG)  # where the output goes on if its reader (`| tee`) dies
@@ -89,7 +90,7 @@ class DAPOTrainer:
         self.actor = build_actor(self.spec, backend=backend, model=c.model, parallel=c.parallel, optim=c.optim,
                                  routing_replay=c.algorithm.moe_routing_replay != "none",
                                  micro_batch_tokens=c.trainer.micro_batch_tokens,
-                                 temperature=c.rollout.temperature)
+                                 temperature=c.rollout.temperature, seed=c.trainer.seed)
         load_hf_weights(self.actor.model, self.spec, self.model_dir)
         self.actor.optimizer.reload_model_params()
         self.policy_update = PolicyUpdate(self.actor, config)
@@ -112,7 +113,8 @@ class DAPOTrainer:
         sampler = train_sampler(c, self.tokenizer)
         self.eval_prompts = eval_prompts(c, self.tokenizer)
         self.reward = RewardScorer(c)  # your reward's worker processes, before the engine
-        self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend)
+        self.engine = build_rollout_engine(c, self.model_dir, self.run_dir, self.backend,
+                                           server_gpus=self.colocation.server_gpus)
         if c.algorithm.moe_routing_replay == "replay_rollout":  # R3: the samples carry the engine's routing
             self.engine.return_routed_experts = True
         collector = AsyncRolloutCollector if c.rollout.mode == "async" else RolloutCollector
@@ -141,6 +143,8 @@ class DAPOTrainer:
                                     policy_version=step) | update.routing
             metrics = step_metrics(rollout, policy, timer,
                                    weight_version=self.engine.weight_version if self.engine else done)
+            metrics.update(handoff_metrics(self.handoff_bytes, self.spec, c.model.lora,
+                                           element_bytes=self.actor.model.config.params_dtype.itemsize))
             last = done == c.trainer.total_steps
             if last or (c.eval.every and done % c.eval.every == 0):
                 self.last_eval = self.validate(done)
@@ -153,10 +157,17 @@ class DAPOTrainer:
         return metrics
 
     def hand_off_weights(self, version: int) -> None:
+        """The policy as ``version`` to the engine: its weights, or with LoRA what ``model.lora.handoff`` says
+        (:func:`~dapo_megatron.trainer.weight_sync.sync_engine_policy`); the bytes sent are logged."""
         self.colocation.before_handoff()
-        sync_engine_weights(self.actor.model, self.spec, self.engine, version=version,
-                            bucket_bytes=int(self.config.rollout.handoff_bucket_mb * 2**20),
-                            tp_gather=self.backend.tp_gather)
+        r = self.config.rollout
+        # SGLang servers this run launched load the model folder, which is a LoRA policy's frozen base
+        launched_from_base = r.engine == "sglang" and not r.sglang.urls
+        self.handoff_bytes = sync_engine_policy(
+            self.actor.model, self.spec, self.engine, version=version, lora=self.config.model.lora,
+            base_served=self.handoff_bytes is not None or launched_from_base,
+            bucket_bytes=int(r.handoff_bucket_mb * 2**20), tp_gather=self.backend.tp_gather,
+            copies=self.colocation.handoff_copies())
 
     def validate(self, step: int = 0) -> dict[str, float]:
         """Validation metrics on every rank; rank 0 also logs a sample of the generations at ``step``."""

@@ -15,8 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 ROWS = ("bf16 matmul", "logprob parity bf16 vs fp32", "DAPO updates", "weight handoff -> embedded engine loader",
         "engine vs policy logprob gap (bf16)", "colocated turn: optimizer state to host and back",
-        "colocated MoE turn: no distributed optimizer, routing replayed", "training MFU 0.5B-shaped",
-        "training MFU 1.5B-shaped")
+        "colocated MoE turn: no distributed optimizer, routing replayed", "routing replay with full recomputation",
+        "SGLang on this GPU", "training MFU 0.5B-shaped", "training MFU 1.5B-shaped")
 
 
 @pytest.mark.slow  # ~15 s of work, longer on a loaded machine
@@ -46,6 +46,11 @@ def test_tiny_gpu_check_prints_every_row_with_finite_numbers(tmp_path):
     assert colocated["numbers"]["moved_gb"] == 0 and colocated["numbers"]["planned_optimizer_gb"] > 0  # CPU: stays
     moe = by_name["colocated MoE turn: no distributed optimizer, routing replayed"]
     assert moe["value"] == "ok" and moe["numbers"]["stray_parameters"] == 0 and moe["numbers"]["routing_on_host"] == 1
+    replay = by_name["routing replay with full recomputation"]
+    assert replay["value"] == "ok" and replay["numbers"]["queued_bytes_plain"] == 0  # issue 40.3: nothing queued
+    assert replay["numbers"]["router_forwards_recomputed"] > 0 and replay["numbers"]["loss_recomputed"] != 0
+    sglang = next(row for row in rows if row["check"].startswith("SGLang on this GPU"))
+    assert sglang["value"] == "skipped" and "no CUDA" in sglang["detail"]  # CPU: R3 needs a CUDA server
     timed = [row for row in rows if row["check"].startswith(("training MFU", "logprob parity", "DAPO updates"))]
     assert timed and all(row["check"].endswith("[cpu]") for row in timed)  # each names the layers it ran
 

@@ -5,6 +5,7 @@
   ``bucket_bytes`` unless it is one larger tensor. The experts come from their EP ranks: every gather hands the source
   one parameter of one local slot from each EP rank (never more than EP × TP shards of one expert parameter).
 * TP1 × PP2 × EP2: :func:`gather_hf_buckets_to_rank0` brings every stage's experts to global rank 0, bf16.
+* TP2 × EP2 with ``every_rank``: every rank makes the same buckets (each GPU's own copy, handoff/gpu_copies.py).
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def _job(model_dir: str) -> dict:
             buckets = [[(n, t.clone()) for n, t in bucket]
                        for bucket in export_hf_buckets(model, spec, bucket_bytes=BUCKET_BYTES, tp_gather=gather)]
             announced = [n for m in stage_export_mappings(model, spec) for n in m.hf_names]
-            out[name] = dict(rank=dist.get_rank(), buckets=buckets, announced=announced, gathered=gather.gathered)
+            everywhere = [[(n, t.clone()) for n, t in bucket]
+                          for bucket in export_hf_buckets(model, spec, bucket_bytes=BUCKET_BYTES, every_rank=True)]
+            out[name] = dict(rank=dist.get_rank(), buckets=buckets, announced=announced, gathered=gather.gathered,
+                             everywhere=everywhere)
         else:
             received = [[(n, t.clone()) for n, t in bucket] for bucket in gather_hf_buckets_to_rank0(
                 model, spec, bucket_bytes=BUCKET_BYTES, dtype=torch.bfloat16, tp_gather=backend.tp_gather)]
@@ -111,6 +115,18 @@ def test_experts_stream_from_their_ep_ranks_to_the_source_bit_exact(exported):
     expert_gathers = [nbytes for group_size, nbytes in source["gathered"] if group_size == 4]
     assert len(expert_gathers) == 4 * 3 * 2
     assert set(expert_gathers) == {2 * expert_bytes("gate", "up"), 2 * expert_bytes("down")}
+
+
+@pytest.mark.slow  # 4 processes
+def test_every_rank_can_make_the_whole_state_dict_itself(exported):
+    """The export on every rank (each GPU's own copy for its colocated server rank, handoff/gpu_copies.py): at TP2 x
+    EP2 (DP 2) every rank — TP peers, the other DP replica, both EP ranks — makes the same buckets as the source."""
+    reference, ranks = exported
+    source = ranks[0]["tp2_ep2"]
+    for rank in ranks:
+        everywhere = rank["tp2_ep2"]["everywhere"]
+        _assert_is_the_state_dict(everywhere, reference)
+        assert [[n for n, _ in b] for b in everywhere] == [[n for n, _ in b] for b in source["buckets"]]
 
 
 @pytest.mark.slow  # 4 processes

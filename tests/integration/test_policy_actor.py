@@ -92,7 +92,7 @@ def reference_step(hf_dir):
     logprobs = torch.stack([torch.nn.functional.pad(row, (0, width - row.numel())) for row in rows])
     a = AlgorithmConfig(clip_ratio_c=None)
     loss, metrics = policy_loss(logprobs, old, advantages, mask, eps_low=a.eps_low, eps_high=a.eps_high,
-                                clip_ratio_c=a.clip_ratio_c, agg=a.loss_agg)
+                                clip_ratio_c=a.clip_ratio_c, agg=a.aggregation)
     loss.backward()
     return dict(loss=float(loss), metrics=metrics, logprobs=[row.detach() for row in rows],
                 grads=hf_gradients(actor, spec))

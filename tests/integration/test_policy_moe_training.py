@@ -63,6 +63,7 @@ def replay_job(hf_dir: str) -> dict:
         metrics = actor.train_minibatch(with_old, loss_of(), routing=old.routing if replayed else None)
         out[replayed] = dict(metrics=metrics, experts_chosen=sorted(set(chosen.tolist())),
                              micro_batches=[len(per_router) for per_router in old.routing.per_router])
+    out["recompute"] = recomputed_replay(hf_dir, samples)
     # a routing recorded with other batching is refused, naming the mismatch
     actor, _ = build_test_actor(hf_dir, 1, 1, moe_settings())
     old = actor.compute_logprobs(samples[:3], record_routing=True)
@@ -72,6 +73,29 @@ def replay_job(hf_dir: str) -> dict:
         out["mismatch"] = None
     except RuntimeError as error:
         out["mismatch"] = str(error)
+    return out
+
+
+def recomputed_replay(hf_dir: str, samples) -> dict:
+    """Issue 40, items 3 and 4: the replayed update over several micro-batches, without and with full activation
+    recomputation, and what megatron's REPLAY_BACKWARD queue holds after each router forward (and whether that
+    forward was a recomputed one)."""
+    from dapo_megatron.policy.batch_plan import PackedBatching
+    from dapo_megatron.policy.moe_routing import inside_backward
+
+    batching = PackedBatching(token_budget=32)  # several micro-batches
+    out = {}
+    for recompute in ("none", "full"):
+        actor, _ = build_test_actor(hf_dir, 1, 1, moe_settings(), recompute=recompute)
+        old = actor.compute_logprobs(samples, record_routing=True, batching=batching)
+        drift_routing_to_expert_0(actor)
+        queued = []
+        router = moe_routers(actor.model)[0]
+        router.register_forward_hook(lambda module, args, output: queued.append(
+            (len(module.router_replay.replay_backward_list), inside_backward())))
+        with_old = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(samples, old.logprobs)]
+        metrics = actor.train_minibatch(with_old, loss_of(), batching=batching, routing=old.routing)
+        out[recompute] = dict(metrics=metrics, queued=queued, recomputes=actor.model.config.recompute_granularity)
     return out
 
 
@@ -89,6 +113,17 @@ def test_replayed_update_has_ratio_exactly_one_where_the_unreplayed_one_does_not
     assert replayed["clipfrac_high"] == replayed["clipfrac_low"] == 0.0
     assert abs(unreplayed["ratio_mean"] - 1.0) > 1e-3 and unreplayed["approx_kl"] > 0.0  # control
     assert out["mismatch"] is not None and "different batching" in out["mismatch"]
+    plain, full = out["recompute"]["none"], out["recompute"]["full"]
+    assert full["recomputes"] == "full" and plain["recomputes"] is None
+    micro_batches = len(plain["queued"])
+    assert micro_batches >= 3 and not any(recomputed for _, recomputed in plain["queued"])
+    # without recomputation megatron's REPLAY_BACKWARD queue stays empty (it grew by one per micro-batch: 1, 2, 3 ...)
+    assert [queued for queued, _ in plain["queued"]] == [0] * micro_batches
+    # with it, each micro-batch's target waits for its recomputed forward, which takes it (and consumes nothing else)
+    assert full["queued"] == [(1, False), (0, True)] * micro_batches
+    assert full["metrics"]["ratio_mean"] == 1.0 and full["metrics"]["approx_kl"] == 0.0  # π_old's routing, exactly
+    for name in ("pg_loss", "grad_norm", "entropy"):
+        assert full["metrics"][name] == pytest.approx(plain["metrics"][name], rel=1e-5, abs=1e-7)
 
 
 def group(weight_version: int) -> RolloutGroup:

@@ -81,8 +81,12 @@ def r3_job(hf_dir: str, tensor_parallel: int) -> dict:
     from dapo_megatron.policy.moe_routing import moe_routers
     from dapo_megatron.trainer.policy_update import PolicyUpdate
 
-    groups = engine_groups(hf_dir)
+    from dapo_megatron.collectors.batch import hand_over_rollouts
+
     actor = moe_actor(hf_dir, tensor_parallel)
+    # as the trainer hands a step's batch over: rank 0 generates, and only it keeps the routing's values
+    groups, _ = hand_over_rollouts(lambda: (engine_groups(hf_dir), {}), what="the test's rollouts")
+    held = {r.device.type for g in groups for r in g.routed_experts}
     with torch.no_grad():  # the trainer's routers now prefer expert 0 where the engine's never chose it
         for router in moe_routers(actor.model):
             router.weight[0] = 4.0 * (router.weight[1] + router.weight[3])
@@ -99,8 +103,9 @@ def r3_job(hf_dir: str, tensor_parallel: int) -> dict:
         old, routing, updates = [s.old_logprobs for s in samples], stage.unreplayed_gap(samples, groups, plan, 0), []
     engine = [torch.as_tensor(lps, dtype=torch.float32) for g in groups for lps in g.engine_logprobs]
     gap = max(float((e - lp).abs().max()) for e, lp in zip(engine, old))
-    engine_experts = sorted(set(torch.cat([r.flatten() for g in groups for r in g.routed_experts]).tolist()))
-    return dict(gap=gap, routing=routing, updates=updates, engine_experts=engine_experts)
+    engine_experts = (sorted(set(torch.cat([r.flatten() for g in groups for r in g.routed_experts]).tolist()))
+                      if held == {"cpu"} else None)
+    return dict(gap=gap, routing=routing, updates=updates, engine_experts=engine_experts, held=held)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +118,8 @@ def dormant_dir(tmp_path_factory):
 def test_r3_trainer_logprobs_equal_the_engines_where_unreplayed_routing_drifts(dormant_dir, tensor_parallel):
     out = run_distributed(r3_job, 2 * tensor_parallel, dormant_dir, tensor_parallel, timeout_s=900)
     assert all(rank["routing"] == out[0]["routing"] for rank in out)  # the same metrics on every rank
+    # the routing's values stayed on rank 0; each other rank got its rows from there (policy/rollout_routing.py)
+    assert out[0]["held"] == {"cpu"} and all(rank["held"] == {"meta"} for rank in out[1:])
     out = out[0]
     assert 0 not in out["engine_experts"]  # the engine never routed to expert 0
     assert out["gap"] < 1e-4  # replayed: the engine's own log-probs, to float tolerance

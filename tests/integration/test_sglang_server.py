@@ -33,7 +33,7 @@ from dapo_megatron.hf_format import bucketed
 from dapo_megatron.rollout.engine import RolloutError, SamplingParams
 from dapo_megatron.rollout.sglang.client import SGLangClient
 from dapo_megatron.rollout.sglang.engine import SGLangEngine
-from dapo_megatron.rollout.sglang.pool import concurrent_requests, server_capacity
+from dapo_megatron.rollout.sglang.pool import in_flight_samples, server_capacity
 
 pytestmark = [pytest.mark.slow, pytest.mark.sglang]
 torch.set_num_threads(1)
@@ -94,12 +94,12 @@ def _rollout_in_background(engine, prompts, params) -> tuple[threading.Thread, d
 
 # ---- generation ---------------------------------------------------------------------------------------------------
 def test_requests_in_flight_default_to_what_the_server_runs(engine):
-    """rollout.sglang.max_concurrent_requests unset: the server's own running-request limit, read from /server_info
-    (issue 26, item 7), not a fixed 64."""
+    """rollout.sglang.max_in_flight_samples unset: the server's own running-request limit, read from /server_info
+    (issue 26, item 7), not a fixed 64; counted in samples (issue 40, item 6)."""
     (slot,) = engine.pool.slots
     capacity = server_capacity(slot.client.server_info(), slot.client.base_url)
-    assert capacity > 64 and engine.config.max_concurrent_requests is None
-    assert engine.max_concurrent_requests == concurrent_requests([capacity], 1) == capacity
+    assert capacity > 64 and engine.config.max_in_flight_samples is None
+    assert engine.in_flight.limit == in_flight_samples([capacity]) == capacity
 
 
 def test_generate_returns_n_samples_with_logprobs_and_finish_reasons(engine, prompts):

@@ -11,7 +11,8 @@ import torch
 from loss_settings import policy_loss
 
 from dapo_megatron.algorithm import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, build_advantage_estimator, build_policy_loss
-from dapo_megatron.config import AlgorithmConfig, ConfigError, load_config
+from dapo_megatron.config import AlgorithmConfig, ConfigError, config_to_dict, load_config, save_config
+from dapo_megatron.run.config_record import check_resume_config
 
 torch.set_num_threads(1)
 TINY = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
@@ -140,8 +141,8 @@ def test_gspo_and_gspo_token_differ_only_with_per_token_advantages():
     weighted = random_batch(2, 1e-4, per_token_advantages=True)[2]  # token_tis: advantages w_t·A
     for name, token_level in (("gspo", False), ("gspo_token", True)):
         got = value_and_grad(project_loss(name), logprobs, old, weighted, mask, **counts)
-        want = value_and_grad(lambda lp: reference_gspo(lp, old, weighted, mask, **GSPO_EPS, agg="token-mean",
-                                                        token_level=token_level), logprobs)
+        want = value_and_grad(lambda lp: reference_gspo(lp, old, weighted, mask, **GSPO_EPS,
+                                                        agg="seq-mean-token-mean", token_level=token_level), logprobs)
         close(got[1], want[1])
     assert not torch.allclose(value_and_grad(sequence, logprobs, old, weighted, mask, **counts)[1],
                               value_and_grad(token, logprobs, old, weighted, mask, **counts)[1])
@@ -236,7 +237,9 @@ def test_the_schemas_names_are_the_registries_keys():
 
     from dapo_megatron.config.algorithm import AdvantageEstimatorName, PolicyLossName
 
-    assert set(typing.get_args(PolicyLossName)) == set(POLICY_LOSSES)
+    from dapo_megatron.config.algorithm import OBJECTIVE_DEFAULTS
+
+    assert set(typing.get_args(PolicyLossName)) == set(POLICY_LOSSES) == set(OBJECTIVE_DEFAULTS)
     assert set(typing.get_args(AdvantageEstimatorName)) == set(ADVANTAGE_ESTIMATORS)
     with pytest.raises(ConfigError, match=r"algorithm.gspo.eps_low: must be in \[0, 1\)"):
         load_config(TINY, ["algorithm.policy_loss=gspo", "algorithm.gspo.eps_low=1.5"])
@@ -254,3 +257,55 @@ def test_objective_settings_come_from_the_schema():
     narrow = project_loss("gspo")(logprobs, old, advantages, mask, **counts)[1]
     wide = build_policy_loss(AlgorithmConfig(policy_loss="gspo", gspo=type(config.gspo)(eps_low=0.1, eps_high=0.1)))
     assert narrow["clipfrac_high"] > 0 and wide(logprobs, old, advantages, mask, **counts)[1]["clipfrac_high"] == 0
+
+
+# ------------------------------------------------------------------------------- an objective owns its defaults
+
+def paper_gspo(logprobs, old, advantages, mask, eps_low, eps_high):
+    """GSPO's eq. (5) as the paper writes it: −(1/G) Σ_i min(s_i·Â_i, clip(s_i, 1 − ε_low, 1 + ε_high)·Â_i), with
+    s_i = (π_θ(y_i|x) / π_old(y_i|x))^(1/|y_i|); responses without loss tokens are not in the group's mean."""
+    terms = []
+    for i in range(logprobs.shape[0]):
+        keep = mask[i].bool()
+        if keep.any():
+            s = torch.exp((logprobs[i][keep] - old[i][keep]).sum() / keep.sum())
+            terms.append(torch.minimum(s * advantages[i], torch.clamp(s, 1 - eps_low, 1 + eps_high) * advantages[i]))
+    return -torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_policy_loss_gspo_alone_trains_the_papers_objective(name):
+    config = load_config(TINY, [f"algorithm.policy_loss={name}"]).algorithm
+    assert config.objective_defaults_applied == {"loss_agg": "seq-mean-token-mean"}
+    counts = dict(num_tokens=None, num_sequences=None)
+    for shift in (0.0, 0.01):  # inside the clip range, and past it
+        batch = random_batch(11, shift)
+        got, got_grad = value_and_grad(build_policy_loss(config), *batch, **counts)
+        want, want_grad = value_and_grad(paper_gspo, *batch, **GSPO_EPS)
+        close(got, want)
+        close(got_grad, want_grad)
+    # control: DAPO's token-mean, what `policy_loss: gspo` alone trained before, is another objective on this batch
+    token_mean = build_policy_loss(AlgorithmConfig(policy_loss=name, loss_agg="token-mean"))
+    assert abs(float(value_and_grad(token_mean, *batch, **counts)[0]) - float(want)) > 1e-3
+
+
+def test_a_setting_the_user_makes_wins_over_the_objectives_own():
+    explicit = load_config(TINY, ["algorithm.policy_loss=gspo", "algorithm.loss_agg=token-mean"]).algorithm
+    assert explicit.objective_defaults_applied == {} and explicit.aggregation == "token-mean"
+    dapo = load_config(TINY).algorithm  # tiny_cpu.yaml leaves loss_agg to the objective: DAPO's token-mean
+    assert dapo.objective_defaults_applied == {"loss_agg": "token-mean"} and dapo.aggregation == "token-mean"
+
+
+def test_the_resolved_config_says_which_defaults_the_objective_applied(tmp_path):
+    config = load_config(TINY, ["algorithm.policy_loss=gspo"])
+    save_config(config, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert text.splitlines()[0] == ("# algorithm.policy_loss=gspo applied its paper's "
+                                    "algorithm.loss_agg=seq-mean-token-mean (not set in the config)")
+    assert load_config(tmp_path / "config.yaml").algorithm.loss_agg == "seq-mean-token-mean"  # explicit once saved
+    assert config_to_dict(config)["algorithm"]["loss_agg"] == "seq-mean-token-mean"
+    # a GSPO run that trained with token-mean (before the objective owned its defaults) is not resumed silently
+    previous = config_to_dict(config)
+    previous["algorithm"]["loss_agg"] = "token-mean"
+    with pytest.raises(ConfigError, match="algorithm.loss_agg 'token-mean' -> 'seq-mean-token-mean'"):
+        check_resume_config(previous, config, where="the checkpoint")

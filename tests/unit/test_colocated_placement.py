@@ -125,6 +125,42 @@ def test_the_pool_launches_colocated_servers_on_the_trainer_gpus_with_the_memory
         assert (MEMORY_SAVER_FLAG in argv) == saver
 
 
+def test_the_pool_launches_on_the_gpus_the_trainer_located_once(tmp_path, monkeypatch):
+    """The trainer's colocation places the servers on every rank (Colocation.locate_servers); rank 0's pool launches
+    them there instead of laying them out a second time."""
+    from dapo_megatron.rollout.sglang import pool as pool_module
+
+    def laid_out_again(*args, **kwargs):
+        raise AssertionError("the pool laid the colocated servers out again")
+
+    monkeypatch.setattr(pool_module, "colocated_gpu_ranges", laid_out_again)
+    config = SGLangConfig(python=exiting_python(tmp_path), num_servers=2, tp_per_server=2, base_port=0,
+                          transport="tensor", mem_fraction_static=0.5, launch_timeout_s=60)
+    pool = ServerPool(config, model_path=str(tmp_path), run_dir=tmp_path / "run", device="cuda",
+                      placement="colocated", server_gpus=[range(4, 6), range(6, 8)])
+    with pytest.raises(RolloutError, match="exited with code 1"):
+        pool.start()
+    pool.stop()
+    starts = [launched_argv(tmp_path / "run" / f"server{i}.log") for i in range(2)]
+    assert [argv[argv.index("--base-gpu-id") + 1] for argv in starts] == ["4", "6"]
+
+
+@pytest.mark.parametrize("change, world, on_gpu, copies", [
+    ([], 8, True, True),  # the 7B one-node examples: 8 trainer ranks, colocated servers, tensor transport
+    (["rollout.sglang.transport=disk"], 8, True, False),
+    (["parallel.pipeline=2"], 8, True, False),  # a rank holds its stage's layers only
+    (["rollout.sglang.urls=[http://127.0.0.1:1]"], 8, True, False),  # attached: their GPUs unknown
+    ([], 16, True, False),  # two nodes: the servers are on the first
+    ([], 8, False, False),  # CPU: no CUDA IPC
+])
+def test_the_handoff_copies_buckets_to_every_gpu_only_where_the_servers_can_open_them(change, world, on_gpu,
+                                                                                        copies):
+    from dapo_megatron.trainer.colocation import copies_on_every_gpu
+
+    config = load_config(None, COLOCATED + change)
+    assert copies_on_every_gpu(config, on_gpu=on_gpu, world_size=world, ranks_on_node=8) is copies
+
+
 def test_a_cpu_server_starts_without_the_memory_saver(tmp_path):
     server = SGLangServerProcess(SGLangConfig(), model_path=tmp_path, index=0, run_dir=tmp_path, weight_version="0",
                                  device="cpu", memory_saver=uses_memory_saver("colocated", "cpu"))

@@ -74,7 +74,8 @@ def test_train_and_eval_check_it_with_the_model_folder(monkeypatch):
     spec = model_spec_from_hf(published_hf_config("Qwen2.5-32B"))
     monkeypatch.setattr(input_checks, "check_user_model", lambda config: spec)
     monkeypatch.setattr(input_checks, "check_training_memory", lambda *args, **kwargs: None)
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 64 * GIB})())
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: type("Memory", (), {"available": 64 * GIB, "total": 64 * GIB})())
     with pytest.raises(ConfigError, match="rollout.engine=embedded keeps an fp32 copy"):
         input_checks.check_run_inputs(_config(), world_size=1, backend=select_backend(cuda_available=False))
     input_checks.check_run_inputs(load_config(TINY, ["model.source=hf", "model.hf_path=/models/Qwen2.5-32B",

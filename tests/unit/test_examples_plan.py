@@ -22,7 +22,8 @@ GPU_EXAMPLES = sorted(path for path in (REPO / "examples").glob("*.yaml") if loa
 # The hardware people have (issue 23): one 24 GB GPU, one 80 GB GPU, one node, 4 nodes, the paper's 16.
 EXPECTED = {"dapo_qwen2.5_0.5b_24gb.yaml": 24, "dapo_qwen2.5_math_1.5b_1gpu.yaml": 80, "dapo_qwen2.5_7b_1node.yaml": 80,
             "dapo_qwen2.5_14b_4nodes.yaml": 80, "dapo_qwen2.5_32b.yaml": 80,
-            "retool_qwen2.5_7b_instruct.yaml": 80}  # and one node with tools (issue 36)
+            "retool_qwen2.5_7b_instruct.yaml": 80,  # and one node with tools (issue 36)
+            "lora_qwen2.5_7b_24gb.yaml": 24, "lora_qwen2.5_32b_1node.yaml": 80}  # and LoRA (issue 43)
 
 
 def test_the_examples_cover_the_hardware_people_have():

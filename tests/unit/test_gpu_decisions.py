@@ -237,25 +237,24 @@ def test_moe_training_at_tp_above_one_without_sequence_parallelism_is_refused_up
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from dapo_megatron.config import ConfigError
     from dapo_megatron.policy.model import require_sequence_parallel_for_moe_training
-    from dapo_megatron.policy.model_spec import MoESpec, ParallelLayoutError
 
     # the upstream refusal this guards against is still there (when it goes, so can the guard)
     assert "without also enabling sequence parallelism" in inspect.getsource(MoELayer.forward)
-    moe = spec(arch="qwen3_moe", moe=MoESpec(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=True))
-    with pytest.raises(ParallelLayoutError, match=r"parallel\.tensor=2 only with sequence parallelism.*"
-                                                  r"parallel\.sequence_parallel is false"):
-        require_sequence_parallel_for_moe_training(moe, tensor_parallel=2, sequence_parallel=False,
+    with pytest.raises(ConfigError, match=r"parallel\.tensor=2 only with sequence parallelism.*"
+                                          r"parallel\.sequence_parallel is false"):
+        require_sequence_parallel_for_moe_training(has_experts=True, tensor_parallel=2, sequence_parallel=False,
                                                    use_transformer_engine=True)
-    with pytest.raises(ParallelLayoutError, match="megatron's local layers"):
-        require_sequence_parallel_for_moe_training(moe, tensor_parallel=2, sequence_parallel=False,
+    with pytest.raises(ConfigError, match="megatron's local layers"):
+        require_sequence_parallel_for_moe_training(has_experts=True, tensor_parallel=2, sequence_parallel=False,
                                                    use_transformer_engine=False)
     # controls: with sequence parallelism, at TP 1, or for a dense model nothing is refused
-    require_sequence_parallel_for_moe_training(moe, tensor_parallel=2, sequence_parallel=True,
+    require_sequence_parallel_for_moe_training(has_experts=True, tensor_parallel=2, sequence_parallel=True,
                                                use_transformer_engine=True)
-    require_sequence_parallel_for_moe_training(moe, tensor_parallel=1, sequence_parallel=False,
+    require_sequence_parallel_for_moe_training(has_experts=True, tensor_parallel=1, sequence_parallel=False,
                                                use_transformer_engine=False)
-    require_sequence_parallel_for_moe_training(spec(), tensor_parallel=2, sequence_parallel=False,
+    require_sequence_parallel_for_moe_training(has_experts=False, tensor_parallel=2, sequence_parallel=False,
                                                use_transformer_engine=False)
 
 
@@ -379,3 +378,18 @@ def test_the_moe_sequence_parallel_refusal_is_a_config_error_before_anything_is_
     with pytest.raises(ConfigError, match="megatron's local layers"):
         check_training_layout(load_config(None, base), moe, local)
     check_training_layout(load_config(None, base), moe, te)  # control: TE with sequence parallelism trains it
+
+
+def test_a_tiny_moe_at_tp2_on_the_local_layers_is_refused_by_the_input_checks_before_the_warm_start():
+    """Issue 40.10: ``model.source: tiny`` skipped the layout check, so `torchrun ... train examples/tiny_cpu_moe.yaml
+    parallel.tensor=2` warm-started a model and then died with a traceback per rank in ``build_actor``."""
+    from dapo_megatron.backend_registry import select_backend
+    from dapo_megatron.config import ConfigError, load_config
+    from dapo_megatron.run.input_checks import check_run_inputs
+
+    base = ["model.source=tiny", "data.source=synthetic", "parallel.tensor=2", "parallel.expert=1"]
+    cpu = select_backend()
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel / parallel.tensor: a mixture-of-experts model "
+                                          r"trains at parallel.tensor=2 only with sequence parallelism"):
+        check_run_inputs(load_config(None, base + ["model.tiny.arch=qwen3_moe"]), world_size=2, backend=cpu)
+    check_run_inputs(load_config(None, base + ["model.tiny.arch=qwen3"]), world_size=2, backend=cpu)  # control

@@ -1,8 +1,9 @@
 """How the exporter moves bytes. At TP=2 on CPU, the CPU backend's same-host gather through shared memory
 (cpu/shm_gather.py):
 the exported tensors are bit-identical to the gloo gather's, a later export sees the weights as they are then (the
-mapping is reused, never stale), and no file is left in /dev/shm. At TP=1: a parameter that is an HF tensor as it
-is goes out without a copy, every other tensor as a compact copy of its own elements."""
+mapping is reused, never stale), and no file is left in /dev/shm; the export on every rank (a copy of each bucket
+on every GPU, handoff/gpu_copies.py) makes the same buckets on each rank. At TP=1: a parameter that is an HF tensor
+as it is goes out without a copy, every other tensor as a compact copy of its own elements."""
 
 from __future__ import annotations
 
@@ -55,7 +56,28 @@ def _exports_job(model_dir: str) -> dict:
     dist.barrier()
     leftovers = [name for name in os.listdir(SHM_DIR) if name.startswith("dapo_megatron_handoff_")]
     return dict(rank=dist.get_rank(), over_gloo=over_gloo, first=first, second=second, mapped_without=mapped_without,
-                mapped_with=mapped_with, leftovers=leftovers)
+                mapped_with=mapped_with, leftovers=leftovers, copies=_copies_on_every_rank(model, spec))
+
+
+def _copies_on_every_rank(model, spec) -> dict:
+    """Issue 40.5's handoff: every rank exports the same buckets itself and rank 0's stream carries the other ranks'
+    serialized copies (on CPU a pickle of the copy stands in for CUDA IPC handles, which need a GPU)."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from dapo_megatron.handoff import export_hf_buckets
+    from dapo_megatron.handoff.gpu_copies import GpuCopies, buckets_with_copies
+
+    rank, collected = dist.get_rank(), []
+    copies = GpuCopies(serialize=None if rank == 0 else lambda bucket: pickle.dumps((rank, bucket)), window=2,
+                       collect=lambda: collected.append(len(collected)))
+    own = [[(n, t.clone()) for n, t in bucket] for bucket in export_hf_buckets(model, spec, bucket_bytes=4096,
+                                                                              every_rank=True)]
+    received = [(bucket, {gpu: pickle.loads(serialized) for gpu, serialized in bucket.copies.items()})
+                for bucket in buckets_with_copies(export_hf_buckets(model, spec, bucket_bytes=4096, every_rank=True),
+                                                  copies)]
+    return dict(own=own, received=received, collected=len(collected))
 
 
 def test_shared_memory_gather_equals_the_gloo_gather(tmp_path):
@@ -70,6 +92,18 @@ def test_shared_memory_gather_equals_the_gloo_gather(tmp_path):
         assert torch.equal(rank0["first"][name], tensor), name
         assert torch.equal(rank0["second"][name], tensor * 2.0), f"{name}: a later export read stale shards"
     assert rank0["leftovers"] == [] and rank1["leftovers"] == []
+    # every rank made the same buckets as rank 0's gather, on its own; rank 0's stream carried rank 1's copy of each
+    on_rank0, on_rank1 = rank0["copies"], rank1["copies"]
+    assert [name for bucket in on_rank0["own"] for name, _ in bucket] == list(rank0["over_gloo"])
+    assert [[n for n, _ in b] for b in on_rank1["own"]] == [[n for n, _ in b] for b in on_rank0["own"]]
+    assert all(torch.equal(t, rank0["second"][n]) for bucket in on_rank1["own"] for n, t in bucket)  # doubled
+    assert on_rank1["received"] == [] and len(on_rank0["received"]) == len(on_rank0["own"]) > 2
+    for bucket, copies in on_rank0["received"]:
+        (maker, copy), = copies.values()  # one copy, made by rank 1
+        assert maker == 1 and [n for n, _ in copy] == [n for n, _ in bucket]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(copy, bucket))
+    # rank 1 dropped each copy two buckets after rank 0 sent it, and the rest at the end
+    assert on_rank1["collected"] == len(on_rank0["own"]) - 2 + 1 and on_rank0["collected"] == 1
 
 
 def _tp1_job(model_dir: str) -> dict:

@@ -171,3 +171,126 @@ def test_can_clip_and_step_go():
         assert list(inspect.signature(optimizer.step).parameters) == ["self"], (
             f"{UPSTREAM}'s {optimizer.__name__}.step takes arguments now "
             f"({inspect.signature(optimizer.step)}): if one is the gradient norm, clip_and_step can go")
+
+
+# ---- a Transformer Engine that is installed but does not load (overrides/megatron_core/transformer_engine_import.py)
+
+def _import_guards(source: str, module: str) -> list[list[str]]:
+    """The exception names of every ``try`` whose body imports ``module`` (directly), in ``source``."""
+    import ast
+
+    guards = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Try) and any(isinstance(s, ast.Import) and any(a.name == module for a in s.names)
+                                             for s in node.body):
+            guards.append([ast.unparse(h.type) for h in node.handlers])
+    return guards
+
+
+def test_can_hold_back_broken_transformer_engine_go():
+    """``import megatron.core`` imports Transformer Engine in megatron/core/utils.py under ``except ImportError``
+    only: a TE whose library fails to load (OSError, RuntimeError) kills the import. When upstream catches more,
+    the hold-back (and this test) can go."""
+    import importlib.util
+
+    source = Path(importlib.util.find_spec("megatron.core.utils").origin).read_text()
+    guards = _import_guards(source, "transformer_engine")
+    assert guards and all(handlers == ["ImportError"] for handlers in guards), (
+        f"{UPSTREAM}'s utils.py guards its Transformer Engine import with more than ImportError now: delete "
+        "overrides/megatron_core/transformer_engine_import.py and its call in cli.py")
+
+
+@pytest.fixture
+def broken_package(tmp_path, monkeypatch):
+    """A stand-in of a Transformer Engine whose core library does not load: importing it raises OSError."""
+    package = tmp_path / "broken_te_standin"
+    package.mkdir()
+    (package / "__init__.py").write_text('raise OSError("libtransformer_engine.so: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "broken_te_standin"
+    from dapo_megatron.overrides.megatron_core.transformer_engine_import import HeldBack
+
+    sys.meta_path[:] = [hook for hook in sys.meta_path if not isinstance(hook, HeldBack)]
+
+
+def _megatron_style_import(name: str) -> str:
+    """What megatron-core's guarded imports do: ``try: import <name> except ImportError: <absent>``, and the
+    narrowest of them (tensor_parallel/random.py) ``except ModuleNotFoundError``."""
+    import importlib
+
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError:
+        return "absent"
+    return "present"
+
+
+def test_a_transformer_engine_that_does_not_load_is_held_back_naming_its_error(broken_package):
+    from dapo_megatron.overrides.megatron_core.transformer_engine_import import hold_back_broken_transformer_engine
+
+    with pytest.raises(OSError):  # control: megatron's `except ImportError` lets this through
+        _megatron_style_import(broken_package)
+    reason = hold_back_broken_transformer_engine(probed=(broken_package,), packages=(broken_package,))
+    assert reason == ("Transformer Engine is installed but does not load (OSError: libtransformer_engine.so: cannot "
+                      "open shared object file)")
+    assert _megatron_style_import(broken_package) == "absent"
+    assert _megatron_style_import(f"{broken_package}.pytorch") == "absent"
+    with pytest.raises(ImportError, match="is held back: Transformer Engine is installed but does not load "
+                                          r"\(OSError: libtransformer_engine.so"):
+        __import__(broken_package)
+    assert hold_back_broken_transformer_engine(probed=(broken_package,), packages=(broken_package,)) == reason
+    assert _megatron_style_import("json") == "present"  # other packages are untouched
+    assert hold_back_broken_transformer_engine(probed=("no_such_package_here",),
+                                               packages=("no_such_package_here",)) is None  # absent: nothing to do
+
+
+def test_the_backend_choice_names_the_error_of_a_held_back_transformer_engine(caplog):
+    from dapo_megatron.backend_registry import select_backend, transformer_engine_problem
+    from dapo_megatron.config import ConfigError
+    from dapo_megatron.cuda.backend import CudaLocalBackend
+    from dapo_megatron.overrides.megatron_core.transformer_engine_import import (
+        TRANSFORMER_ENGINE_MODULES,
+        HeldBack,
+        hold_back,
+    )
+
+    hook = hold_back(TRANSFORMER_ENGINE_MODULES, "Transformer Engine is installed but does not load (OSError: x.so)")
+    try:
+        assert "does not load (OSError: x.so)" in transformer_engine_problem()
+        with pytest.raises(ConfigError, match=r"model.kernels=transformer_engine needs Transformer Engine on CUDA, "
+                                              r"and transformer_engine.pytorch does not import .*OSError: x.so"):
+            select_backend("transformer_engine", cuda_available=True)
+        with caplog.at_level("WARNING"):
+            assert isinstance(select_backend("auto", cuda_available=True), CudaLocalBackend)
+        assert "OSError: x.so" in caplog.text
+    finally:
+        sys.meta_path.remove(hook)
+    assert not any(isinstance(h, HeldBack) for h in sys.meta_path)
+    assert "is not installed" in transformer_engine_problem()  # control: this machine has no Transformer Engine
+
+
+# ---- RouterReplay's queue for recomputation (overrides/megatron_core/router_replay.py)
+
+def test_can_set_replay_target_go():
+    """megatron's ``set_target_indices`` queues every target for REPLAY_BACKWARD until ``clear_indices``: without
+    recomputation a replayed pass kept each micro-batch's int64 targets on the GPU to its end (issue 40.3)."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from dapo_megatron.overrides.megatron_core.router_replay import set_replay_target
+
+    upstream, fixed, recomputed = RouterReplay(), RouterReplay(), RouterReplay()
+    try:
+        for micro_batch in range(3):
+            target = torch.full((4, 2), micro_batch, dtype=torch.long)
+            upstream.set_target_indices(target)
+            set_replay_target(fixed, target, kept_for_recompute=False)
+            set_replay_target(recomputed, target, kept_for_recompute=True)
+        assert len(upstream.replay_backward_list) == 3, (
+            f"{UPSTREAM}'s RouterReplay no longer keeps every target for REPLAY_BACKWARD: delete "
+            "overrides/megatron_core/router_replay.py (set_replay_target) and call set_target_indices")
+        assert fixed.replay_backward_list == [] and int(fixed.target_topk_idx[0, 0]) == 2  # the current one only
+        assert [int(t[0, 0]) for t in recomputed.replay_backward_list] == [0, 1, 2]  # for the recomputed forwards
+    finally:
+        for replay in (upstream, fixed, recomputed):
+            RouterReplay.global_router_replay_instances.remove(replay)

@@ -101,26 +101,67 @@ def test_plan_of_a_colocated_qwen3_moe_node_counts_experts_graphs_handoff_window
     handoff = next(line for line in report.splitlines() if " handoff " in line)
     server_gb = float(handoff.split()[3].removesuffix("GB"))
     assert server_gb == pytest.approx(2 + 30.53e9 * 2 / 2 / 1e9, abs=0.2)  # context + all weights / TP, experts too
-    assert "routing replay (replay_old): up to" in report and "pinned host memory" in report
+    assert "routing replay (replay_old) on the GPU: " in report and "routing replay (replay_old: each rank's share" \
+        in report
 
 
-def test_plan_counts_the_engines_routing_r3_carries_to_every_rank(capsys):
-    """R3: the engine's routing of every sample (prompt + response − 1 tokens × 48 layers × top-8, int16) is on every
-    rank's host: ~15.7 MB for a 20k-token response of Qwen3-30B-A3B, and the step's batch of them."""
+R3_NODE = ["model.hf_path=/models/Qwen3-30B-A3B-Instruct", "parallel.tensor=2", "parallel.pipeline=1",
+           "parallel.expert=4", "parallel.data=4", "trainer.micro_batch_tokens=4096", "model.recompute=full",
+           "algorithm.moe_routing_replay=replay_rollout",
+           "rollout.sglang.extra_server_args=[--enable-return-routed-experts]"]
+
+
+def test_plan_of_r3_on_the_docs_qwen3_30b_node_counts_routing_per_node_and_on_the_gpu(capsys):
+    """Issue 40, items 2 and 3, at the docs' Qwen3-30B-A3B one-node layout (TP 2 x EP 4, DP 4, full recomputation,
+    the paper's batch and lengths): each rank keeps only its share of the step's routing (DP share, its half of each
+    row under sequence parallelism) and rank 0 the engine's routing it collected, summed per node against the host
+    budget; on the GPU, the int64 targets of the micro-batches in flight, in the stage's total."""
     from dapo_megatron.cli import main
     from dapo_megatron.config import load_config
+    from dapo_megatron.policy.memory import estimate_memory
+    from dapo_megatron.policy.model_spec import model_spec_from_hf
 
-    overrides = ["model.hf_path=/models/Qwen3-30B-A3B-Instruct", "parallel.tensor=2", "parallel.expert=4",
-                 "parallel.data=4", "trainer.micro_batch_tokens=4096", "algorithm.moe_routing_replay=replay_rollout",
-                 "rollout.sglang.extra_server_args=[--enable-return-routed-experts]"]
-    example = REPO / "examples" / "dapo_qwen2.5_7b_1node.yaml"
-    code = main(["plan", str(example), *overrides, "--gpu-memory-gb", "141"])
+    example = REPO / "examples" / "dapo_qwen2.5_32b.yaml"
+    code = main(["plan", str(example), *R3_NODE])
     report = capsys.readouterr().out
     assert code == 0, report
-    c = load_config(example, overrides)
-    per_sample = (c.data.max_prompt_length + c.rollout.max_response_length - 1) * 48 * 8 * 2
-    batch = per_sample * c.trainer.train_batch_size * c.rollout.n_samples
-    assert f"up to {per_sample / 1e6:.1f} MB a sample (48 layers), {batch / 1e9:.2f} GB a step" in report
-    # control: replay_old records only the rank's share, and carries no engine routing
-    main(["plan", str(example), *overrides[:-2], "algorithm.moe_routing_replay=replay_old", "--gpu-memory-gb", "141"])
-    assert "a sample" not in capsys.readouterr().out
+    c = load_config(example, R3_NODE)
+    length = c.data.max_prompt_length + c.rollout.max_response_length
+    step_share = -(-c.trainer.train_batch_size * c.rollout.n_samples * length // (4 * 2)) * 48 * 8 * 2
+    pass_share = -(-c.trainer.mini_batch_size * c.rollout.n_samples * length // (4 * 2)) * 48 * 8 * 2
+    share = step_share + pass_share
+    rank0 = (c.trainer.train_batch_size + c.algorithm.gen_batch_size) * c.rollout.n_samples * (length - 1) * 48 * 8 * 2
+    assert (f"host memory per node: {(8 * share + rank0) / 1e9:.1f} GB on rank 0's node (8 ranks x "
+            f"{share / 1e9:.2f} GB of routing replay" in report)
+    assert f"rank 0's {rank0 / 1e9:.2f} GB of the engine's routing" in report
+    assert "generation round, every layer)): fits in 1000 GB (parallel.host_memory_gb)" in report  # one node
+    # every rank's share together is the step's routing once (it went whole to each of the 8 ranks: 8 x 141.7 GB)
+    assert 8 * step_share == pytest.approx(c.trainer.train_batch_size * c.rollout.n_samples * length * 48 * 8 * 2)
+    # the GPU: 4096 / 2 tokens x 48 layers x top-8, int64, in the stage total
+    assert "on the GPU: 6.3 MB of int64 targets on stage 0, in its total" in report
+    spec = model_spec_from_hf(published_hf_config("Qwen3-30B-A3B"))
+    settings = dict(tensor_parallel=2, pipeline_parallel=1, data_parallel=4, expert_parallel=4,
+                    micro_batch_tokens=4096, recompute="full")
+    (replayed,), (plain,) = (estimate_memory(spec, **settings, routing_replay=r) for r in (True, False))
+    assert replayed.total_bytes - plain.total_bytes == 4096 // 2 * 48 * 8 * 8
+    # a node with less host memory: `plan` says so and exits 1
+    assert main(["plan", str(example), *R3_NODE, "--host-memory-gb", "512"]) == 1
+    assert "does NOT fit in 512 GB (parallel.host_memory_gb)" in capsys.readouterr().out
+
+
+def test_the_input_checks_refuse_a_node_whose_host_memory_the_step_exceeds():
+    """The same figure before a launch, against parallel.host_memory_gb (unset: the node's memory)."""
+    from dapo_megatron.backend_registry import select_backend
+    from dapo_megatron.config import ConfigError, load_config
+    from dapo_megatron.run.input_checks import check_host_memory
+
+    spec = model_spec_from_hf(published_hf_config("Qwen3-30B-A3B"))
+    example = REPO / "examples" / "dapo_qwen2.5_32b.yaml"
+    te = select_backend("auto", cuda_available=True, transformer_engine=True)
+    with pytest.raises(ConfigError, match=r"parallel.host_memory_gb: a step of this run may need 717.5 GB of host "
+                                          r"memory on rank 0's node \(8 ranks; .* but parallel.host_memory_gb has "
+                                          r"512.0 GB"):
+        check_host_memory(load_config(example, R3_NODE + ["parallel.host_memory_gb=512"]), spec, world_size=8,
+                          backend=te, ranks_on_node=8)
+    check_host_memory(load_config(example, R3_NODE + ["parallel.host_memory_gb=1000"]), spec, world_size=8,
+                      backend=te, ranks_on_node=8)  # control

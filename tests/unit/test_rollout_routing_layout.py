@@ -67,12 +67,9 @@ def test_a_sequence_parallel_rank_gets_its_contiguous_share_of_the_row():
     assert whole.per_router[0][0][0, 0] == micro_batches[0].tokens[0, 0] + 2000  # router 0 is layer 2
 
 
-def test_routing_is_checked_against_its_sample_and_sglangs_flat_layout_is_split_into_layers():
+def test_routing_is_checked_against_its_sample():
     routing = torch.arange(6 * LAYERS * TOPK, dtype=torch.int16).reshape(6, LAYERS, TOPK)
     assert torch.equal(routing_layout(routing, prompt_length=3, response_length=4, layers=LAYERS, topk=TOPK,
-                                      where="x"), routing)
-    flat = routing.reshape(6, LAYERS * TOPK)  # SGLang's reply: [P + R - 1, L * k]
-    assert torch.equal(routing_layout(flat, prompt_length=3, response_length=4, layers=LAYERS, topk=TOPK,
                                       where="x"), routing)
     with_last = torch.cat([routing, routing[:1]])  # an engine that also routed the last token: dropped
     assert torch.equal(routing_layout(with_last, prompt_length=3, response_length=4, layers=LAYERS, topk=TOPK,

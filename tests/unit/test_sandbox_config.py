@@ -13,6 +13,7 @@ from dapo_megatron.user_errors import EXIT_CODES
 def test_defaults_validate():
     config = ToolsConfig().validate()
     assert config.sandbox.isolation == "bubblewrap"
+    assert (config.sandbox.cgroup, config.sandbox.cgroup_parent, config.sandbox.warm) == ("per_call", None, 4)
     assert config.code_tool_name == "python" and config.functions == []
 
 
@@ -23,6 +24,10 @@ def test_defaults_validate():
     (lambda c: setattr(c.sandbox.limits, "output_bytes", True), "rollout.tools.sandbox.limits.output_bytes"),
     (lambda c: setattr(c.sandbox.limits, "processes", 1), "rollout.tools.sandbox.limits.processes"),
     (lambda c: setattr(c.sandbox, "uid", 0), "rollout.tools.sandbox.uid"),
+    (lambda c: setattr(c.sandbox, "cgroup", "none"), "rollout.tools.sandbox.cgroup"),
+    (lambda c: setattr(c.sandbox, "cgroup_parent", "sandbox"), "rollout.tools.sandbox.cgroup_parent"),
+    (lambda c: setattr(c.sandbox, "warm", -1), "rollout.tools.sandbox.warm"),
+    (lambda c: setattr(c.sandbox, "warm", 1.5), "rollout.tools.sandbox.warm"),
     (lambda c: setattr(c.sandbox, "isolation", "remote"), "rollout.tools.sandbox.remote_url"),
     (lambda c: setattr(c.sandbox, "ro_paths", ["/opt/ok", "relative/venv"]), "rollout.tools.sandbox.ro_paths[1]"),
     (lambda c: setattr(c, "code_tool_name", "run code"), "rollout.tools.code_tool_name"),

@@ -218,13 +218,12 @@ def _server_info(*limits):
     return {"tp_size": 4, "internal_states": [{"effective_max_running_requests_per_dp": limit} for limit in limits]}
 
 
-def test_requests_in_flight_fill_every_server_of_the_layout():
-    from dapo_megatron.rollout.sglang.pool import concurrent_requests, server_capacity
+def test_samples_in_flight_fill_every_server_of_the_layout():
+    from dapo_megatron.rollout.sglang.pool import in_flight_samples, server_capacity
 
     capacities = [server_capacity(_server_info(2048), f"http://s{i}") for i in range(16)]  # the 32B layout's 16
-    assert concurrent_requests(capacities, 16) == 16 * 128  # 128 prompts of 16 samples per server, not 64 in all
+    assert in_flight_samples(capacities) == 16 * 2048  # every sequence every server runs, not 64 requests in all
     assert server_capacity(_server_info(1000, 1000), "http://dp2") == 2000  # data-parallel ranks add up
-    assert concurrent_requests([10, 7], 4) == 3 + 2  # a server's share rounds up
-    with pytest.raises(SGLangServerError, match="effective_max_running_requests_per_dp.*max_concurrent_requests"):
+    with pytest.raises(SGLangServerError, match="effective_max_running_requests_per_dp.*max_in_flight_samples"):
         server_capacity({"tp_size": 1}, "http://other")
-    assert SGLangConfig().max_concurrent_requests is None  # derived unless set
+    assert SGLangConfig().max_in_flight_samples is None  # derived unless set

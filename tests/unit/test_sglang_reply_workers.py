@@ -7,15 +7,12 @@ connection (psutil), so "runs in another process" is observed, not reported by t
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 import pytest
@@ -28,93 +25,16 @@ from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers
 from dapo_megatron.rollout.sglang.requests import build_stream_payload, streamed_samples
 
 
-def _output(prompt: list[int], index: int, length: int, streamed: bool) -> dict:
-    """One SGLang output: tokens derived from the prompt, log-probs that are not float32 values (a lossy transfer
-    would change them); a streamed one's last token sampled after a weight update (a second version span)."""
-    ids = [(sum(prompt) * 31 + index * 7 + k) % 1000 for k in range(length)]
-    logprobs = [-(k + 1) / (index + 3) - 1e-9 * k for k in range(length)]
-    output = {"text": "", "output_ids": ids, "meta_info": {
-        "output_token_logprobs": [[lp, token, None] for lp, token in zip(logprobs, ids)],
-        "finish_reason": {"type": "length", "length": length}, "weight_version": "0"}}
-    if streamed:
-        output["meta_info"].update(weight_version="1", weight_versions=[
-            {"version": "0", "start": 0, "end": length - 1}, {"version": "1", "start": length - 1, "end": length}])
-    return output
-
-
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
-
-    def _send(self, status: int, body) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        replies = {"/health": {}, "/model_info": {"weight_version": "0"},
-                   "/server_info": {"tp_size": 1, "internal_states": [{"effective_max_running_requests_per_dp": 8}]}}
-        self._send(200, replies[self.path])
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        server = self.server
-        if self.path != "/generate":
-            self._send(200, {"success": True})
-            return
-        server.senders.append(_owner_of_client_port(self.client_address[1]))
-        time.sleep(server.delay_s)
-        if server.status != 200:
-            self._send(server.status, {"error": {"message": "stub failure"}})
-            return
-        sampling = body["sampling_params"]
-        if isinstance(sampling, dict):  # one prompt, its n samples in one request (generate()'s unseeded payload)
-            prompts, length = body["input_ids"] * sampling["n"], sampling["max_new_tokens"]
-        else:  # one prompt copy per sample (streamed payloads)
-            prompts, length = body["input_ids"], sampling[0]["max_new_tokens"]
-        outputs = [_output(prompt, index, length, streamed="rid" in body) for index, prompt in enumerate(prompts)]
-        if server.bad_logprobs:
-            outputs[0]["meta_info"]["output_token_logprobs"][0][1] += 1
-        self._send(200, outputs)
-
-
-def _owner_of_client_port(port: int) -> int | None:
-    me = psutil.Process()
-    for process in [me, *me.children(recursive=True)]:
-        try:
-            if any(c.laddr and c.laddr.port == port for c in process.net_connections(kind="tcp")):
-                return process.pid
-        except psutil.NoSuchProcess:
-            continue
-    return None
-
-
-@pytest.fixture
-def stub():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    server.senders, server.status, server.delay_s, server.bad_logprobs = [], 200, 0.0, False
-    server.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
 def _requests(count: int) -> list[GenerationRequest]:
     params = SamplingParams(n=3, max_new_tokens=40)
     return [GenerationRequest(f"r{i}", tuple(range(i + 1, i + 6)), params) for i in range(count)]
 
 
-def _engine(stub, tmp_path, reply_processes: int) -> SGLangEngine:
+def _engine(sglang_stub, tmp_path, reply_processes: int) -> SGLangEngine:
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
-    config = SGLangConfig(urls=[stub.url], max_concurrent_requests=4, reply_processes=reply_processes,
+    config = SGLangConfig(urls=[sglang_stub.url], max_in_flight_samples=4, reply_processes=reply_processes,
                           request_timeout_s=30)
     return SGLangEngine.launch(config, model_path=model, run_dir=tmp_path / f"run{reply_processes}",
                                show_progress=False)
@@ -128,26 +48,26 @@ def _streamed(engine: SGLangEngine, requests: list[GenerationRequest]) -> dict:
     return finished
 
 
-def test_reply_processes_give_the_in_process_samples_from_processes_of_their_own(stub, tmp_path):
+def test_reply_processes_give_the_in_process_samples_from_processes_of_their_own(sglang_stub, tmp_path):
     requests = _requests(6)
-    with _engine(stub, tmp_path, 0) as engine:
+    with _engine(sglang_stub, tmp_path, 0) as engine:
         assert engine.reply_workers is None
         in_process = _streamed(engine, requests)
         in_process_batch = engine.generate([r.prompt for r in requests], SamplingParams(n=2, max_new_tokens=9))
-    assert set(stub.senders) == {os.getpid()}  # control: the sender check sees this process when it sends
-    stub.senders.clear()
+    assert set(sglang_stub.senders) == {os.getpid()}  # control: the sender check sees this process when it sends
+    sglang_stub.senders.clear()
 
-    engine = _engine(stub, tmp_path, 2)
+    engine = _engine(sglang_stub, tmp_path, 2)
     try:
         workers = engine.reply_workers.pids
         assert len(workers) == 2 and os.getpid() not in workers
-        assert engine.reply_workers.threads_per_process == 2  # 4 requests in flight over 2 processes
+        assert engine.reply_workers.threads_per_process == 2  # 4 samples in flight over 2 processes
         in_workers = _streamed(engine, requests)
         in_workers_batch = engine.generate([r.prompt for r in requests], SamplingParams(n=2, max_new_tokens=9))
         assert all(psutil.pid_exists(pid) for pid in workers)  # control for the check after shutdown
     finally:
         engine.shutdown()
-    assert len(stub.senders) == 2 * len(requests) and set(stub.senders) <= set(workers)
+    assert len(sglang_stub.senders) == 2 * len(requests) and set(sglang_stub.senders) <= set(workers)
 
     assert len(in_process) == len(requests) and in_workers == in_process  # lists of ints and floats, bit-equal
     sample = in_workers["r0"][0]
@@ -173,10 +93,10 @@ def _refused_url() -> str:
 @pytest.mark.parametrize("failure, expected", [
     ("http_500", ServerFailure), ("http_400", ServerReplyError), ("refused", ServerFailure),
     ("bad_logprobs", RolloutError)])
-def test_a_failed_call_raises_in_rank_0_what_it_raises_in_process(stub, workers, failure, expected):
-    stub.status = {"http_500": 500, "http_400": 400}.get(failure, 200)
-    stub.bad_logprobs = failure == "bad_logprobs"
-    client = SGLangClient(_refused_url() if failure == "refused" else stub.url, "key", 10.0)
+def test_a_failed_call_raises_in_rank_0_what_it_raises_in_process(sglang_stub, workers, failure, expected):
+    sglang_stub.status = {"http_500": 500, "http_400": 400}.get(failure, 200)
+    sglang_stub.bad_logprobs = failure == "bad_logprobs"
+    client = SGLangClient(_refused_url() if failure == "refused" else sglang_stub.url, "key", 10.0)
     request = _requests(1)[0]
     payload = build_stream_payload(request, seeded=False)
     parse = partial(streamed_samples, request=request, server=client.base_url)
@@ -188,18 +108,18 @@ def test_a_failed_call_raises_in_rank_0_what_it_raises_in_process(stub, workers,
     assert str(in_worker.value) == str(in_process.value)
 
 
-def test_a_worker_that_dies_fails_its_calls_instead_of_hanging_them(stub):
-    stub.delay_s = 30.0
+def test_a_worker_that_dies_fails_its_calls_instead_of_hanging_them(sglang_stub):
+    sglang_stub.delay_s = 30.0
     pool = ReplyWorkers(1, threads_per_process=1)
     try:
         request = _requests(1)[0]
-        client = SGLangClient(stub.url, None, 60.0)
+        client = SGLangClient(sglang_stub.url, None, 60.0)
         call = pool.submit(client, build_stream_payload(request, seeded=False),
-                           partial(streamed_samples, request=request, server=stub.url))
+                           partial(streamed_samples, request=request, server=sglang_stub.url))
         deadline = time.monotonic() + 30
-        while not stub.senders and time.monotonic() < deadline:
+        while not sglang_stub.senders and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert stub.senders == pool.pids and not call.done()  # the call is in flight in the worker
+        assert sglang_stub.senders == pool.pids and not call.done()  # the call is in flight in the worker
         psutil.Process(pool.pids[0]).kill()
         with pytest.raises(RolloutError, match="died during the call"):
             call.result(timeout=20)

@@ -95,7 +95,7 @@ def fake_cuda(monkeypatch):
 def handles_to_every_rank(fake_cuda, monkeypatch):
     """As fake_cuda, and every rank takes handles (as if each sat on the bucket's GPU): the window's bookkeeping does
     not depend on which ranks those are."""
-    monkeypatch.setattr(tensor_payloads, "entry_by_reference", lambda bucket_on, server, rank: True)
+    monkeypatch.setattr(tensor_payloads, "entry_gpu", lambda bucket_on, copies, server, rank: bucket_on)
     return fake_cuda
 
 

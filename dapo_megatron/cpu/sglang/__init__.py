@@ -7,7 +7,9 @@ server launcher (:mod:`dapo_megatron.rollout.sglang.server`) prepends :func:`ser
 server's ``PYTHONPATH`` when, and only when, the server runs with ``--device cpu``.
 
 Nothing here changes what SGLang computes: the stand-in's functions are the CPU kernels of speculative decoding
-and KV-cache copying for disaggregation/HiCache, features this project never enables; each raises if called.
+and KV-cache copying for disaggregation/HiCache, features this project never enables; each raises if called. Its
+import also applies :mod:`dapo_megatron.overrides.sglang.pinned_memory` (pinning is a no-op without an accelerator),
+which SGLang's LoRA layers need on a CPU server.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@
 * :mod:`.checkpointing` — the checkpoint writer's results queue, the distributed optimizer's state layout and its
   load of torch Adam's steps (:mod:`dapo_megatron.checkpoint.save_load`);
 * :mod:`.optimizer_step` — the rest of the optimizer's ``step()`` given a gradient norm (the actor's update);
-* :mod:`.log_levels` — what megatron-core logs that a run's log should not show (the CLI).
+* :mod:`.router_replay` — routing replay's targets without megatron's queue for a recomputation that will not come;
+* :mod:`.log_levels` — what megatron-core logs that a run's log should not show (the CLI);
+* :mod:`.transformer_engine_import` — a Transformer Engine that does not load, held back before megatron-core imports
+  it (the CLI).
 
 Nothing is imported here, so that :mod:`.log_levels` stays free of megatron.
 """

@@ -2,4 +2,6 @@
 
 * :mod:`.ipc_handles` — CUDA IPC handles naming their GPU by UUID for the weight-update payloads only, on torch's own
   reducers even where SGLang's process-wide patch of them is active.
+* :mod:`.pinned_memory` — on the *server's* side: pinning a no-op without an accelerator, so a CPU server runs SGLang's
+  LoRA layers (applied by the ``sgl_kernel`` stand-in, :mod:`dapo_megatron.cpu.sglang`).
 """

@@ -45,6 +45,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from dapo_megatron.config import EmbeddedConfig
 from dapo_megatron.hf_format import Bucket, bucketed, iter_tensors, load_hf_config
+from dapo_megatron.hf_format.peft_adapter import PeftAdapter
+from dapo_megatron.rollout.embedded.adapter_merge import AdapterMerge
 from dapo_megatron.rollout.embedded.decode_chunk import DecodingChunk, GeneratedRow
 from dapo_megatron.rollout.embedded.stream import StreamedRows, StreamWorker
 from dapo_megatron.rollout.engine import (
@@ -102,6 +104,7 @@ class EmbeddedEngine(RolloutEngine):
         # algorithm.moe_routing_replay: replay_rollout sets it: every sample carries its routing (routing_capture.py)
         self.return_routed_experts = False
         self._capture: RoutingCapture | None = None
+        self._adapters = AdapterMerge()  # LoRA adapters merged into the weights (adapter_merge.py)
 
     @classmethod
     def from_hf_directory(cls, directory: str | Path, settings: EmbeddedConfig | None = None, *, version: int = 0,
@@ -133,10 +136,28 @@ class EmbeddedEngine(RolloutEngine):
             )
         with self._gate.exclusive():  # between two decode steps of every generation in flight
             self._version = NO_WEIGHTS_VERSION  # until the new set is fully and correctly loaded
+            self._adapters.new_base()
             try:
                 load_named_tensors(model, (named for bucket in buckets for named in bucket))
             except ValueError as error:
                 raise ValueError(f"EmbeddedEngine.update_weights(version={version}): {error}") from None
+            self._version = version
+
+    def update_adapter(self, adapter: PeftAdapter, version: int) -> None:
+        """Merge the LoRA ``adapter`` into the base weights of the last :meth:`update_weights` and serve them as
+        ``version`` (:mod:`.adapter_merge`); generations in flight continue on them as after a weight update."""
+        model = self._require_model()
+        self._require_weights("EmbeddedEngine.update_adapter")
+        if version < self._version:
+            raise ValueError(f"EmbeddedEngine.update_adapter: version {version} is older than the served version "
+                             f"{self._version}")
+        with self._gate.exclusive():
+            served, self._version = self._version, NO_WEIGHTS_VERSION
+            try:
+                self._adapters.apply(model, adapter)
+            except ValueError as error:
+                self._version = served  # nothing was changed: the check comes first
+                raise ValueError(f"EmbeddedEngine.update_adapter(version={version}): {error}") from None
             self._version = version
 
     # -- generation ------------------------------------------------------------------------------------------

@@ -230,6 +230,15 @@ class SGLangClient:
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
+    # ---- LoRA adapters (servers started with --enable-lora; rollout/sglang/lora_adapters.py) -------------------------
+    def load_lora_adapter_from_tensors(self, name: str, config: dict[str, Any],
+                                       serialized_per_tp_rank: Sequence[str | bytes]) -> None:
+        self._call("POST", "/load_lora_adapter_from_tensors", tensor_update_body(
+            serialized_per_tp_rank, lora_name=name, config_dict=config))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._call("POST", "/unload_lora_adapter", {"lora_name": name})
+
 
 def _parse(raw: bytes) -> Any:
     try:

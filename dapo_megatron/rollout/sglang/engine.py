@@ -6,11 +6,11 @@ are launched or attached by URL (:meth:`SGLangEngine.launch`) and kept by
 
 Generation: one ``/generate`` request per prompt carrying its ``n`` samples (see
 :mod:`dapo_megatron.rollout.sglang.requests` for the payload, the seed and the log-prob temperature semantics),
-sent by a pool of at most :attr:`SGLangEngine.max_concurrent_requests` threads (``rollout.sglang.
-max_concurrent_requests``, by default what the servers run at once: :func:`~dapo_megatron.rollout.sglang.pool.
-concurrent_requests`), each to the server with the fewest requests in flight. SGLang batches concurrent requests
-itself.
-With ``rollout.sglang.reply_processes: N > 0`` those threads only wait: the ``/generate`` call and its reply's
+each to the server with the fewest requests in flight, while the samples in flight — of these and of streamed
+requests together — stay within :attr:`SGLangEngine.in_flight` (``rollout.sglang.max_in_flight_samples``, by default
+what the servers run at once: :func:`~dapo_megatron.rollout.sglang.pool.in_flight_samples`;
+:mod:`dapo_megatron.rollout.sglang.in_flight`). SGLang batches concurrent requests itself.
+With ``rollout.sglang.reply_processes: N > 0`` the sending threads only wait: the ``/generate`` call and its reply's
 parsing run in N worker processes (:mod:`dapo_megatron.rollout.sglang.reply_workers`), created and closed here.
 
 Failures: every HTTP call has ``request_timeout_s``; a failed server is restarted or taken out of rotation by the
@@ -66,9 +66,11 @@ from dapo_megatron.rollout.engine import (
 from dapo_megatron.rollout.placement import Placement, ServerMemory
 from dapo_megatron.rollout.sglang.client import ServerFailure
 from dapo_megatron.rollout.sglang.colocated_memory import ColocatedMemory
-from dapo_megatron.rollout.sglang.pool import ServerPool, ServerSlot, concurrent_requests
+from dapo_megatron.rollout.sglang.in_flight import SampleBudget
+from dapo_megatron.rollout.sglang.lora_adapters import ServedAdapters
+from dapo_megatron.rollout.sglang.pool import ServerPool, ServerSlot, in_flight_samples
 from dapo_megatron.rollout.sglang.reply_workers import ReplyWorkers, generate_samples
-from dapo_megatron.rollout.sglang.requests import build_generate_payload, samples_from_outputs
+from dapo_megatron.rollout.sglang.requests import build_generate_payload, routing_topk, samples_from_outputs
 from dapo_megatron.rollout.sglang.server import SGLangServerProcess, server_python
 from dapo_megatron.rollout.sglang.stream import SGLangStreams
 from dapo_megatron.rollout.sglang.transports import (
@@ -88,15 +90,14 @@ class SGLangEngine(RolloutEngine):
     :meth:`launch` launches (or attaches to) the servers of a config and makes the engine over them; the constructor
     takes the collaborators themselves: the ``pool`` of servers (not started: the engine starts it, and stops it at
     shutdown; its config, model directory, run directory, device and placement are the engine's) and the weight
-    ``transport`` (default: the one ``rollout.sglang.transport`` names). ``samples_per_request``: the ``n`` of the
-    run's requests (``rollout.n_samples``), which the default number of requests in flight is counted in.
+    ``transport`` (default: the one ``rollout.sglang.transport`` names).
     ``temporary_dir``: a directory the engine removes at shutdown (the run directory :meth:`launch` made).
     """
 
     @classmethod
     def launch(cls, config: SGLangConfig, *, model_path: str | Path, run_dir: str | Path | None = None,
                show_progress: bool = True, dtype: str = "auto", backend: Backend | None = None,
-               placement: Placement = "separate", samples_per_request: int = 1) -> SGLangEngine:
+               placement: Placement = "separate", server_gpus: list[range] | None = None) -> SGLangEngine:
         """The engine over the servers ``config`` launches or attaches.
 
         ``model_path``: the HF model directory the servers start from; the disk transport also copies its config and
@@ -108,6 +109,8 @@ class SGLangEngine(RolloutEngine):
         ``backend``: the platform's (:mod:`dapo_megatron.backend`; default: this machine's): servers run on its
         device type, in the environment it gives them.
         ``placement``: ``rollout.placement``; "colocated" servers share the trainer's GPUs and take turns with it.
+        ``server_gpus``: each launched server's GPUs as the caller decided them (the trainer's colocation); None: the
+        pool's own layout.
         """
         if not Path(model_path, CONFIG_FILE).is_file():
             raise ValueError(f"SGLangEngine: model_path {model_path} is not an HF model directory (no {CONFIG_FILE})")
@@ -116,12 +119,11 @@ class SGLangEngine(RolloutEngine):
         run_dir = Path(run_dir or temporary_dir.name)
         run_dir.mkdir(parents=True, exist_ok=True)
         pool = ServerPool(config, model_path=str(model_path), run_dir=run_dir, device=backend.device_type,
-                          dtype=dtype, server_environment=backend.sglang_server_environment, placement=placement)
-        return cls(pool, show_progress=show_progress, samples_per_request=samples_per_request,
-                   temporary_dir=temporary_dir)
+                          dtype=dtype, server_environment=backend.sglang_server_environment, placement=placement,
+                          server_gpus=server_gpus)
+        return cls(pool, show_progress=show_progress, temporary_dir=temporary_dir)
 
-    def __init__(self, pool: ServerPool, *, show_progress: bool = True, samples_per_request: int = 1,
-                 transport: WeightTransport | None = None,
+    def __init__(self, pool: ServerPool, *, show_progress: bool = True, transport: WeightTransport | None = None,
                  temporary_dir: tempfile.TemporaryDirectory | None = None) -> None:
         self.pool = pool
         self.config: SGLangConfig = pool.config
@@ -144,20 +146,21 @@ class SGLangEngine(RolloutEngine):
         self.streams: SGLangStreams | None = None
         self.reply_workers: ReplyWorkers | None = None
         self._weight_version = 0  # until the pool reports the servers' version; shutdown reads it on a failed start
+        # LoRA (model.lora.handoff: adapter): the adapters the servers hold and the one each request names
+        self.adapters = ServedAdapters(lambda: [(slot.client, slot.tp_size) for slot in self.pool.available()])
         atexit.register(self.shutdown)
         try:
             self._weight_version = self.pool.start()
             config = self.config
-            self.max_concurrent_requests = config.max_concurrent_requests or concurrent_requests(
-                self.pool.capacities(), samples_per_request)
-            logger.info("up to %d requests of %d sample(s) in flight over %d server(s)", self.max_concurrent_requests,
-                        samples_per_request, len(self.pool.slots))
-            if config.reply_processes:
+            self.in_flight = SampleBudget(config.max_in_flight_samples
+                                          or in_flight_samples(self.pool.capacities()))
+            logger.info("up to %d samples in flight over %d server(s)", self.in_flight.limit, len(self.pool.slots))
+            if config.reply_processes:  # a request holds at least one sample: at most `limit` calls at once
                 self.reply_workers = ReplyWorkers(config.reply_processes, threads_per_process=math.ceil(
-                    self.max_concurrent_requests / config.reply_processes))
-            self.streams = SGLangStreams(self.pool, max_concurrent_requests=self.max_concurrent_requests,
+                    self.in_flight.limit / config.reply_processes))
+            self.streams = SGLangStreams(self.pool, in_flight=self.in_flight,
                                          served_version=lambda: self._weight_version, on_failure=self.recover_server,
-                                         reply_workers=self.reply_workers)
+                                         reply_workers=self.reply_workers, adapters=self.adapters)
             self.transport = self._make_transport() if transport is None else transport
         except BaseException:
             self.shutdown()
@@ -209,7 +212,7 @@ class SGLangEngine(RolloutEngine):
             self._warned_unseeded = True
         results: list[list[Sample] | None] = [None] * len(prompts)
         with self._update_lock:
-            workers = ThreadPoolExecutor(max_workers=min(self.max_concurrent_requests, len(prompts)),
+            workers = ThreadPoolExecutor(max_workers=min(self.in_flight.requests_at_once(params.n), len(prompts)),
                                          thread_name_prefix="sglang-generate")
             futures = {workers.submit(self._generate_one, index, prompt, params, seeded): index
                        for index, prompt in enumerate(prompts)}
@@ -229,25 +232,29 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def return_routed_experts(self) -> bool:
-        """R3 (algorithm.moe_routing_replay: replay_rollout): every request asks for its routing (requests.py)."""
-        return self.streams is not None and self.streams.routed_experts
+        """R3 (algorithm.moe_routing_replay: replay_rollout): every request asks for its routing (requests.py), read
+        into ``[tokens, layers, top-k]`` with the served model's top-k (:func:`routing_topk`)."""
+        return self.streams is not None and self.streams.routed_topk is not None
 
     @return_routed_experts.setter
     def return_routed_experts(self, value: bool) -> None:
-        self.streams.routed_experts = value
+        self.streams.routed_topk = routing_topk(self.model_path) if value else None
 
     def _generate_one(self, index: int, prompt: Sequence[int], params: SamplingParams,
                       seeded: bool) -> list[Sample]:
-        routed = self.return_routed_experts
-        payload = build_generate_payload(prompt, index, params, seeded=seeded, routed_experts=routed)
+        topk = self.streams.routed_topk
+        # the samples' room first, then the adapter: a request waiting for room must not hold update_adapter back
+        with self.in_flight.taken(params.n), self.adapters.request() as (adapter, _):
+            payload = build_generate_payload(prompt, index, params, seeded=seeded, routed_experts=topk is not None,
+                                             adapter=adapter)
 
-        def generate_on(slot: ServerSlot) -> list[Sample]:
-            return generate_samples(self.reply_workers, slot.client, payload, partial(
-                samples_from_outputs, prompt_index=index, expected_count=params.n,
-                expected_version=self._weight_version, server=slot.client.base_url,
-                routed_prompt_length=len(prompt) if routed else None))
+            def generate_on(slot: ServerSlot) -> list[Sample]:
+                return generate_samples(self.reply_workers, slot.client, payload, partial(
+                    samples_from_outputs, prompt_index=index, expected_count=params.n,
+                    expected_version=self._weight_version, server=slot.client.base_url,
+                    routed_prompt_length=None if topk is None else len(prompt), routed_topk=topk or 0))
 
-        return self.pool.send(generate_on, self.recover_server)
+            return self.pool.send(generate_on, self.recover_server)
 
     # ---- streaming -------------------------------------------------------------------------------------------------
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
@@ -273,13 +280,17 @@ class SGLangEngine(RolloutEngine):
         if slot.generation != generation or not slot.available:
             return  # another thread handles (or handled) this failure; no need to wait for a push
         with self._serving_lock:
+            # LoRA: the restarted server gets the adapters before it takes requests
+            reload = {"after_restart": lambda client: self.adapters.reload(client, slot.tp_size)} \
+                if self.adapters.enabled else {}
             if self.pool.recover(slot, generation, error, version=self._weight_version,
-                                 restart_path=self._restart_model_path()):
+                                 restart_path=self._restart_model_path(), **reload):
                 self.transport.reset()
 
     def _restart_model_path(self) -> str | None:
-        """A model directory holding the served version's weights, to relaunch a failed server from."""
-        if self._weight_version == 0:
+        """A model directory holding the served version's weights, to relaunch a failed server from (with LoRA
+        adapters: the frozen base's, the adapters being loaded again after it)."""
+        if self._weight_version == 0 or self.adapters.enabled:
             return self.model_path
         return self.transport.restart_model_path(self._weight_version)
 
@@ -295,7 +306,7 @@ class SGLangEngine(RolloutEngine):
             slots = self.pool.available()
             if not slots:
                 raise RolloutError("SGLangEngine.update_weights: no SGLang server is available")
-            targets = _targets(slots)
+            targets = server_targets(slots)
             started = time.monotonic()
             self.memory.move(slots, ServerMemory.for_weight_update, release=False)
             for target in targets:
@@ -316,6 +327,30 @@ class SGLangEngine(RolloutEngine):
             self.verify_served_version(version, slots)
             logger.info("weights v%d pushed to %d server(s) over %s in %.1f s", version, len(slots),
                         self.transport.name, time.monotonic() - started)
+
+    def update_adapter(self, adapter, version: int) -> None:
+        """Serve the LoRA ``adapter`` (on the base the servers hold) as ``version``: loaded on every server as
+        ``policy_v<version>`` while requests in flight finish on the adapter they named; the older adapters are
+        unloaded as their last request comes back (:mod:`.lora_adapters`). No pause: requests are bound to their
+        adapter, not to the server's weights."""
+        self._check_open()
+        if version < self._weight_version:
+            raise ValueError(f"SGLangEngine.update_adapter: version {version} is older than the served version "
+                             f"{self._weight_version}")
+        with self._update_lock, self._serving_lock:
+            started = time.monotonic()
+            slots = self.pool.available()
+            if not slots:
+                raise RolloutError("SGLangEngine.update_adapter: no SGLang server is available")
+            # colocated: weights released for the update come back from the servers' host copy (the base)
+            self.memory.move(slots, ServerMemory.for_weight_update, release=False)
+            self.adapters.push(adapter, version)
+            for slot in slots:
+                slot.client.set_weight_version(str(version))
+            self._weight_version = version
+            self.verify_served_version(version, slots)
+            logger.info("LoRA adapter v%d (%.1f MB) loaded on %d server(s) in %.1f s", version, adapter.nbytes / 1e6,
+                        len(slots), time.monotonic() - started)
 
     # ---- turns on GPUs shared with the trainer (colocated placement) ------------------------------------------------
     def before_generation(self) -> None:
@@ -372,7 +407,7 @@ class SGLangEngine(RolloutEngine):
         transport = self.transport
         if transport is not None:
             try:
-                transport.close(_targets(self.pool.available()))
+                transport.close(server_targets(self.pool.available()))
             except Exception as error:  # shutting down: report, keep killing servers
                 logger.warning("closing the %s transport failed: %s", transport.name, error)
         self.pool.stop()
@@ -384,6 +419,7 @@ class SGLangEngine(RolloutEngine):
             raise RolloutError("SGLangEngine was shut down")
 
 
-def _targets(slots: Sequence[ServerSlot]) -> list[ServerTarget]:
+def server_targets(slots: Sequence[ServerSlot]) -> list[ServerTarget]:
+    """What a weight transport writes to, for each of ``slots``."""
     return [ServerTarget(client=slot.client, tp_size=slot.tp_size, same_host=slot.same_host,
                          gpus=slot.process.gpus if slot.process is not None else None) for slot in slots]

@@ -18,16 +18,15 @@ started with SGLang's memory saver). Launched servers run on this host; an attac
 host.
 
 Capacity (:meth:`ServerPool.capacities`): the sequences each server decodes at once, as SGLang reports it — its
-scheduler's running-request limit, which it sizes from its KV cache. How many requests the engine keeps in flight by
-default (``rollout.sglang.max_concurrent_requests: null``) is :func:`concurrent_requests` of them: every server gets
-as many as it runs, whatever the layout (a fixed 64 was ~4 prompts of 16 samples per server over 16 servers, while
-one TP-4 server runs thousands of sequences at once).
+scheduler's running-request limit, which it sizes from its KV cache. How many samples the engine keeps in flight by
+default (``rollout.sglang.max_in_flight_samples: null``) is :func:`in_flight_samples` of them: every server gets as
+many as it runs, whatever the layout and however many samples a request carries
+(:mod:`dapo_megatron.rollout.sglang.in_flight`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import threading
 import time
@@ -89,13 +88,13 @@ def server_capacity(info: dict, url: str) -> int:
     if not limits or not all(isinstance(limit, int) and limit > 0 for limit in limits):
         raise SGLangServerError(f"{url}/server_info reports no running-request limit (internal_states[*]."
                                 f"effective_max_running_requests_per_dp, SGLang 0.5.23): set "
-                                f"rollout.sglang.max_concurrent_requests")
+                                f"rollout.sglang.max_in_flight_samples")
     return sum(limits)
 
 
-def concurrent_requests(capacities: list[int], samples_per_request: int) -> int:
-    """Requests of ``samples_per_request`` samples that fill every server's capacity (at least one)."""
-    return max(1, sum(math.ceil(capacity / samples_per_request) for capacity in capacities))
+def in_flight_samples(capacities: list[int]) -> int:
+    """Samples that fill every server's capacity: one sequence each (at least one)."""
+    return max(1, sum(capacities))
 
 
 def is_this_host(url: str) -> bool:
@@ -112,14 +111,16 @@ def read_api_key(config: SGLangConfig) -> str | None:
 class ServerPool:
     """``config.urls`` non-empty: attach to those servers; otherwise launch ``config.num_servers`` on ``device``
     serving ``dtype`` (SGLang's ``--dtype``), in the environment ``server_environment`` makes of the one they
-    would get (the backend's: :meth:`dapo_megatron.backend.Backend.sglang_server_environment`), placed as
-    ``placement`` says (``rollout.placement``)."""
+    would get (the backend's: :meth:`dapo_megatron.backend.base.Backend.sglang_server_environment`), placed as
+    ``placement`` says (``rollout.placement``), on ``server_gpus`` when the caller placed them (the trainer's
+    colocation decides once for every rank), else on this pool's layout of the GPUs."""
 
     def __init__(self, config: SGLangConfig, *, model_path: str, run_dir: Path, device: Literal["cpu", "cuda"],
                  dtype: str = "auto", server_environment: ServerEnvironment = unchanged_environment,
-                 placement: Placement = "separate") -> None:
+                 placement: Placement = "separate", server_gpus: list[range] | None = None) -> None:
         self.config = config
         self.placement = placement
+        self.server_gpus = server_gpus
         self.server_environment = server_environment
         self.model_path = model_path
         self.run_dir = run_dir
@@ -136,7 +137,9 @@ class ServerPool:
 
     def _launch(self) -> int:
         config = self.config
-        if self.device == "cuda":
+        if self.device == "cuda" and self.server_gpus is not None:
+            gpus = self.server_gpus
+        elif self.device == "cuda":
             layout = colocated_gpu_ranges if self.placement == "colocated" else server_gpu_ranges
             gpus = layout(config, trainer_local_ranks=local_world_size(), visible_gpus=torch.cuda.device_count())
         else:
@@ -251,11 +254,12 @@ class ServerPool:
 
     # ---- failover ----------------------------------------------------------------------------------------------
     def recover(self, slot: ServerSlot, generation: int, error: Exception, *, version: int,
-                restart_path: str | None) -> bool:
+                restart_path: str | None, after_restart: Callable[[SGLangClient], None] | None = None) -> bool:
         """Restart ``slot``'s server from ``restart_path`` serving ``version``, or take it out of rotation.
 
         The first thread to report a failure does it; returns True when this call restarted the server.
         ``restart_path`` None: no model directory holds ``version`` (the transport keeps no copy).
+        ``after_restart(client)``: what the restarted server needs before it takes requests (the LoRA adapters).
         """
         with self._dispatch:
             if slot.generation != generation or not slot.available:
@@ -287,6 +291,8 @@ class ServerPool:
             logger.warning("SGLang server %d restarted in %.0f s (restart %d of at most %d)", slot.index,
                            time.monotonic() - started, slot.restarts, self.config.max_restarts)
             new_client = SGLangClient(process.url, process.api_key, self.config.request_timeout_s)
+            if after_restart is not None:
+                after_restart(new_client)
             with self._dispatch:
                 slot.client = new_client
                 slot.generation += 1

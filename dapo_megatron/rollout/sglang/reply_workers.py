@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 ReplyParser = Callable[[list[dict[str, Any]]], list[Sample]]  # picklable: a module-level function or a partial of one
 
 _READY_TIMEOUT_S = 120.0  # a spawned worker imports torch (via the rollout package) before it says it is ready
-_JOIN_TIMEOUT_S = 5.0
+_JOIN_TIMEOUT_S = 30.0  # a worker asked to stop exits at once; on a loaded 2-core machine that took over 5 s
 _TASK_POLL_S = 1.0
 
 

@@ -25,9 +25,11 @@ Routing (R3, ``algorithm.moe_routing_replay: replay_rollout``): with ``routed_ex
 ``meta_info["routed_experts"]`` is read as SGLang 0.5.23 writes it: base64 of the int32 bytes of a
 ``[seqlen − 1, layers, top-k]`` array (``state_capturer/base.py`` ``get_topk``, encoded in
 ``detokenizer_manager._b64_encode_per_request``), i.e. every prompt token and every output token but the last; it
-becomes ``Sample.routed_experts`` as int16 ``[seqlen − 1, layers · top-k]`` (the reply does not say how the ids split
-into layers; the trainer, which knows, reshapes it). A server started without ``--enable-return-routed-experts`` has
-no capturer and leaves the key out: :func:`routed_experts_from_meta` names the flag.
+becomes ``Sample.routed_experts`` as int16 ``[seqlen − 1, layers, top-k]``, the layout every engine's samples have. The
+bytes do not say how the ids split into layers, so the reader is given the model's top-k (``num_experts_per_tok`` of
+its config, the width SGLang's ``RoutedExpertsCapturer`` sizes its buffer with) and the layers are what remains. A
+server started without ``--enable-return-routed-experts`` has no capturer and leaves the key out:
+:func:`routed_experts_from_meta` names the flag.
 
 Log-probabilities (``return_logprob``): SGLang 0.5.23's sampler returns ``log_softmax(logits / T)`` of the sampled
 token, i.e. after temperature and before top-p/top-k truncation (``Sampler.forward``: ``logits.div_(temperatures)``,
@@ -41,6 +43,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -48,7 +52,8 @@ import torch
 
 from dapo_megatron.rollout.engine import FinishReason, GenerationRequest, RolloutError, Sample, SamplingParams
 from dapo_megatron.config.algorithm import SGLANG_ROUTING_FLAG as ROUTING_FLAG
-from dapo_megatron.user_errors import ServerError
+from dapo_megatron.hf_format import CONFIG_FILE
+from dapo_megatron.user_errors import ModelFolderError, ServerError
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -79,17 +84,18 @@ def _sglang_sampling_params(params: SamplingParams) -> dict[str, Any]:
 
 
 def build_generate_payload(prompt: Sequence[int], prompt_index: int, params: SamplingParams, *,
-                           seeded: bool, routed_experts: bool = False) -> dict[str, Any]:
+                           seeded: bool, routed_experts: bool = False, adapter: dict | None = None) -> dict[str, Any]:
     """The ``/generate`` body for one prompt's ``params.n`` samples.
 
     ``seeded``: use per-sample ``sampling_seed`` values (only meaningful when ``params.seed`` is set and the server
     runs deterministic inference); otherwise the samples share one request with ``n``. ``routed_experts``: ask for
-    the routing too.
+    the routing too. ``adapter``: the LoRA adapter's fields (``{"lora_path": name}``,
+    :mod:`.lora_adapters`).
     """
     if not prompt:
         raise ValueError(f"prompt {prompt_index} is empty; SGLang needs at least one input token")
     base = _sglang_sampling_params(params)
-    routing = _routing_fields(routed_experts)
+    routing = {**_routing_fields(routed_experts), **(adapter or {})}
     if seeded and params.seed is not None:
         sampling = [dict(base, n=1, sampling_seed=per_sample_seed(params.seed, prompt_index, j))
                     for j in range(params.n)]
@@ -107,20 +113,23 @@ def sample_rid(request_id: str, sample_index: int) -> str:
     return f"{request_id}.{sample_index}"
 
 
-def build_stream_payload(request: GenerationRequest, *, seeded: bool, routed_experts: bool = False
-                         ) -> dict[str, Any]:
-    """The ``/generate`` body of a streamed request: its ``n`` samples as copies of the prompt, one rid each."""
+def build_stream_payload(request: GenerationRequest, *, seeded: bool, routed_experts: bool = False,
+                         adapter: dict | None = None) -> dict[str, Any]:
+    """The ``/generate`` body of a streamed request: its ``n`` samples as copies of the prompt, one rid each (and
+    the LoRA adapter's fields, ``adapter``)."""
     params = request.params
     base = dict(_sglang_sampling_params(params), n=1)
     sampling = [dict(base, sampling_seed=per_sample_seed(params.seed, 0, j)) if seeded and params.seed is not None
                 else base for j in range(params.n)]
     return {"input_ids": [list(request.prompt)] * params.n, "sampling_params": sampling, "return_logprob": True,
-            "rid": [sample_rid(request.request_id, j) for j in range(params.n)], **_routing_fields(routed_experts)}
+            "rid": [sample_rid(request.request_id, j) for j in range(params.n)], **_routing_fields(routed_experts),
+            **(adapter or {})}
 
 
-def routed_experts_from_meta(meta_info: dict[str, Any], *, tokens: int, server: str, what: Any) -> torch.Tensor:
+def routed_experts_from_meta(meta_info: dict[str, Any], *, tokens: int, topk: int, server: str,
+                             what: Any) -> torch.Tensor:
     """``meta_info["routed_experts"]`` of a reply with ``tokens`` prompt + output tokens as int16
-    ``[tokens − 1, layers · k]`` (see the module docstring)."""
+    ``[tokens − 1, layers, topk]`` (see the module docstring)."""
     encoded = meta_info.get("routed_experts")
     if encoded is None:
         raise ServerError(f"{server} returned no routed experts for {what}: algorithm.moe_routing_replay: "
@@ -128,9 +137,21 @@ def routed_experts_from_meta(meta_info: dict[str, Any], *, tokens: int, server: 
                           "(rollout.sglang.extra_server_args)")
     ids = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
     rows = tokens - 1
-    if rows < 1 or ids.size % rows:
-        raise RolloutError(f"{server}: {ids.size} routed expert ids for {what} do not split over {rows} tokens")
-    return torch.from_numpy(ids.astype(np.int16)).reshape(rows, ids.size // rows)
+    if rows < 1 or ids.size % (rows * topk):
+        raise RolloutError(f"{server}: {ids.size} routed expert ids for {what} do not split over {rows} tokens "
+                           f"× top-{topk}")
+    return torch.from_numpy(ids.astype(np.int16)).reshape(rows, ids.size // (rows * topk), topk)
+
+
+def routing_topk(model_path: str | Path) -> int:
+    """The experts each token is routed to by the served model: ``num_experts_per_tok`` of its ``config.json``, the
+    width of SGLang 0.5.23's routed-experts buffer (``RoutedExpertsCapturer``), which a reply's ids are read with."""
+    config = json.loads(Path(model_path, CONFIG_FILE).read_text())
+    topk = config.get("num_experts_per_tok")
+    if not isinstance(topk, int) or topk < 1:
+        raise ModelFolderError(f"{Path(model_path, CONFIG_FILE)}: algorithm.moe_routing_replay: replay_rollout reads "
+                               f"the servers' routing with the model's num_experts_per_tok, and it has {topk!r}")
+    return topk
 
 
 def token_versions_from_meta(meta_info: dict[str, Any], num_tokens: int, server: str) -> list[int]:
@@ -162,9 +183,11 @@ def finish_reason_from_sglang(meta_info: dict[str, Any]) -> FinishReason:
 
 
 def samples_from_outputs(outputs: list[dict[str, Any]], prompt_index: int, expected_count: int,
-                         expected_version: int, server: str, routed_prompt_length: int | None = None) -> list[Sample]:
+                         expected_version: int, server: str, routed_prompt_length: int | None = None,
+                         routed_topk: int = 0) -> list[Sample]:
     """Parse the outputs of one prompt's payload; check count and served weight version. ``routed_prompt_length``:
-    the payload asked for routing, of a prompt this long."""
+    the payload asked for routing, of a prompt this long, by a model routing each token to ``routed_topk``
+    experts."""
     if len(outputs) != expected_count:
         raise RolloutError(f"{server} returned {len(outputs)} outputs for prompt {prompt_index}, "
                            f"expected {expected_count}")
@@ -177,7 +200,8 @@ def samples_from_outputs(outputs: list[dict[str, Any]], prompt_index: int, expec
                                f"but the engine pushed version {expected_version}")
         token_ids, logprobs = _tokens_and_logprobs(output, meta, f"prompt {prompt_index}", server)
         routing = None if routed_prompt_length is None else routed_experts_from_meta(
-            meta, tokens=routed_prompt_length + len(token_ids), server=server, what=f"prompt {prompt_index}")
+            meta, tokens=routed_prompt_length + len(token_ids), topk=routed_topk, server=server,
+            what=f"prompt {prompt_index}")
         samples.append(Sample(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs,
                               finish_reason=finish_reason_from_sglang(meta), weight_version=expected_version,
                               token_versions=[expected_version] * len(token_ids), routed_experts=routing))
@@ -185,9 +209,11 @@ def samples_from_outputs(outputs: list[dict[str, Any]], prompt_index: int, expec
 
 
 def streamed_samples(outputs: list[dict[str, Any]], request: GenerationRequest, server: str,
-                     routed_experts: bool = False) -> list[Sample]:
+                     routed_topk: int | None = None, adapter_version: int | None = None) -> list[Sample]:
     """The samples of a streamed request's reply, with per-token weight versions (they may span updates) and, when
-    the payload asked for it, the routing."""
+    the payload asked for it (``routed_topk``: the model's top-k), the routing. ``adapter_version``: the request named
+    that LoRA adapter, which sampled every one of its tokens (:mod:`.lora_adapters`), whatever the server's version
+    tag said meanwhile."""
     if len(outputs) != request.params.n:
         raise RolloutError(f"{server} returned {len(outputs)} outputs for request {request.request_id}, "
                            f"expected {request.params.n}")
@@ -195,10 +221,14 @@ def streamed_samples(outputs: list[dict[str, Any]], request: GenerationRequest, 
     for output in outputs:
         meta = output.get("meta_info", {})
         token_ids, logprobs = _tokens_and_logprobs(output, meta, request.request_id, server)
-        versions = token_versions_from_meta(meta, len(token_ids), server)
-        first = versions[0] if versions else _version_number(meta.get("weight_version"), server)
-        routing = routed_experts_from_meta(meta, tokens=len(request.prompt) + len(token_ids), server=server,
-                                           what=request.request_id) if routed_experts and token_ids else None
+        versions = (token_versions_from_meta(meta, len(token_ids), server) if adapter_version is None
+                    else [adapter_version] * len(token_ids))
+        first = adapter_version if adapter_version is not None else (
+            versions[0] if versions else _version_number(meta.get("weight_version"), server))
+        routing = None
+        if routed_topk and token_ids:
+            routing = routed_experts_from_meta(meta, tokens=len(request.prompt) + len(token_ids), topk=routed_topk,
+                                               server=server, what=request.request_id)
         samples.append(Sample(prompt_index=0, token_ids=token_ids, logprobs=logprobs,
                               finish_reason=finish_reason_from_sglang(meta), weight_version=first,
                               token_versions=versions, routed_experts=routing))

@@ -5,9 +5,11 @@ SGLang 0.5.23 (``TpModelWorker.deserialize_own_rank``) has TP rank ``r`` of a se
 
 * by value — a standard pickle of CPU copies (the server's ``SafeUnpickler`` admits ``torch.storage._load_from_bytes``).
   Works between any hosts. The bytes carry the data and no handle, so every rank's entry is the same pickle.
-* by reference — CUDA tensors as CUDA IPC handles (no copy), only for a server TP rank on the bucket's own GPU
-  (:func:`entry_by_reference`). Every such rank gets a serialization of its own: torch counts the consumers of a
-  shared CUDA block per serialization, and a rank opening another rank's entry would upset that count. The handle
+* by reference — CUDA tensors as CUDA IPC handles (no copy), only for a server TP rank on a GPU that holds the bucket:
+  the bucket's own GPU, or one whose trainer rank made a copy of its own and serialized it
+  (:class:`~dapo_megatron.hf_format.BucketWithCopies`, :mod:`dapo_megatron.handoff.gpu_copies`; :func:`entry_gpu`).
+  Every such rank gets a serialization of its own: torch counts the consumers of a shared CUDA block per
+  serialization, and a rank opening another rank's entry would upset that count. The handle
   names its GPU by UUID rather than by index, which is how SGLang's ``monkey_patch_torch_reductions`` (applied by the
   server before it deserializes) finds the GPU when the server's ``CUDA_VISIBLE_DEVICES`` differs from the trainer's.
   The UUID is put in by this module's own pickler for these payloads only
@@ -29,7 +31,7 @@ import base64
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
-from typing import Protocol, Sequence
+from typing import Collection, Protocol, Sequence
 
 import torch
 
@@ -65,14 +67,22 @@ def bucket_gpu(tensors: Sequence[tuple[str, torch.Tensor]]) -> int | None:
     return devices.pop() if len(devices) == 1 and bucket_on_cuda(tensors) else None
 
 
-def entry_by_reference(bucket_on: int | None, server: "PayloadDestination", rank: int) -> bool:
-    """Whether TP rank ``rank`` of ``server`` gets CUDA IPC handles: only a rank on this host whose GPU IS the
-    bucket's. torch rebuilds an IPC tensor on the producer's GPU (SGLang 0.5.23's UUID patch,
-    ``srt/utils/patch_torch.py``, maps the handle back to that GPU), so a rank on another GPU would open a CUDA
-    context on the bucket's GPU — in a colocated node of 4 servers x TP 2 fed from GPU 0, seven extra contexts there.
-    Every other rank gets the bucket by value."""
-    return (bucket_on is not None and server.same_host and server.gpus is not None
-            and server.gpus[rank] == bucket_on)
+def entry_gpu(bucket_on: int | None, copies: Collection[int], server: "PayloadDestination", rank: int) -> int | None:
+    """The GPU whose copy of the bucket TP rank ``rank`` of ``server`` opens by CUDA IPC handle — its own GPU, when
+    that GPU holds one (``bucket_on``: the bucket's own; ``copies``: the GPUs with a trainer rank's copy) — or None:
+    the rank gets the bucket by value. torch rebuilds an IPC tensor on the producer's GPU (SGLang 0.5.23's UUID patch,
+    ``srt/utils/patch_torch.py``, maps the handle back to that GPU), so a rank opening another GPU's handle would
+    make a CUDA context there; only ranks on this host with known GPUs (launched here) are considered."""
+    if not (server.same_host and server.gpus is not None):
+        return None
+    gpu = server.gpus[rank]
+    return gpu if gpu == bucket_on or gpu in copies else None
+
+
+def by_value_entries(servers: Sequence["PayloadDestination"], bucket_on: int | None, copies: Collection[int]) -> int:
+    """How many server TP ranks a bucket reaches by value (base64 of its bytes through HTTP)."""
+    return sum(entry_gpu(bucket_on, copies, server, rank) is None for server in servers
+               for rank in range(server.tp_size))
 
 
 class PayloadDestination(Protocol):
@@ -87,11 +97,13 @@ class PayloadDestination(Protocol):
 class BucketPayloads:
     """One bucket's ``serialized_named_tensors`` for each server (:meth:`for_server`).
 
-    ``by_reference``: some server got handles into :attr:`tensors` (see the module docstring for how long they live).
+    ``by_reference``: some server got handles into :attr:`tensors` (see the module docstring for how long they live);
+    handles of other GPUs' copies (``bucket.copies``) live as long as the ranks that made them keep those.
     """
 
     def __init__(self, bucket: Bucket, servers: Sequence[PayloadDestination]) -> None:
         self.tensors = [(name, tensor.detach().contiguous()) for name, tensor in bucket]
+        copies: dict[int, bytes] = getattr(bucket, "copies", {})
         on_gpu = bucket_gpu(self.tensors)
         self.by_reference = False
         self._per_server: dict[int, list[bytes]] = {}
@@ -99,12 +111,15 @@ class BucketPayloads:
         for server in servers:
             entries = []
             for rank in range(server.tp_size):
-                if entry_by_reference(on_gpu, server, rank):
+                gpu = entry_gpu(on_gpu, copies, server, rank)
+                if gpu is None:
+                    by_value = by_value or serialize_by_value(self.tensors)
+                    entries.append(by_value)
+                elif gpu == on_gpu:
                     entries.append(serialize_by_reference(self.tensors))
                     self.by_reference = True
                 else:
-                    by_value = by_value or serialize_by_value(self.tensors)
-                    entries.append(by_value)
+                    entries.append(copies[gpu])
             self._per_server[id(server)] = entries
 
     def for_server(self, server: PayloadDestination) -> list[bytes]:

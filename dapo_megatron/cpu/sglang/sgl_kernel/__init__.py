@@ -17,9 +17,25 @@ Only on the server's ``PYTHONPATH`` on CPU (see :func:`dapo_megatron.cpu.sglang.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Callable, NoReturn
 
 __version__ = "0.0.0+dapo-megatron-cpu-stand-in"
+
+
+def _allow_pin_memory_without_accelerator() -> None:
+    """SGLang's LoRA layers pin host memory, which torch refuses without an accelerator: the override
+    ``dapo_megatron/overrides/sglang/pinned_memory.py``, loaded by its path (the server's interpreter may not have
+    dapo-megatron installed), applied in every CPU server process — they all import this stand-in first."""
+    path = Path(__file__).resolve().parents[3] / "overrides" / "sglang" / "pinned_memory.py"
+    spec = importlib.util.spec_from_file_location("dapo_megatron_sglang_pinned_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.allow_pin_memory_without_accelerator()
+
+
+_allow_pin_memory_without_accelerator()
 
 
 def _unavailable(name: str) -> Callable[..., NoReturn]:
