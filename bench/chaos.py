@@ -28,6 +28,7 @@ their difference (binomial, ``data.synthetic.num_heldout`` problems) wanted.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import random
@@ -215,13 +216,18 @@ def mount_tmpfs(run_dir: Path, size_mb: int = 96) -> Path:
 
 
 def fill(ballast: Path) -> None:
-    """Fill the filesystem of ``ballast`` but 64 KiB: the next checkpoint finds no room."""
+    """Fill the filesystem of ``ballast`` but 64 KiB: the next checkpoint finds no room. A checkpoint being written
+    meanwhile takes space after ``free`` was read: the filler then meets a full disk first, which is the aim."""
     free = shutil.disk_usage(ballast.parent).free - 64 * 1024
     with open(ballast, "wb") as file:
         file.truncate(0)
         block = b"\0" * 2**20
-        while free > 0:
-            free -= file.write(block[:min(len(block), free)])
+        try:
+            while free > 0:
+                free -= file.write(block[:min(len(block), free)])
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
 
 
 def summarize(result: RunResult, run_dir: Path) -> None:
