@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(args)
     except UserError as exc:
         if _rank_for_messages() == 0:
-            print(exc.line(), file=sys.stderr, flush=True)
+            print(_with_where(exc.line(), exc), file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:
         if _rank_for_messages() == 0:
@@ -135,6 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         if _rank_for_messages() == 0:
             print(f"{stop}{_what_resume_continues(args)}", file=sys.stderr, flush=True)
         return stop.exit_code
+
+
+def _with_where(line: str, error: BaseException) -> str:
+    """``line`` with where the error happened appended to its first line — the rank, step and stage a training stage
+    noted on its way out (dapo_megatron.run.watchdog.RankActivity) — when it says."""
+    where = getattr(error, "dapo_where", None)
+    if not where:
+        return line
+    first, newline, details = line.partition("\n")
+    return f"{first} ({where}){newline}{details}"
 
 
 def _what_resume_continues(args: argparse.Namespace) -> str:

@@ -3,7 +3,9 @@ launch is reported before torch and megatron-core load).
 
 :func:`launch_env` — rank, world size, local rank and rendezvous address from torchrun's variables (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, first host of
-SLURM_JOB_NODELIST); a plain ``python`` launch is a world of one. :func:`local_world_size` — the trainer ranks on
+SLURM_JOB_NODELIST); a plain ``python`` launch is a world of one. Which restart of the job this is comes from the
+launcher too: torchrun's TORCHELASTIC_RESTART_COUNT (``--max-restarts``), SLURM's SLURM_RESTART_COUNT (a requeued
+job). :func:`local_world_size` — the trainer ranks on
 this node. :func:`expand_nodelist` — a SLURM host list as host names.
 """
 
@@ -35,6 +37,7 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun", "slurm" or "single"
+    restart_count: int = 0  # how many times the launcher restarted the job before this start
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -131,6 +134,7 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=port,
             launcher="torchrun",
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         missing = [k for k in ("SLURM_LOCALID", "SLURM_JOB_NODELIST") if k not in env]
@@ -144,6 +148,7 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             master_addr=master,
             master_port=port,
             launcher="slurm",
+            restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
         )
     # A world of one rendezvous with itself: any free port will do unless the user chose one.
     return LaunchEnv(0, 1, 0, "127.0.0.1", port if "MASTER_PORT" in env else free_port(), "single")

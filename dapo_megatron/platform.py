@@ -17,7 +17,15 @@ binds a device or forms a process group:
 * :func:`init_distributed` — torch.distributed + megatron ``parallel_state`` with the TP/PP layout; DP is what is
   left of the world, and a mixture-of-experts model's experts are split over EP of those DP ranks (megatron's
   ``expert_model_parallel_size``; EP must divide DP). A world that is not TP×PP×DP, an EP that does not divide DP,
-  or a rendezvous port already taken, is a clear error up front.
+  or a rendezvous port already taken, is a clear error up front. Each restart of a launcher (torchrun
+  ``--max-restarts``) rendezvouses in keys of its own.
+* :func:`set_collective_timeout` — how long a collective of any training process group (the default group and every
+  group megatron made) may wait: the trainer raises it for what is legitimately slow (the first step, a checkpoint)
+  and lowers it again after. Megatron makes its groups with a timeout of its own (30 minutes unless told), so a
+  stopped rank left its peers waiting that long in the expert all-to-all or the gradient all-reduce whatever
+  ``parallel.collective_timeout_s`` said; :func:`init_distributed` gives them the one it is passed.
+* :func:`flight_recorder_env` — on NCCL, torch's flight recorder: the last collectives of every rank are dumped to the
+  run directory when NCCL's watchdog times one out (what stalled where, for ``torch.distributed.flight_recorder``).
 * :func:`seed_everything` — every generator, the same on every rank (megatron's CPU-initialized weights are drawn from
   the CPU generator on every rank and then sliced, so they must agree).
 """
@@ -25,6 +33,7 @@ binds a device or forms a process group:
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import random
 import socket
@@ -36,7 +45,7 @@ import numpy as np
 import torch
 
 from dapo_megatron.host_address import pin_gloo_interface
-from dapo_megatron.launch_env import LaunchError, launch_env
+from dapo_megatron.launch_env import LaunchEnv, LaunchError, launch_env
 
 if TYPE_CHECKING:
     from dapo_megatron.backend.base import Backend
@@ -186,25 +195,59 @@ def init_distributed(
             # torchrun's agent already owns the store port; anywhere else rank 0 binds it, so check it first:
             # a taken port otherwise surfaces as a hang on the other ranks.
             _check_port_free(env.master_addr, env.master_port)
-        torch.distributed.init_process_group(
-            backend=device.collective,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        torch.distributed.init_process_group(backend=device.collective, store=rendezvous_store(env, timeout),
+                                             rank=env.rank, world_size=env.world_size, timeout=timeout)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
             expert_model_parallel_size=expert_parallel,
+            distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),  # whole minutes: made exact just below
         )
+        set_collective_timeout(timeout_s)
     elif (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel
           or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel
           or parallel_state.get_expert_model_parallel_world_size() != expert_parallel):
         raise LaunchError("megatron parallel_state is already initialized with a different TP/PP/EP layout")
     return ParallelLayout(env.rank, env.world_size, tensor_parallel, pipeline_parallel, dp, device, backend,
                           expert_parallel)
+
+
+def rendezvous_store(env: LaunchEnv, timeout: datetime.timedelta):
+    """The job's store (torch's ``tcp://`` rendezvous at MASTER_ADDR:MASTER_PORT: torchrun's agent's, or the one rank 0
+    hosts), seen through keys of this start's own: torchrun's agent keeps one store across the restarts of
+    ``--max-restarts``, and the ranks of a restart read the gloo addresses of the attempt before (connectFullMesh
+    failed: connection refused) when a peer had not yet written its new one."""
+    store, _, _ = next(torch.distributed.rendezvous(
+        f"tcp://{env.master_addr}:{env.master_port}?rank={env.rank}&world_size={env.world_size}", timeout=timeout))
+    return torch.distributed.PrefixStore(f"dapo/attempt_{env.restart_count}", store)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """The timeout of every training process group: the default group and megatron's (not rank_zero's waiting
+    group). A collective itself (megatron-core's ``update_pg_timeout``: a barrier, then the new limit on every group it
+    made and on the default one), so every rank calls it at the same point; nothing without a process group."""
+    from megatron.core import parallel_state  # import cost: see init_distributed
+
+    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
+        parallel_state.update_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
+FLIGHT_RECORDER_DIR = "nccl_flight_recorder"
+
+
+def flight_recorder_env(run_dir: str | os.PathLike, collective: str,
+                        environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that turn on torch's NCCL flight recorder for this process (empty off NCCL): a ring of the last
+    2000 collectives per rank, dumped on a watchdog timeout to ``<run_dir>/nccl_flight_recorder/rank_<N>``. Only
+    variables the user has not set; set before the first NCCL group (they are read then)."""
+    if collective != "nccl":
+        return {}
+    env = os.environ if environ is None else environ
+    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(os.fspath(run_dir), FLIGHT_RECORDER_DIR, "rank_")}
+    return {name: value for name, value in wanted.items() if name not in env}
 
 
 def destroy_distributed() -> None:

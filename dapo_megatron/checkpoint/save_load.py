@@ -39,6 +39,7 @@ from dapo_megatron.overrides.megatron_core.checkpointing import (
     give_empty_adam_state,
     reapply_adam_steps,
     write_results_in_this_process,
+    writers_die_with_their_trainer,
 )
 from dapo_megatron.user_errors import UserError
 
@@ -86,6 +87,7 @@ def save_model(model_chunks: list, directory: str | Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
     _barrier()
     write_results_in_this_process()
+    writers_die_with_their_trainer()
     dist_checkpointing.save(model_sharded_state_dict(model_chunks), str(directory))
 
 
@@ -138,6 +140,7 @@ def save_checkpoint(root: str | Path, step: int, *, model_chunks: list, optimize
         (tmp / layout.OPTIMIZER_DIR).mkdir()
     _barrier()
     write_results_in_this_process()
+    writers_die_with_their_trainer()  # a trainer killed mid-save leaves no writer behind
     model_state = model_sharded_state_dict(model_chunks)
     # Before its first applied update an optimizer has no state to save (and megatron's distributed optimizer
     # cannot even describe it): its folder then holds nothing, which load_checkpoint recognizes.

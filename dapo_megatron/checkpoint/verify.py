@@ -5,8 +5,9 @@ by a full disk or a broken transfer, a lost ``.metadata``. :func:`checkpoint_pro
 and sizes alone: torch's ``.metadata`` of each distributed checkpoint records, for every stored item, the file,
 offset and length it was written to, so a shard shorter than its last item is truncated. ``--resume`` then takes the
 newest checkpoint without problems (:func:`newest_sound_checkpoint`) and says which newer ones it passed over.
-Garbage of the right size is found only once loaded (:func:`non_finite_weights`): the trainer then sets the
-checkpoint aside the same way and loads the one before it.
+Garbage of the right size is found only once loaded (:func:`non_finite_weights`, :func:`non_finite_optimizer_state`:
+the weights, and the optimizer's moments and main copies): the trainer then sets the checkpoint aside the same way and
+loads the one before it.
 """
 
 from __future__ import annotations
@@ -124,4 +125,25 @@ def non_finite_weights(model_chunks: list) -> list[str]:
         for name, tensor in module.state_dict().items():
             if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 names.append(name)
+    return names
+
+
+def non_finite_optimizer_state(optimizer, model_chunks: list) -> list[str]:
+    """What of this rank's loaded optimizer holds a NaN or an infinity — each (chained) torch optimizer's parameters
+    (the fp32 main copies megatron steps, where the model is 16-bit) and its per-parameter state (Adam's moments) —
+    named ``optimizer <i> param <j>[ <state key>]``: same-size garbage in ``optimizer/`` loads as that, and would turn
+    the next update's weights into NaN. Tensors that are the model's own weights (an fp32 model is its own main
+    copy) are :func:`non_finite_weights`' to count."""
+    weights = {tensor.data_ptr() for chunk in model_chunks for tensor in getattr(chunk, "module", chunk).parameters()}
+    names = []
+    for index, chained in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        inner = getattr(chained, "optimizer", chained)
+        params = [param for group in inner.param_groups for param in group["params"]]
+        for number, param in enumerate(params):
+            tensors = {f" {key}": value for key, value in inner.state.get(param, {}).items()}
+            if param.data_ptr() not in weights:
+                tensors[""] = param
+            for key, tensor in tensors.items():
+                if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    names.append(f"optimizer {index} param {number}{key}")
     return names

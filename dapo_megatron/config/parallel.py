@@ -17,9 +17,17 @@ class ParallelConfig:
     expert: int = 1
     data: int | None = None  # derived from the world size; when given, it must agree
     use_distributed_optimizer: bool = True
-    # Timeout of the training collectives. Ranks waiting for rank 0's rollouts or validation wait in a gloo group
-    # of their own without this limit (dapo_megatron.rank_zero).
-    collective_timeout_s: float = 7200.0
+    # How long a training collective may wait (every process group, megatron's TP/PP/DP/EP groups included; on GPU
+    # NCCL's watchdog aborts at it) and how long a rank may go unheard before the job ends, naming it
+    # (dapo_megatron/run/watchdog.py). Ranks waiting for rank 0's rollouts or validation wait in a gloo group of
+    # their own without this limit (dapo_megatron.rank_zero): rank 0 still sends its heartbeat meanwhile.
+    collective_timeout_s: float = 600.0
+    # The collectives' limit while doing what is legitimately slow: the first step after a start (kernel
+    # compilation, autotuning) and checkpoint writes and loads (a big model's shards on a shared filesystem).
+    slow_collective_timeout_s: float = 3600.0
+    # Each rank's heartbeat in the job's rendezvous store, read by every other rank (off: only the collectives'
+    # timeouts bound a stopped rank, and a rank waiting for rank 0 waits for good).
+    watchdog: bool = True
     # Split the activations between the tensor-parallel collectives over the TP ranks (megatron's sequence
     # parallelism). Takes effect where megatron supports it: the Transformer Engine layer spec with TP > 1.
     sequence_parallel: bool = True
@@ -36,6 +44,11 @@ class ParallelConfig:
     def validate(self) -> None:
         require_finite_numbers(self, "parallel.")
         require(self.expert >= 1, "parallel.expert", f"must be >= 1, got {self.expert}")
+        require(self.collective_timeout_s > 0, "parallel.collective_timeout_s",
+                f"must be > 0, got {self.collective_timeout_s}")
+        require(self.slow_collective_timeout_s >= self.collective_timeout_s, "parallel.slow_collective_timeout_s",
+                f"must be >= parallel.collective_timeout_s ({self.collective_timeout_s:g}), got "
+                f"{self.slow_collective_timeout_s:g}")
         require(self.host_memory_gb is None or self.host_memory_gb > 0, "parallel.host_memory_gb",
                 f"must be > 0 (or null), got {self.host_memory_gb}")
         require(not self.overlap_param_gather or self.use_distributed_optimizer, "parallel.overlap_param_gather",

@@ -23,7 +23,7 @@ class WandbConfig:
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str | None = None  # default: sqlite:///<run_dir>/mlflow.db
+    tracking_uri: str | None = None  # default: MLFLOW_TRACKING_URI when set, else sqlite:///<run_dir>/mlflow.db
     experiment: str = _TRACKER_PROJECT
     run_name: str | None = None  # default: the run directory's name
 
@@ -49,6 +49,11 @@ class TrainerConfig:
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    # A start in a run_dir that holds this run continues it, as --resume would (a fresh one starts from step 0), and
+    # a restart by the launcher (torchrun --max-restarts, the SLURM scripts' requeue) is recorded in
+    # run_dir/restarts.jsonl; a launcher's restart number past max_restarts is refused (dapo_megatron/run/restarts.py).
+    auto_resume: bool = False
+    max_restarts: int = 3
     # response/reflection_rate: the fraction of responses with one of these (case-insensitive, whole words)
     reflection_phrases: list[str] = field(default_factory=lambda: list(REFLECTION_PHRASES))
 
@@ -63,3 +68,4 @@ class TrainerConfig:
                 f"must be >= 0 (0 keeps every checkpoint), got {self.keep_checkpoints}")
         require(self.save_every >= 0, "trainer.save_every", f"must be >= 0 (0: only at the end), got {self.save_every}")
         require(self.micro_batch_tokens >= 1, "trainer.micro_batch_tokens", "must be >= 1")
+        require(self.max_restarts >= 0, "trainer.max_restarts", f"must be >= 0, got {self.max_restarts}")

@@ -6,8 +6,9 @@
 * ``trainer.loggers``: ``tensorboard`` (``run_dir/tensorboard``; generations as a text table), ``wandb``
   (``trainer.wandb``: project, entity, name, ``mode: offline`` writes ``run_dir/wandb`` for a later ``wandb sync``;
   unset, W&B's own ``WANDB_MODE`` / ``wandb offline`` decide; generations as a table; W&B refusing to start, e.g.
-  online without an API key, is a config error), ``mlflow`` (``trainer.mlflow``: tracking URI, default a SQLite file
-  ``run_dir/mlflow.db``; metric names with characters MLflow refuses are written with ``@`` → ``_at_`` and any other
+  online without an API key, is a config error), ``mlflow`` (``trainer.mlflow``: the tracking URI is the config's
+  when set, else MLflow's own ``MLFLOW_TRACKING_URI`` when set, else a SQLite file ``run_dir/mlflow.db``; metric
+  names with characters MLflow refuses are written with ``@`` → ``_at_`` and any other
   such character → ``_``; see :func:`mlflow_metric_name`).
 
 W&B and MLflow are optional extras (``pip install -e '.[wandb]'`` / ``'.[mlflow]'`` in the clone, the latter the
@@ -204,6 +205,18 @@ def mlflow_metric_name(key: str) -> str:
     return _MLFLOW_REFUSED.sub("_", key.replace("@", "_at_"))
 
 
+def mlflow_tracking_uri(configured: str | None, run_dir: Path) -> tuple[str | None, str | None]:
+    """``(tracking URI, artifact location of a new experiment)``: the config's URI; else, when MLflow's own
+    ``MLFLOW_TRACKING_URI`` is set, None for both (MLflow's client resolves it, as every MLflow client does, and the
+    server places the artifacts); else the run directory's SQLite store with its artifacts next to it."""
+    from mlflow.environment_variables import MLFLOW_TRACKING_URI  # an optional extra
+
+    if configured is None and MLFLOW_TRACKING_URI.is_set():
+        return None, None
+    artifacts = (run_dir / "mlflow_artifacts").resolve().as_uri()
+    return configured or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}", artifacts
+
+
 class MlflowLogger:
     def __init__(self, config: DAPOConfig, run_dir: Path, ids: _RunIds):
         from mlflow.entities import Metric  # an optional extra
@@ -211,12 +224,13 @@ class MlflowLogger:
 
         m = config.trainer.mlflow
         self._metric = Metric
-        self._client = MlflowClient(tracking_uri=m.tracking_uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+        uri, artifacts = mlflow_tracking_uri(m.tracking_uri, run_dir)
+        self._client = MlflowClient(tracking_uri=uri)
         run_id = ids.get("mlflow_run_id")
         if run_id is None:
             experiment = self._client.get_experiment_by_name(m.experiment)
             experiment_id = (experiment.experiment_id if experiment is not None else self._client.create_experiment(
-                m.experiment, artifact_location=(run_dir / "mlflow_artifacts").resolve().as_uri()))
+                m.experiment, artifact_location=artifacts))
             run_id = self._client.create_run(experiment_id, run_name=m.run_name or run_dir.resolve().name,
                                              tags={"run_dir": str(run_dir.resolve())}).info.run_id
             ids.set("mlflow_run_id", run_id)

@@ -6,7 +6,8 @@ worker) and waits for the answers. A plain function's call past ``timeout_s`` is
 call cannot be interrupted any other way), an async one's by ``asyncio.wait_for`` inside the worker (its worker is
 killed only when its event loop stops answering ``ASYNC_GRACE_S`` later); either way the call's responses come back
 as ``timeout`` and a new worker takes the killed one's place while the others go on. A worker that dies
-(``os._exit``, a segfault) fails its calls as ``error``. Processes are started with ``spawn`` (the trainer has
+(``os._exit``, a segfault, a kill) fails its calls as ``error``; one that died between calls is found when a call is
+sent to it, and the call goes to its replacement. Processes are started with ``spawn`` (the trainer has
 threads: forking it is unsafe), and a worker ends when the trainer does (its pipe closes).
 """
 
@@ -109,7 +110,7 @@ class RewardPool:
             results: list[list[Outcome] | None] = [None] * len(calls)
             pending = deque(range(len(calls)))
             while pending or any(w.calls for w in self._workers):
-                self._dispatch(calls, pending)
+                self._dispatch(calls, pending, results)
                 self._expire(calls, results, pending)
                 self._check_start_times()
                 deadlines = [d for w in self._workers for d in w.calls.values()]
@@ -121,12 +122,17 @@ class RewardPool:
                         self._receive(worker, results, calls)
             return results
 
-    def _dispatch(self, calls: list[dict], pending: deque) -> None:
+    def _dispatch(self, calls: list[dict], pending: deque, results: list) -> None:
         now = time.monotonic()
-        for worker in self._workers:
+        for worker in list(self._workers):
             while worker.ready and pending and len(worker.calls) < self._capacity:
                 call_id = pending.popleft()
-                worker.conn.send((call_id, calls[call_id]))
+                try:
+                    worker.conn.send((call_id, calls[call_id]))
+                except OSError:  # it died between calls (killed, out of memory): the call goes to another worker
+                    pending.appendleft(call_id)
+                    self._died(worker, results, calls)
+                    break
                 worker.calls[call_id] = now + self._limit_s
 
     def _expire(self, calls: list[dict], results: list, pending: deque) -> None:
@@ -165,7 +171,7 @@ class RewardPool:
             results[tag] = payload
 
     def _died(self, worker: _Worker, results: list | None, calls: list[dict] | None) -> None:
-        worker.process.join()
+        worker.process.join(STOP_TIMEOUT_S)  # a closed pipe of a process still running: _replace kills it
         code = worker.process.exitcode
         if not worker.ready:
             raise RewardFunctionError(f"{self.target!r}: a reward worker exited (code {code}) while importing it")

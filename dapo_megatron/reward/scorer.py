@@ -7,8 +7,10 @@ A response whose reward raises or times out is scored ``reward.error_score`` and
 them (``reward/errors``, ``reward/timeouts``). The first failure of each kind is logged once, naming the function and
 the row; later ones are only counted. A reward that fails on most responses trains nothing (their groups all score
 ``error_score`` alike) while looking like a run: when more than ``reward.max_error_fraction`` of the responses
-scored since the last judgement (at least :data:`JUDGED_AFTER` of them: one call, or several small ones) failed,
-:meth:`RewardScorer.score` raises a :class:`~dapo_megatron.user_errors.RewardError` naming the first failure.
+scored for training since the last judgement (at least :data:`JUDGED_AFTER` of them: one call, or several small ones)
+failed, :meth:`RewardScorer.score` raises a :class:`~dapo_megatron.user_errors.RewardError` naming the first failure.
+Validation's responses are scored unjudged (``judged=False``): a reward that fails on the held-out set's answers
+neither stops the run nor hides a training failure rate above the threshold.
 A reward service (``reward.url``) is connected to at start: nothing listening there is that error at once.
 """
 
@@ -83,16 +85,18 @@ class RewardScorer:
         else:
             self.name = "the built-in DAPO math rule"
 
-    def score(self, groups: list[list[RewardRequest]]) -> list[list[Outcome]]:
-        """One outcome per response of each group: ``("ok", RewardValue)``, ``("error" | "timeout", message)``."""
+    def score(self, groups: list[list[RewardRequest]], *, judged: bool = True) -> list[list[Outcome]]:
+        """One outcome per response of each group: ``("ok", RewardValue)``, ``("error" | "timeout", message)``.
+        ``judged``: whether these responses count towards ``reward.max_error_fraction`` (validation's do not)."""
         if self._pool is not None:
             outcomes = self._run_pool(groups)
         elif self._remote is not None:
             outcomes = self._remote.run([_batched_call(group) for group in groups])
         else:
             outcomes = [[self._builtin(request) for request in group] for group in groups]
-        self._show_first_failures(groups, outcomes)
-        self._judge(outcomes)
+        self._show_first_failures(groups, outcomes, judged=judged)
+        if judged:
+            self._judge(outcomes)
         return outcomes
 
     def value(self, outcome: Outcome) -> RewardValue:
@@ -120,16 +124,19 @@ class RewardScorer:
             start += len(group)
         return outcomes
 
-    def _show_first_failures(self, groups: list[list[RewardRequest]], outcomes: list[list[Outcome]]) -> None:
+    def _show_first_failures(self, groups: list[list[RewardRequest]], outcomes: list[list[Outcome]], *,
+                             judged: bool) -> None:
         for group, group_outcomes in zip(groups, outcomes):
             for request, (status, payload) in zip(group, group_outcomes):
-                if status != "ok" and status not in self._shown:
+                if status == "ok":
+                    continue
+                what, counter = FAILURES[status]
+                if status not in self._shown:
                     self._shown.add(status)
-                    what, counter = FAILURES[status]
                     logger.error("%s %s on %s: %s (shown once; every one is counted in %s)", self.name, what,
                                  request.row, payload, counter)
-                    if self.first_failure is None:
-                        self.first_failure = f"{self.name} {what} on {request.row}: {payload}"
+                if self.first_failure is None and judged:  # what a reward error names: a training response's
+                    self.first_failure = f"{self.name} {what} on {request.row}: {payload}"
 
     def _judge(self, outcomes: list[list[Outcome]]) -> None:
         statuses = [status for group in outcomes for status, _ in group]

@@ -36,7 +36,9 @@ MUTABLE_ON_RESUME = (
     "eval.",  # when and how validation samples; training never sees it
     "rollout.sglang.",  # where the servers run and how they are reached
     "rollout.handoff_bucket_mb",
-    "parallel.collective_timeout_s", "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
+    "parallel.collective_timeout_s", "parallel.slow_collective_timeout_s", "parallel.watchdog",
+    "parallel.overlap_grad_reduce", "parallel.overlap_param_gather",
+    "trainer.auto_resume", "trainer.max_restarts",  # how a run heals, not what it trains
     "model.recompute",
 )
 

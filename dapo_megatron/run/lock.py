@@ -42,7 +42,7 @@ STALE_AFTER_S = 30.0  # six missed heartbeats: a live owner's thread is never he
 TAKEOVER_STALE_S = 60.0  # a takeover directory older than this was left by a newcomer that died taking over
 
 
-def _pid_space() -> str | None:
+def pid_space() -> str | None:
     """Which pids this process sees: the kernel's boot id and this PID namespace (None where /proc does not say)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -51,7 +51,7 @@ def _pid_space() -> str | None:
         return None
 
 
-def _process_start(pid: int) -> str | None:
+def process_start(pid: int) -> str | None:
     """The start time of process ``pid`` in clock ticks since boot (field 22 of /proc/<pid>/stat), None if unknown."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -81,8 +81,8 @@ class RunLock:
     def __init__(self, run_dir: str | Path, *, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
         self.path = Path(run_dir) / LOCK_FILE
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
-        self.owner = {"host": socket.gethostname(), "pid_space": _pid_space(), "pid": os.getpid(),
-                      "pid_start": _process_start(os.getpid()), "token": secrets.token_hex(8),
+        self.owner = {"host": socket.gethostname(), "pid_space": pid_space(), "pid": os.getpid(),
+                      "pid_start": process_start(os.getpid()), "token": secrets.token_hex(8),
                       "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       "command": " ".join(["dapo-megatron", *sys.argv[1:]])[:300], "heartbeat": 0}
         self._stop = threading.Event()
@@ -144,7 +144,7 @@ class RunLock:
     def _alive(self, holder: dict) -> bool:
         if self.owner["pid_space"] is not None and holder.get("pid_space") == self.owner["pid_space"]:
             pid = int(holder.get("pid", -1))
-            return _pid_runs(pid) and holder.get("pid_start") in (None, _process_start(pid))
+            return _pid_runs(pid) and holder.get("pid_start") in (None, process_start(pid))
         logger.info("%s is held by %s; watching its heartbeat for up to %.0f s to tell whether it is alive",
                     self.path, describe_owner(holder), self.stale_after_s)
         deadline = time.monotonic() + self.stale_after_s

@@ -73,7 +73,7 @@ def evaluate(rollouts: RolloutGenerator, records: Sequence[PromptRecord], tokeni
     responses = grouped_response_texts(tokenizer, outputs)
     outcomes = reward.score([[RewardRequest(r.data_source, text, r.ground_truth, dict(r.extra_info or {}),
                                             row=f"validation row index={r.index!r} of data source {r.data_source!r}")
-                              for text in texts] for r, texts in zip(records, responses)])
+                              for text in texts] for r, texts in zip(records, responses)], judged=False)
     values = [[reward.value(outcome) for outcome in group] for group in outcomes]
     scored = [ScoredSample(r.data_source, r.index, float(value.acc)) for r, group in zip(records, values)
               for value in group]

@@ -1,6 +1,11 @@
 """The DAPO training loop: :meth:`DAPOTrainer.train_step` is one step of the paper's algorithm, top to bottom, on
 every rank (global rank 0 also drives the rollout engine). Which folder and module each stage lives in: the step map,
 docs/architecture.md.
+
+Each stage runs inside ``self.activity.in_stage(...)`` (:class:`dapo_megatron.run.watchdog.RankActivity`): the rank's
+heartbeat carries it, so a rank that stops is named with its step and stage, and an error leaving a stage says where
+it happened. The training collectives wait ``parallel.slow_collective_timeout_s`` until the first step of this process
+is done and while a checkpoint is written, ``parallel.collective_timeout_s`` otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dapo_megatron import checkpoint as ckpt
-from dapo_megatron.checkpoint.verify import non_finite_weights, set_aside
+from dapo_megatron.checkpoint.verify import non_finite_optimizer_state, non_finite_weights, set_aside
 from dapo_megatron.backend.base import Backend
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.platform import seed_everything
@@ -41,6 +46,9 @@ from dapo_megatron.run.stop_signals import StopSignals
 from dapo_megatron.data.task import eval_prompts, train_sampler
 from dapo_megatron.run.progress import WARN_AFTER_STEPS, TrainingProgress
 from dapo_megatron.trainer.weight_sync import handoff_metrics, sync_engine_policy
+from dapo_megatron.platform import set_collective_timeout
+from dapo_megatron.run.restarts import RestartRecord
+from dapo_megatron.run.watchdog import RankActivity, collective_limit
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +58,8 @@ class DAPOTrainer:
     (:func:`dapo_megatron.run.model_source.prepare_initial_model`) and the platform's backend."""
 
     def __init__(self, config: DAPOConfig, model_dir: str | Path, backend: Backend, *, resume: bool = False,
-                 stop: StopSignals | None = None):
+                 stop: StopSignals | None = None, activity: RankActivity | None = None,
+                 restart: RestartRecord | None = None):
         self.config = config
         self.backend = backend
         logger.info("policy backend: %s", backend.name)
@@ -58,6 +67,8 @@ class DAPOTrainer:
         self.resume = resume
         self.stop = stop or StopSignals()  # `train` passes the process's installed handlers
         self.rank = dist.get_rank()
+        self.activity = activity or RankActivity(self.rank)  # `train` passes the one its watchdog reports
+        self.restart = restart  # rank 0 of a restarted run: its row of restarts.jsonl, written once resumed
         seed_everything(config.trainer.seed)
         self.run_dir = Path(config.trainer.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -115,32 +126,36 @@ class DAPOTrainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         """DAPO step ``step`` → ``step + 1``, on every rank; returns the metrics it logged as step ``step + 1``."""
-        c, timer, done = self.config, StepTimer(), step + 1
+        c, timer, done, stage = self.config, StepTimer(), step + 1, self.activity.in_stage
         with timer.phase("step"):
-            with timer.phase("gen"), self.colocation.generating():  # 1-4: prompts → G responses → rewards → filter
+            # 1-4: prompts → G responses → rewards → filter
+            with stage("rollout", done), timer.phase("gen"), self.colocation.generating():
                 groups, rollout = hand_over_rollouts(lambda: self.collector.collect(step),
                                                      what=f"step {done} rollouts")
-            self.colocation.before_policy_update()  # colocated servers give the GPU memory to the training
-            # 5-7: advantages → π_old's log-probs → rollout correction → one update per mini-batch, the DAPO loss
-            update = self.policy_update.run(groups, step, timer, progress=lambda batches: self._progress(batches, done))
-            with timer.phase("handoff"):  # 8: the new weights → the rollout engine
+            with stage("pi_old", done):
+                self.colocation.before_policy_update()  # colocated servers give the GPU memory to the training
+                # 5-7: advantages → π_old's log-probs → rollout correction → one update per mini-batch, the DAPO loss
+                update = self.policy_update.run(groups, step, timer,
+                                                progress=lambda batches: self._progress(batches, done))
+            with stage("handoff", done), timer.phase("handoff"):  # 8: the new weights → the rollout engine
                 self.hand_off_weights(version=done)
         # 9: metrics (+ validation on schedule) to TensorBoard and metrics.jsonl; a checkpoint on schedule.
-        policy = policy_metrics(groups, update.samples, update.old, update.updates, update.correction,
-                                policy_version=step) | update.routing
-        metrics = step_metrics(rollout, policy, timer,
-                               weight_version=self.engine.weight_version if self.engine else done)
-        metrics.update(handoff_metrics(self.handoff_bytes, self.spec, c.model.lora,
-                                       element_bytes=self.actor.model.config.params_dtype.itemsize))
-        last = done == c.trainer.total_steps
-        if last or (c.eval.every and done % c.eval.every == 0):
-            self.last_eval = self.validate(done)
-            metrics.update(self.last_eval)
-        self.writer.log(done, metrics)
-        if self.rank == 0:
-            print(summary_line(done, c.trainer.total_steps, metrics), flush=True)
-        if last or (c.trainer.save_every and done % c.trainer.save_every == 0):
-            self.save(done)
+        with stage("metrics", done):
+            policy = policy_metrics(groups, update.samples, update.old, update.updates, update.correction,
+                                    policy_version=step) | update.routing
+            metrics = step_metrics(rollout, policy, timer,
+                                   weight_version=self.engine.weight_version if self.engine else done)
+            metrics.update(handoff_metrics(self.handoff_bytes, self.spec, c.model.lora,
+                                           element_bytes=self.actor.model.config.params_dtype.itemsize))
+            last = done == c.trainer.total_steps
+            if last or (c.eval.every and done % c.eval.every == 0):
+                self.last_eval = self.validate(done)
+                metrics.update(self.last_eval)
+            self.writer.log(done, metrics)
+            if self.rank == 0:
+                print(summary_line(done, c.trainer.total_steps, metrics), flush=True)
+            if last or (c.trainer.save_every and done % c.trainer.save_every == 0):
+                self.save(done)
         return metrics
 
     def hand_off_weights(self, version: int) -> None:
@@ -164,10 +179,12 @@ class DAPOTrainer:
                 self.writer.log_generations(step, result.generations)
             return result.metrics
 
-        with self.colocation.generating():
+        with self.activity.in_stage("validation", step), self.colocation.generating():
             return run_on_rank0(on_rank0, what="validation")
 
     def _progress(self, batches: list, step: int):
+        """The mini-batches of step ``step``'s updates: π_old's log-probs are done when they are asked for."""
+        self.activity.enter("update", step)
         return tqdm(batches, desc=f"step {step} updates", leave=False, unit="mini-batch",
                     disable=self.rank != 0 or not sys.stderr.isatty())
 
@@ -176,15 +193,17 @@ class DAPOTrainer:
     def run(self) -> dict:
         """Train from step 0, or from the checkpoint when resuming, to ``trainer.total_steps``; stop early, with a
         checkpoint of the step reached, when a SIGTERM, SIGUSR1 or SIGHUP arrived (``stopped_by`` in the result)."""
-        step = self.restore() if self.resume else 0
-        self.run_id = run_on_rank0(lambda: record_start(self.run_dir, self.config, run_id=self.run_id, step=step,
-                                                        resumed_from=self.resumed_from),
-                                   what="recording the run's config")
+        parallel = self.config.parallel
+        self._limit_collectives(parallel.slow_collective_timeout_s)  # until this process's first step is done
+        with self.activity.in_stage("resume"):
+            step = self.restore() if self.resume else 0
+        self.run_id = run_on_rank0(lambda: self._record_start(step), what="recording the run's config")
         if step == 0:
             self.writer.truncate_after(-1)  # a fresh start: rows of an earlier run in this directory would repeat
         progress, stopped_by = TrainingProgress(self.config), None
         with self.stop.training_loop():
-            self.hand_off_weights(version=step)  # the engine serves the policy's weights from the first rollout on
+            with self.activity.in_stage("handoff", step):
+                self.hand_off_weights(version=step)  # the engine serves the policy's weights from the first rollout on
             if step == 0:
                 self.first_eval, self.last_eval_step = self.validate(), 0
                 self.writer.log(0, self.first_eval)
@@ -196,13 +215,16 @@ class DAPOTrainer:
             while step < self.config.trainer.total_steps:
                 self._eval_before_step = self.last_eval
                 metrics = self.train_step(step)
+                if progress.steps == 0:  # compiled, autotuned, warmed up: the collectives' ordinary limit from now on
+                    self._limit_collectives(parallel.collective_timeout_s)
                 step += 1
                 if self.last_eval is not self._eval_before_step:  # validated in this step
                     self.last_eval_step = step
                 progress.note(metrics)
                 if progress.steps == WARN_AFTER_STEPS and progress.nothing_trained():
                     logger.warning("%s so far", progress.nothing_trained())
-                signum = self.stop.agreed_stop()
+                with self.activity.in_stage("metrics", step):  # every rank agrees whether a signal stops the run
+                    signum = self.stop.agreed_stop()
                 if signum is not None:
                     stopped_by = signal.Signals(signum).name
                     if self.saved_step != step:
@@ -216,6 +238,15 @@ class DAPOTrainer:
         self.writer.close()
         return {"first_eval": self.first_eval or {}, "last_eval": self.last_eval or {}, "steps": step,
                 "stopped_by": stopped_by}
+
+    def _limit_collectives(self, timeout_s: float) -> None:
+        set_collective_timeout(collective_limit(timeout_s, watched=self.config.parallel.watchdog))
+
+    def _record_start(self, step: int) -> str:
+        """On rank 0: this start's row of config_history.jsonl (and of restarts.jsonl for a restart); the run id."""
+        if self.restart is not None:
+            self.restart.write(self.run_dir, step, self.resumed_from)
+        return record_start(self.run_dir, self.config, run_id=self.run_id, step=step, resumed_from=self.resumed_from)
 
     def shutdown(self) -> None:
         with self.stop.protected("stopping the rollout engine"):  # no server or thread outlives the process
@@ -246,10 +277,14 @@ class DAPOTrainer:
                 "last_eval_step": step if self.last_eval is not self._eval_before_step else self.last_eval_step}
 
     def save(self, step: int) -> None:
-        with self.stop.protected(f"finishing checkpoint {step}"):  # never half a checkpoint, nor a hung writer
+        p = self.config.parallel
+        # never half a checkpoint, nor a hung writer; a big model's shards may take long to reach the filesystem
+        with self.stop.protected(f"finishing checkpoint {step}"), self.activity.in_stage("checkpoint", step):
+            self._limit_collectives(p.slow_collective_timeout_s)
             ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model], optimizer=self.actor.optimizer,
                                  trainer_state=self._trainer_state(step), side_files_from=self.model_dir,
                                  keep=self.config.trainer.keep_checkpoints, run_id=self.run_id, config=self.config)
+            self._limit_collectives(p.collective_timeout_s)
         self.saved_step = step
 
     def restore(self) -> int:
@@ -264,10 +299,13 @@ class DAPOTrainer:
                 logger.info("no checkpoint under %s: starting from step 0", self.ckpt_dir)
                 return 0
             state = ckpt.load_checkpoint(path, model_chunks=[self.actor.model], optimizer=self.actor.optimizer)
-            non_finite = self._agreed_count(len(non_finite_weights([self.actor.model])))
-            if not non_finite:
+            weights = self._agreed_count(len(non_finite_weights([self.actor.model])))
+            optimizer = self._agreed_count(len(non_finite_optimizer_state(self.actor.optimizer, [self.actor.model])))
+            if not weights and not optimizer:
                 break
-            problem = f"{non_finite} weight tensors hold NaN or infinite values once loaded"
+            problem = " and ".join(f"{count} {what} tensors" for count, what in
+                                   ((weights, "weight"), (optimizer, "optimizer state")) if count)
+            problem += " hold NaN or infinite values once loaded"
             garbage.append(f"{path} is damaged ({problem})")
             run_on_rank0(lambda: set_aside(path, [problem], instead=None), what="setting a damaged checkpoint aside",
                          broadcast_result=False)

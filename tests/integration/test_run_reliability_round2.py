@@ -72,14 +72,16 @@ def test_a_checkpoint_of_same_size_garbage_is_set_aside_and_the_one_before_resum
 
 
 def test_a_garbage_checkpoint_with_none_before_it_is_a_checkpoint_error(finished_run, tmp_path):
+    """Only the optimizer's state garbled (issue 42.4: the check covered the weights alone, and the run resumed with
+    NaN Adam moments, so its first update made the weights NaN)."""
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_000002")
     newest = run_dir / "checkpoints" / "step_000004"
-    for shard in (newest / "model").glob("*.distcp"):
-        _garble_tensor_data(shard)
+    assert sum(_garble_tensor_data(shard) for shard in (newest / "optimizer").glob("*.distcp")) > 0
     result = run_cli(*_train(run_dir, "trainer.total_steps=6", "trainer.save_every=2"), "--resume")
     assert_one_line_error(result, "checkpoint", f"--resume: {newest} is damaged (")
+    assert "optimizer state tensors hold NaN or infinite values once loaded" in result.stderr
     assert "no complete checkpoint is left before it" in result.stderr
 
 

@@ -7,7 +7,8 @@ the single-node layout works as well; CPU only).
     the script itself stops the server step and no process of the job is left.
     A config with an unknown key fails before any server starts.
 (c) ``slurm/dapo_train.sbatch`` on ``examples/tiny_cpu.yaml`` with 2 tasks (DP = 2, and TP = 2): exit 0 and a run
-    directory with TensorBoard events, metrics.jsonl and a checkpoint.
+    directory with TensorBoard events, metrics.jsonl and a checkpoint; and with a rank SIGKILLed mid-run, the job
+    requeued once and resumed (DAPO_MAX_REQUEUES).
 Servers failing mid-run, and everything across nodes, are in test_slurm_multinode.py.
 
 Each job runs with a time limit and the test with a deadline; a job still running at the deadline is cancelled.
@@ -16,14 +17,26 @@ Each job runs with a time limit and the test with a deadline; a job still runnin
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
-from slurm_harness import REPO, assert_nothing_left, cluster_unavailable, job_env, sglang_job_env, submit
+from slurm_harness import (
+    REPO,
+    assert_nothing_left,
+    cluster_unavailable,
+    job_env,
+    processes_of_job,
+    sglang_job_env,
+    start_job,
+    submit,
+)
 
 TINY_CPU_CONFIG = REPO / "examples" / "tiny_cpu.yaml"
 # Resources every test job asks for: one node, no GPUs, 2 tasks.
@@ -126,15 +139,62 @@ SMALL_RUN = ["trainer.total_steps=2", "trainer.save_every=1", "warm_start.enable
              "eval.every=0", "rollout.max_response_length=24", "algorithm.overlong_buffer_len=4"]
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.tensor=2"]], ids=["dp2", "tp2"])
-def test_tiny_cpu_training_job(tmp_path, layout):
-    job = submit([*CPU_JOB, "slurm/dapo_train.sbatch", str(TINY_CPU_CONFIG), *SMALL_RUN, *layout],
+def test_tiny_cpu_training_job_tp2(tmp_path):
+    """DP = 2 is the requeue test's job below (the same checks, and a restart)."""
+    job = submit([*CPU_JOB, "slurm/dapo_train.sbatch", str(TINY_CPU_CONFIG), *SMALL_RUN, "parallel.tensor=2"],
                  tmp_path, job_env(tmp_path), deadline_s=900)
     assert job.returncode == 0, job.output[-6000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
+    _assert_a_finished_run(run_dir, job)
+
+
+def _assert_a_finished_run(run_dir: Path, job) -> None:
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), sorted(p.name for p in run_dir.iterdir())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert metrics, "metrics.jsonl is empty"
     assert list((run_dir / "checkpoints").glob("step_*")), sorted(p.name for p in run_dir.rglob("*"))
     master_port = 20000 + int(job.job_id) % 10000  # derived from the job id by slurm/launch_plan.py
     assert re.search(rf"rendezvous \S+:{master_port},", job.output), job.output[-3000:]
+
+
+def test_a_killed_rank_requeues_the_job_which_resumes_from_its_newest_checkpoint(tmp_path):
+    """Issue 42.2, SLURM's restart loop, on the DP = 2 job the plain training test ran before (its checks too): with
+    DAPO_MAX_REQUEUES=1, rank 1 SIGKILLed once checkpoint 1 is complete
+    ends the step (srun --kill-on-bad-exit); the script requeues the job, whose second start (SLURM_RESTART_COUNT=1)
+    continues from the newest complete checkpoint to the end: exit 0, one row in restarts.jsonl, no step logged
+    twice. SLURM holds a requeued job for ~2 minutes before it starts it again; the test starts it at once."""
+    job = start_job([*CPU_JOB, "--open-mode=append", "slurm/dapo_train.sbatch", str(TINY_CPU_CONFIG),
+                     *SMALL_RUN, "trainer.total_steps=4"], tmp_path, job_env(tmp_path, DAPO_MAX_REQUEUES="1"))
+    run_dir = tmp_path / "runs" / f"dapo-train-{job.job_id}"
+    deadline = time.monotonic() + 600
+    while not (run_dir / "checkpoints" / "step_000001" / "COMPLETE").exists():
+        assert job.running() and time.monotonic() < deadline, job.output()[-3000:]
+        time.sleep(0.2)
+    [rank1] = [int(p.split(":")[0]) for p in processes_of_job(job.job_id)
+               if "dapo_megatron.cli train" in p and _environ(int(p.split(":")[0])).get("SLURM_PROCID") == "1"]
+    os.kill(rank1, signal.SIGKILL)
+    while _state(job.job_id) != "PENDING":  # requeued
+        assert job.running() and time.monotonic() < deadline, job.output()[-3000:]
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True, timeout=60)
+    result = job.wait(deadline_s=900)
+    assert result.returncode == 0, result.output[-6000:]
+    _assert_a_finished_run(run_dir, result)  # what the plain DP = 2 job checked
+    assert f"requeueing job {job.job_id} (restart 1 of at most 1)" in result.output
+    [restart] = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert (restart["launcher"], restart["launcher_restart"]) == ("slurm", 1) and restart["resumed_step"] >= 1
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(steps) == list(range(5)), steps  # steps 0 (validation) to 4, each once
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                          timeout=60).stdout.strip()

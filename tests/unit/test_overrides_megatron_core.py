@@ -73,6 +73,32 @@ PROBE = """
     FileSystemWriterAsync.write_preloaded_data_multiproc([], False, 0, [(missing, "key", ([], []))], handed_back)
     result["writer failure handed back"] = type(handed_back.get_nowait()).__name__
     result["writer failure logged"] = logged
+
+    # a trainer killed while its writer process writes (the writer blocks opening a FIFO nobody reads)
+    import os, signal, time
+    import psutil
+    fifo = Path(tempfile.mkdtemp()) / "shard.distcp"
+    os.mkfifo(fifo)
+
+    def save():
+        if sys.argv[1] == "fixed":
+            checkpointing.writers_die_with_their_trainer()  # as save_load does before every save
+        FileSystemWriterAsync.write_preloaded_data_multiproc([], False, 0, [(fifo, "key", ([], []))], queue.Queue())
+
+    trainer = multiprocessing.get_context("fork").Process(target=save)
+    trainer.start()
+    while not psutil.Process(trainer.pid).children():
+        time.sleep(0.01)
+    writer = psutil.Process(trainer.pid).children()[0]
+    time.sleep(0.5)  # the writer is blocked in its write
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.join()
+    try:
+        writer.wait(timeout=3)  # killed with its trainer: at once
+        result["writer outlives its killed trainer"] = False
+    except psutil.TimeoutExpired:
+        result["writer outlives its killed trainer"] = True
+        writer.kill()
     print("RESULT " + json.dumps(result))
 """
 
@@ -115,6 +141,13 @@ def test_can_write_results_in_this_process_go(upstream, fixed):
         f"{UPSTREAM}'s checkpoint writer no longer starts a Manager process for its results ({upstream}): "
         "write_results_in_this_process can go")
     assert fixed["results queue"] == "Queue" and fixed["processes started"] == []
+
+
+def test_can_writers_die_with_their_trainer_go(upstream, fixed):
+    assert upstream["writer outlives its killed trainer"], (
+        f"{UPSTREAM}'s checkpoint writer process no longer outlives a trainer killed mid-save: "
+        "writers_die_with_their_trainer can go")
+    assert not fixed["writer outlives its killed trainer"]
 
 
 def test_can_quiet_megatron_loggers_go_for_the_checkpoint_writer(upstream, fixed):

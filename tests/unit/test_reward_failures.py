@@ -20,7 +20,7 @@ from test_reward_plugin import (  # noqa: F401 - service: a fixture
 )
 
 from dapo_megatron.config import ConfigError, load_config
-from dapo_megatron.reward.scorer import JUDGED_AFTER, RewardScorer
+from dapo_megatron.reward.scorer import JUDGED_AFTER, RewardRequest, RewardScorer
 from dapo_megatron.run.input_checks import check_reward_function
 from dapo_megatron.run.progress import TrainingProgress
 from dapo_megatron.user_errors import EXIT_CODES, RewardError
@@ -79,6 +79,65 @@ def test_small_calls_are_judged_together_and_a_rate_under_the_threshold_goes_on(
     scorer_of("reward.max_error_fraction=1.0").score([_requests(["raise"] * 8) for _ in range(8)])
     with pytest.raises(RewardError, match="more than reward.max_error_fraction=0.3"):
         scorer_of("reward.max_error_fraction=0.3").score([_requests(["raise"] * 4 + ["7"] * 6) for _ in range(4)])
+
+
+HELD_OUT_FAILING_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if data_source == "held-out":
+        raise ValueError("this reward cannot score the held-out set")
+    return 1.0
+'''
+
+
+def test_validation_responses_do_not_count_towards_the_error_rate(tmp_path, model_dir):
+    """Issue 42.4: validation's responses were judged with training's, so a reward failing on the held-out answers
+    stopped a run whose training rewards were fine. Real validation: the embedded engine's greedy answers to
+    JUDGED_AFTER prompts, each scored by a reward that fails on the held-out source only."""
+    from transformers import AutoTokenizer
+
+    from dapo_megatron.data.prompts import PromptRecord
+    from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
+    from dapo_megatron.trainer.evaluate import evaluate
+
+    config = _config(f"reward.function={_reward_file(tmp_path, HELD_OUT_FAILING_FILE)}", "eval.greedy=true",
+                     "rollout.max_response_length=2", "algorithm.overlong_buffer_len=1", "reward.num_workers=1")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    records = [PromptRecord(prompt_ids=tuple(tokenizer.encode(f"{i}+1=")), ground_truth=str(i + 1),
+                            data_source="held-out", index=i, text=f"{i}+1=") for i in range(JUDGED_AFTER)]
+    engine, scorer = EmbeddedEngine.from_hf_directory(model_dir), RewardScorer(config)
+    try:
+        metrics = evaluate(engine, records, tokenizer, config, scorer).metrics  # every one failed: no reward error
+        assert metrics["val/all/acc/mean@1"] == 0.0
+        assert scorer.first_failure is None  # nor is a validation failure what a later reward error would name
+        scorer.score([_requests(["7"] * 8) for _ in range(JUDGED_AFTER // 8)])  # training's own answers: fine
+        held_out = [[RewardRequest("held-out", "7", "7", row=f"row index={i}")] for i in range(JUDGED_AFTER)]
+        with pytest.raises(RewardError, match=f"failed on {JUDGED_AFTER} of {JUDGED_AFTER} responses"):
+            scorer.score(held_out)  # control: the same failures scored for training are judged
+    finally:
+        scorer.close()
+        engine.shutdown()
+
+
+def test_a_worker_killed_between_calls_is_replaced_when_the_next_call_finds_it_gone(tmp_path):
+    """Issue 42 (found by bench/chaos.py): a reward worker SIGKILLed while idle broke its pipe, and the next call sent
+    to it raised BrokenPipeError out of the rollout (exit 1, a restart). Now the call goes to its replacement."""
+    import os
+    import signal
+
+    from dapo_megatron.reward.pool import RewardPool
+
+    pool = RewardPool(_reward_file(tmp_path, FAILING_FILE), num_workers=1, timeout_s=30)
+    try:
+        call = {"data_source": "src", "solution_str": "7", "ground_truth": "7", "extra_info": {}}
+        assert pool.run([call])[0][0][0] == "ok"
+        victim = pool._workers[0].process
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        [[(status, value)]] = pool.run([call])
+        assert (status, value.score) == ("ok", 1.0) and pool.restarts == 1
+        assert pool._workers[0].process.pid != victim.pid
+    finally:
+        pool.close()
 
 
 def test_the_threshold_must_be_a_fraction():

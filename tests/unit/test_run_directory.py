@@ -15,7 +15,7 @@ import pytest
 
 from dapo_megatron.config import ConfigError
 from dapo_megatron.run.directory import claim_run_directory, existing_run
-from dapo_megatron.run.lock import LOCK_FILE, RunLock, _process_start
+from dapo_megatron.run.lock import LOCK_FILE, RunLock, process_start
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_a_held_lock_refuses_a_second_holder_and_is_gone_after_release(tmp_path)
 
 def test_lock_of_a_process_that_is_gone_is_taken_over(tmp_path, caplog):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    start = _process_start(gone.pid)
+    start = process_start(gone.pid)
     gone.wait()
     _write_lock(tmp_path, _lock_record(pid_space=RunLock(tmp_path).owner["pid_space"], pid=gone.pid,
                                        pid_start=start))
@@ -60,7 +60,7 @@ def test_lock_of_a_live_process_on_this_host_is_respected_unless_its_pid_was_reu
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         here = {"pid_space": RunLock(tmp_path).owner["pid_space"], "pid": alive.pid}  # any host name: same pids
-        _write_lock(tmp_path, _lock_record(**here, pid_start=_process_start(alive.pid)))
+        _write_lock(tmp_path, _lock_record(**here, pid_start=process_start(alive.pid)))
         with pytest.raises(ConfigError, match=f"pid {alive.pid} on host"):
             RunLock(tmp_path).acquire()
         # The same pid, started at another time: the process that wrote the lock is gone, its pid reused.

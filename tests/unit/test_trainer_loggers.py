@@ -15,7 +15,13 @@ from cli_runs import REPO, TINY, cli_env
 from logger_readers import mlflow_history, wandb_offline_history
 
 from dapo_megatron.config import ConfigError, load_config
-from dapo_megatron.metrics.loggers import IDS_FILE, build_loggers, check_logger_libraries, mlflow_metric_name
+from dapo_megatron.metrics.loggers import (
+    IDS_FILE,
+    build_loggers,
+    check_logger_libraries,
+    mlflow_metric_name,
+    mlflow_tracking_uri,
+)
 from dapo_megatron.metrics.writer import MetricsWriter, read_metrics
 
 ROWS = [(0, {"val/all/acc/mean@1": 0.25, "val/all/acc/best@1": 0.25}),
@@ -102,6 +108,21 @@ def test_wandb_offline_and_mlflow_hold_the_scalars_of_metrics_jsonl(tmp_path):
     # --resume continues the same runs
     _write_run(tmp_path, "wandb", "mlflow", resume=True)
     assert json.loads((tmp_path / IDS_FILE).read_text()) == ids
+
+
+def test_mlflow_tracking_uri_from_the_environment_is_honoured_unless_the_config_sets_one(tmp_path, monkeypatch):
+    """Issue 42.4: MLFLOW_TRACKING_URI was ignored (the run wrote run_dir/mlflow.db); MLflow's own clients honour it,
+    as W&B's WANDB_MODE is now. The config's tracking_uri still wins; without either, the run directory's store."""
+    elsewhere = f"sqlite:///{tmp_path / 'team.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", elsewhere)
+    _write_run(tmp_path / "env", "mlflow")
+    ids = json.loads((tmp_path / "env" / IDS_FILE).read_text())
+    assert not (tmp_path / "env" / "mlflow.db").exists()
+    assert mlflow_history(elsewhere, ids["mlflow_run_id"])[2]["val/all/acc/mean_at_1"] == 0.5
+    own_store = (f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}", (tmp_path / "mlflow_artifacts").resolve().as_uri())
+    assert mlflow_tracking_uri("http://tracking:5000", tmp_path) == ("http://tracking:5000", own_store[1])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # control: without the variable, the run directory's own store
+    assert mlflow_tracking_uri(None, tmp_path) == own_store
 
 
 @pytest.fixture

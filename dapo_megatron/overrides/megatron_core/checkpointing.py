@@ -1,13 +1,20 @@
 """Fixes of megatron-core 0.16.1's distributed checkpointing and distributed optimizer, applied where checkpoints are
-saved and loaded (:mod:`dapo_megatron.checkpoint.save_load`): the writer's results queue, the optimizer state's
-layout, and two ways its load mishandles torch Adam's per-parameter ``step``."""
+saved and loaded (:mod:`dapo_megatron.checkpoint.save_load`): the writer's results queue, its writer processes'
+lifetime, the optimizer state's layout, and two ways its load mishandles torch Adam's per-parameter ``step``."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import queue
+import signal
 
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # How the distributed optimizer lays out its state in a checkpoint. megatron-core 0.16.1's default,
 # "fully_sharded_model_space", builds ShardedTensors with ``flattened_range``, which megatron itself rejects
@@ -28,6 +35,35 @@ def write_results_in_this_process() -> None:
     results in the calling process (``AsyncRequest.execute_sync``), where a plain queue carries them."""
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+_saving_process: int | None = None  # the trainer process whose save forks the writers (set before each save)
+
+
+def writers_die_with_their_trainer() -> None:
+    """megatron-core 0.16.1 forks one writer process per bucket of every save
+    (``FileSystemWriterAsync.write_preloaded_data``, from ``write_preloaded_data_multiproc``). A trainer killed in the
+    middle of a save — SIGKILL, the watchdog's, the OOM killer, a launcher's teardown — left them running for good:
+    each ends in ``count_queue.task_done()``, whose Condition waits for the dead parent to wake (found by
+    bench/chaos.py: rank 0 stopped in a checkpoint write left its writers on the node after the restart). Each
+    writer now asks the kernel to SIGKILL it when its parent dies (``prctl(PR_SET_PDEATHSIG)``; the save runs in
+    the trainer's main thread, whose life the signal follows), and ends at once if the parent is gone already.
+    Called before every save, in the process that saves."""
+    global _saving_process
+    _saving_process = os.getpid()
+    write = FileSystemWriterAsync.__dict__["write_preloaded_data"].__func__
+    if getattr(write, "dies_with_its_trainer", False):
+        return
+
+    @functools.wraps(write)
+    def dying_with_the_trainer(*args, **kwargs):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != _saving_process:  # the trainer died between the fork and the prctl
+            os._exit(1)
+        return write(*args, **kwargs)
+
+    dying_with_the_trainer.dies_with_its_trainer = True
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(dying_with_the_trainer)
 
 
 def reapply_adam_steps(optimizer) -> None:

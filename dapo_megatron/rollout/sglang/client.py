@@ -1,8 +1,11 @@
 """A small blocking HTTP client for one SGLang 0.5.23 server (stdlib only: no requests/aiohttp in the trainer env).
 
 Every call has a timeout, so a server that stops answering surfaces as :class:`ServerFailure` after at most
-that long instead of hanging the trainer. Endpoints and payloads follow SGLang 0.5.23's ``http_server.py`` and
-``io_struct.py``; weight versions are strings on the wire (the engine uses their decimal integer form).
+that long instead of hanging the trainer; once one call got no answer in time, the client's later calls fail at once
+(until ``/health`` answers again): a server stopped in the middle of a weight handoff was waited for once per call
+that followed (resuming generation, checking the version), the whole timeout each. Endpoints and payloads follow
+SGLang 0.5.23's ``http_server.py`` and ``io_struct.py``; weight versions are strings on the wire (the engine uses
+their decimal integer form).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from typing import Any
 
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.user_errors import ServerError
+
+
+HEALTH = "/health"  # answered without the API key; the one call still sent to a server that stopped answering
 
 
 class SGLangServerError(RolloutError, ServerError):
@@ -64,6 +70,7 @@ class SGLangClient:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
+        self.unanswered: str | None = None  # the call that got no answer within its timeout, while it stands
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.base_url})"
@@ -83,6 +90,8 @@ class SGLangClient:
             headers["Content-Type"] = "application/json"
         if authenticated and self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        if self.unanswered is not None and path != HEALTH:
+            raise ServerFailure(f"{method} {self.base_url}{path} not sent: the server did not answer {self.unanswered}")
         request = urllib.request.Request(f"{self.base_url}{path}", data=data, headers=headers, method=method)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
@@ -92,6 +101,9 @@ class SGLangClient:
             return error.code, _parse(error.read())
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError,
                 OSError) as error:
+            # socket.timeout is TimeoutError; a slow health probe is its caller's to judge
+            if isinstance(getattr(error, "reason", error), TimeoutError) and path != HEALTH:
+                self.unanswered = f"{method} {path} within {timeout:g} s"
             raise ServerFailure(f"{method} {self.base_url}{path} failed: {error!r}") from error
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None) -> Any:
@@ -113,9 +125,11 @@ class SGLangClient:
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
-            status, _ = self.request("GET", "/health", timeout_s=timeout_s, authenticated=False)
+            status, _ = self.request("GET", HEALTH, timeout_s=timeout_s, authenticated=False)
         except ServerFailure:
             return False
+        if status == 200:
+            self.unanswered = None  # it answers again (a stopped server continued)
         return status == 200
 
     def model_info(self) -> dict[str, Any]:
