@@ -22,7 +22,7 @@ class WarmStartConfig:
     traces: str | None = None
     # On the tool task with tools on: the share of the reference responses that call the tool (a seeded draw of the
     # problems); the rest answer directly, as a model that has not yet learnt when its tool helps. RL then teaches it
-    # to call (examples/tiny_cpu_tools.yaml: 0.5).
+    # to call (examples/tiny_cpu_tools.yaml: 0.25).
     tool_trace_fraction: float = 1.0
 
     def validate(self) -> None:

@@ -39,7 +39,7 @@ EXAMPLE = REPO / "examples" / "tiny_cpu_tools.yaml"
 SMALL = ["data.synthetic.num_train=600", "data.synthetic.num_heldout=8"]
 # ~30 s: enough for the example's model to write calls (```python\nprint(664*773)\n```\n), not yet to copy well
 WARM_START = ["warm_start.max_steps=80", "warm_start.batch_size=64", "warm_start.eval_every=80",
-              "warm_start.stop_at_accuracy=1.0"]
+              "warm_start.stop_at_accuracy=1.0", "warm_start.tool_trace_fraction=1.0"]  # every reference calls
 RUN = ["warm_start.enabled=false", "rollout.n_samples=4", "trainer.train_batch_size=2", "trainer.mini_batch_size=1",
        "algorithm.dynamic_sampling=false", "algorithm.overlong_filtering=false", "trainer.total_steps=4",
        "trainer.save_every=2", "eval.every=2", "optim.lr=1e-3"]
