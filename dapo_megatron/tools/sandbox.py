@@ -131,13 +131,13 @@ class CodeSandbox(CodeRunner):
                 argv += ["--symlink", os.readlink(path), path]
             elif os.path.isdir(path):
                 argv += ["--ro-bind", path, path]
-        argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-        for path in self.config.ro_paths:
-            argv += ["--ro-bind", path, path]
-        argv += ["--proc", "/proc", "--dev", "/dev",
+        argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+                 "--proc", "/proc", "--dev", "/dev",
                  "--size", workdir_bytes, "--tmpfs", "/tmp",
-                 "--size", workdir_bytes, "--tmpfs", WORKDIR,
-                 "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", "/tmp", "--chdir", WORKDIR,
+                 "--size", workdir_bytes, "--tmpfs", WORKDIR]
+        for path in self.config.ro_paths:  # after the sandbox's own /tmp, which would hide a path under it
+            argv += ["--ro-bind", path, path]
+        argv += ["--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", "/tmp", "--chdir", WORKDIR,
                  "--remount-ro", "/", "--remount-ro", "/dev",  # their tmpfs would take writes without a bound
                  # POSIX semaphores and shared memory (multiprocessing's locks and queues) live in /dev/shm
                  "--size", workdir_bytes, "--tmpfs", "/dev/shm"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -190,3 +191,28 @@ def test_a_sandbox_started_ahead_runs_one_call_then_is_gone():
         assert wait_until_no_process(UID) == 0
     # Started ahead: its interpreter was up before the call came; the control's starts with the call.
     assert ages[2] > 1.0 > ages[0], ages
+
+
+def test_a_read_only_path_under_tmp_is_seen_and_stays_read_only():
+    """``sandbox.ro_paths`` are bound after the sandbox's own /tmp (a venv or a data folder under /tmp, as in a CI
+    checkout there, was hidden by it). Control: without the setting the folder is not there."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as folder:
+        os.chmod(folder, 0o755)  # the sandbox's uid reads it, as it reads a venv
+        _check_read_only_path(Path(folder))
+
+
+def _check_read_only_path(tmp_path: Path) -> None:
+    (tmp_path / "data.txt").write_text("seen\n")
+    code = (f"print(open({str(tmp_path / 'data.txt')!r}).read().strip())\n"
+            f"open({str(tmp_path / 'written.txt')!r}, 'w').write('x')\n")
+    results = {}
+    for ro_paths in ([str(tmp_path)], []):
+        sandbox = CodeSandbox(_config(warm=0, ro_paths=ro_paths))
+        try:
+            results[bool(ro_paths)] = sandbox.run(code)
+        finally:
+            sandbox.close()
+    bound, control = results[True], results[False]
+    assert bound.text.startswith("seen\n") and "Read-only file system" in bound.text, bound
+    assert not (tmp_path / "written.txt").exists()
+    assert "No such file or directory" in control.text and not control.text.startswith("seen"), control
