@@ -88,8 +88,11 @@ def test_cpu_time_limit_ends_a_busy_loop_before_the_wall_time():
         result = pool.call("python", "while True:\n    pass\n")
     finally:
         pool.close()
-    assert (result.ok, result.kind, result.exit_code) == (False, "timeout", 128 + signal.SIGXCPU), result
-    assert "CPU time limit reached (SIGXCPU)" in result.text and result.wall_s < 20.0
+    # RLIMIT_CPU's SIGXCPU (exit 152) or the call's cgroup CPU count (killed: no exit code), whichever is first
+    assert (result.ok, result.kind) == (False, "timeout") and result.exit_code in (128 + signal.SIGXCPU, None), result
+    assert ("CPU time limit reached (SIGXCPU)" in result.text if result.exit_code
+            else "used more than 1 s of CPU time together" in result.text), result
+    assert result.wall_s < 10, result  # the CPU limit, not the wall-time limit of 20 s, ended it
 
 
 def test_fork_bomb_is_bounded_and_leaves_nothing_behind():

@@ -97,6 +97,7 @@ def test_validation_responses_do_not_count_towards_the_error_rate(tmp_path, mode
 
     from dapo_megatron.data.prompts import PromptRecord
     from dapo_megatron.rollout.embedded.engine import EmbeddedEngine
+    from dapo_megatron.rollout.generator import SingleTurnGenerator
     from dapo_megatron.trainer.evaluate import evaluate
 
     config = _config(f"reward.function={_reward_file(tmp_path, HELD_OUT_FAILING_FILE)}", "eval.greedy=true",
@@ -106,7 +107,7 @@ def test_validation_responses_do_not_count_towards_the_error_rate(tmp_path, mode
                             data_source="held-out", index=i, text=f"{i}+1=") for i in range(JUDGED_AFTER)]
     engine, scorer = EmbeddedEngine.from_hf_directory(model_dir), RewardScorer(config)
     try:
-        metrics = evaluate(engine, records, tokenizer, config, scorer).metrics  # every one failed: no reward error
+        metrics = evaluate(SingleTurnGenerator(engine), records, tokenizer, config, scorer).metrics  # every one failed: no reward error
         assert metrics["val/all/acc/mean@1"] == 0.0
         assert scorer.first_failure is None  # nor is a validation failure what a later reward error would name
         scorer.score([_requests(["7"] * 8) for _ in range(JUDGED_AFTER // 8)])  # training's own answers: fine
