@@ -107,7 +107,8 @@ def test_validation_responses_do_not_count_towards_the_error_rate(tmp_path, mode
                             data_source="held-out", index=i, text=f"{i}+1=") for i in range(JUDGED_AFTER)]
     engine, scorer = EmbeddedEngine.from_hf_directory(model_dir), RewardScorer(config)
     try:
-        metrics = evaluate(SingleTurnGenerator(engine), records, tokenizer, config, scorer).metrics  # every one failed: no reward error
+        # every one failed: no reward error
+        metrics = evaluate(SingleTurnGenerator(engine), records, tokenizer, config, scorer).metrics
         assert metrics["val/all/acc/mean@1"] == 0.0
         assert scorer.first_failure is None  # nor is a validation failure what a later reward error would name
         scorer.score([_requests(["7"] * 8) for _ in range(JUDGED_AFTER // 8)])  # training's own answers: fine
