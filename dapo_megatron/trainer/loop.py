@@ -281,10 +281,13 @@ class DAPOTrainer:
         # never half a checkpoint, nor a hung writer; a big model's shards may take long to reach the filesystem
         with self.stop.protected(f"finishing checkpoint {step}"), self.activity.in_stage("checkpoint", step):
             self._limit_collectives(p.slow_collective_timeout_s)
-            ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model], optimizer=self.actor.optimizer,
-                                 trainer_state=self._trainer_state(step), side_files_from=self.model_dir,
-                                 keep=self.config.trainer.keep_checkpoints, run_id=self.run_id, config=self.config)
-            self._limit_collectives(p.collective_timeout_s)
+            try:
+                ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model],
+                                     optimizer=self.actor.optimizer, trainer_state=self._trainer_state(step),
+                                     side_files_from=self.model_dir, keep=self.config.trainer.keep_checkpoints,
+                                     run_id=self.run_id, config=self.config)
+            finally:  # a failed save ends the run, but its final collectives must not wait the slow limit
+                self._limit_collectives(p.collective_timeout_s)
         self.saved_step = step
 
     def restore(self) -> int:

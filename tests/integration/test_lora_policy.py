@@ -59,10 +59,41 @@ def hf_dir(tmp_path_factory):
     return str(write_tiny_qwen2(tmp_path_factory.mktemp("lora") / "hf", num_layers=2))
 
 
+def gradient_job(hf_dir: str) -> list[dict]:
+    """Per adapter: its ``A`` and ``B`` gradients and the ones the merged weight implies. The adapters are added
+    to the output of the base linear ``W``, so with ``G = dL/dW`` (the base unfrozen for this job only) the chain rule
+    gives ``dL/dB = s G Aᵀ`` and ``dL/dA = s Bᵀ G``. ``B`` is drawn non-zero so that ``A`` has a gradient."""
+    from dapo_megatron.policy.lora import LoRAAdapter
+
+    actor, _ = build_test_actor(hf_dir, 1, 1, lora_settings())
+    model = actor.model.module
+    adapters = [module for module in model.modules() if isinstance(module, LoRAAdapter)]
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for adapter in adapters:
+            adapter.lora_b.copy_(0.05 * torch.randn(adapter.lora_b.shape, generator=generator))
+            adapter._base_weight[0].requires_grad_(True)
+    tokens = torch.randint(0, 100, (1, 16), generator=generator)
+    logits = model(tokens, torch.arange(16)[None], None)
+    (logits * torch.randn(logits.shape, generator=generator)).sum().backward()
+
+    def gradient(parameter):  # megatron's DDP accumulates the trained parameters' gradients in main_grad
+        return parameter.main_grad if getattr(parameter, "main_grad", None) is not None else parameter.grad
+
+    rows = []
+    for adapter in adapters:
+        weight_grad, a, b = adapter._base_weight[0].grad, adapter.lora_a.detach(), adapter.lora_b.detach()
+        rows.append(dict(key=adapter.key, scale=adapter.scale, grad_a=gradient(adapter.lora_a).clone(),
+                         grad_b=gradient(adapter.lora_b).clone(), want_a=adapter.scale * b.T @ weight_grad,
+                         want_b=adapter.scale * weight_grad @ a.T, a=a.clone(), weight_grad=weight_grad.clone()))
+    return rows
+
+
 def world_one_job(hf_dir: str) -> dict:
     """Every TP-1 job in one spawned process (each spawn pays megatron's import again)."""
     return dict(lora=training_job(hf_dir, 1, lora_settings()), control=training_job(hf_dir, 1, lora_settings(
-        enabled=False)), bf16=training_job(hf_dir, 1, lora_settings(precision="bf16", distributed_optimizer=True)))
+        enabled=False)), bf16=training_job(hf_dir, 1, lora_settings(precision="bf16", distributed_optimizer=True)),
+        gradients=gradient_job(hf_dir))
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +158,22 @@ def test_tp2_trains_the_same_adapters_with_the_same_loss_as_tp1(tp1, tp2):
     # the losses are not all alike: training moved the adapters
     assert len({round(m["pg_loss"], 6) for m in tp1["metrics"]}) == UPDATES
     assert all(tensor.any() for name, tensor in tp1["adapter"].items() if "lora_B" in name)
+
+
+def test_the_adapter_gradients_are_the_merged_weights_gradient_projected(world_one):
+    """Backpropagation through the forward hook gives each factor the chain rule's gradient, on every linear kind
+    (fused qkv, SwiGLU fc1, the row-parallel proj and fc2). Control: the same comparison with another adapter's
+    ``A`` in place of its own is far off, so the tolerance would catch a gradient in the wrong direction."""
+    rows = world_one["gradients"]
+    assert len(rows) == 2 * 4  # 2 layers x every linear
+    for row in rows:
+        for factor in ("a", "b"):
+            got, want = row[f"grad_{factor}"], row[f"want_{factor}"]
+            assert want.norm() > 0, (row["key"], factor)
+            assert (got - want).norm() <= 1e-5 * want.norm(), (row["key"], factor)
+    first, other = rows[0], next(row for row in rows[1:] if row["a"].shape == rows[0]["a"].shape)
+    wrong = first["scale"] * first["weight_grad"] @ other["a"].T
+    assert (first["grad_b"] - wrong).norm() > 0.5 * first["want_b"].norm()
 
 
 def test_the_base_never_moves_and_starts_as_the_model(tp1, tp2, world_one):
