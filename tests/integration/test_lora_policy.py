@@ -1,6 +1,6 @@
-"""LoRA on the megatron policy (dapo_megatron/policy/lora.py): TP 2 trains exactly what TP 1 trains, the base never
-moves and holds no training state, the adapters' sizes are what ``plan`` and the logged fractions assume, and bf16
-adapters keep fp32 main copies.
+"""LoRA on the megatron policy (dapo_megatron/policy/lora.py): the adapters' gradients are the chain rule's, TP 2
+trains exactly what TP 1 trains, the base never moves and holds no training state, the adapters' sizes are what
+``plan`` and the logged fractions assume, and bf16 adapters keep fp32 main copies.
 
 Every job builds the actor from one tiny Qwen2 checkpoint (tests/actor_harness.py) with rank-4 adapters on every
 linear, takes three DAPO updates on the same samples and reports losses, gradient norms, log-probs, the adapters
