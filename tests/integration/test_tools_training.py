@@ -109,8 +109,9 @@ def first_turns(trainer) -> dict:
 
     calls = call_format(trainer.config.rollout.tools, trainer.tokenizer, ["python"])
     prompts = [record.prompt_ids for record in [*trainer.eval_prompts, *trainer.collector.sampler.next_batch(24)]]
-    plain = SamplingParams(n=1, temperature=0.0, max_new_tokens=40, stop_token_ids=(trainer.tokenizer.eos_token_id,))
-    stopped = SamplingParams(n=1, temperature=0.0, max_new_tokens=40, stop_token_ids=plain.stop_token_ids,
+    # room past a call's end: a turn is about 40 tokens, and at 40 a plain turn often hit its limit right at the end
+    plain = SamplingParams(n=1, temperature=0.0, max_new_tokens=96, stop_token_ids=(trainer.tokenizer.eos_token_id,))
+    stopped = SamplingParams(n=1, temperature=0.0, max_new_tokens=96, stop_token_ids=plain.stop_token_ids,
                              stop_sequences=(calls.end_ids,), stop_strings=(calls.end,))
     turns = {}
     for name, params in (("stopped", stopped), ("plain", plain)):
