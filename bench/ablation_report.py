@@ -131,9 +131,16 @@ class Stat:
     std: float | None
     n: int
 
-    def format(self, spec: str = ".3f") -> str:
+    @property
+    def se(self) -> float | None:
+        """The standard error of the mean: std / sqrt(n)."""
+        return self.std / math.sqrt(self.n) if self.std is not None else None
+
+    def format(self, spec: str = ".3f", spread: str = "std") -> str:
+        """``mean ± spread`` with ``spread`` "std" or "se" (the mean alone for one seed)."""
         text = format(self.mean, spec)
-        return f"{text} ± {format(self.std, spec)}" if self.std is not None else text
+        value = {"std": self.std, "se": self.se}[spread]
+        return f"{text} ± {format(value, spec)}" if value is not None else text
 
 
 def stat(values: Sequence[float | None]) -> Stat | None:

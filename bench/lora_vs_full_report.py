@@ -33,22 +33,10 @@ DYNAMICS = (("actor/ppo_kl", "KL per update (actor/ppo_kl)", ".1e"),
 WINDOWS = ((1, 20), (41, 60))
 
 
-@dataclass(frozen=True)
-class MeanSE:
-    mean: float
-    se: float | None  # None for one value
-    n: int
-
-    def format(self, spec: str = ".3f") -> str:
-        return f"{self.mean:{spec}} ± {self.se:{spec}}" if self.se is not None else f"{self.mean:{spec}}"
-
-
-def mean_se(values: Sequence[float]) -> MeanSE | None:
-    """Mean and its standard error (sample std / sqrt(n))."""
-    if not values:
-        return None
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
-    return MeanSE(statistics.fmean(values), se, len(values))
+def mean_se(values: Sequence[float], spec: str = ".3f") -> str:
+    """``mean ± standard error`` over seeds (the sample std / sqrt(n)); "—" for no value."""
+    stat = report.stat(values)
+    return stat.format(spec, spread="se") if stat else "—"
 
 
 @dataclass(frozen=True)
@@ -100,11 +88,6 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
                       *("| " + " | ".join(row) + " |" for row in rows)])
 
 
-def _fraction_cell(values: list[float], spec: str) -> str:
-    stat = mean_se(values)
-    return stat.format(spec) if stat else "—"
-
-
 def comparison_table(summary: dict[str, dict[int, dict]]) -> tuple[str, list[str]]:
     """The gains table (mean ± standard error over seeds) and one verdict line per LoRA variant."""
     full_gains = {seed: row["gain"] for seed, row in summary.get("full", {}).items()}
@@ -117,14 +100,14 @@ def comparison_table(summary: dict[str, dict[int, dict]]) -> tuple[str, list[str
         per = ", ".join(f"{r['gain_ratio']:.2f}" for r in values if "gain_ratio" in r) or "—"
         fractions = {key: [r[key] for r in values if r.get(key) is not None]
                      for key in ("lora/trainable_fraction", "lora/handoff_fraction", "handoff/bytes", "logprob_gap")}
-        rows.append([name, str(len(values)), mean_se([r["acc0"] for r in values]).format(),
-                     mean_se([r["acc_end"] for r in values]).format(), mean_se([r["gain"] for r in values]).format(),
+        rows.append([name, str(len(values)), mean_se([r["acc0"] for r in values]),
+                     mean_se([r["acc_end"] for r in values]), mean_se([r["gain"] for r in values]),
                      ratio.format() if ratio else "—", per,
-                     _fraction_cell(fractions["lora/trainable_fraction"], ".4f"),
-                     _fraction_cell(fractions["lora/handoff_fraction"], ".4f"),
-                     _fraction_cell(fractions["handoff/bytes"], ".0f"),
+                     mean_se(fractions["lora/trainable_fraction"], ".4f"),
+                     mean_se(fractions["lora/handoff_fraction"], ".4f"),
+                     mean_se(fractions["handoff/bytes"], ".0f"),
                      f"{max(fractions['logprob_gap'], default=float('nan')):.1e}",
-                     mean_se([r["wall_s"] for r in values]).format(".0f")])
+                     mean_se([r["wall_s"] for r in values], ".0f")])
         if ratio is not None:
             small = all(v <= MAX_FRACTION for v in fractions["lora/trainable_fraction"]
                         + fractions["lora/handoff_fraction"])
@@ -143,8 +126,8 @@ def accuracy_table(runs: dict[str, list[report.SeedRun]]) -> str:
     rows = []
     for name, seed_runs in runs.items():
         if seed_runs:
-            cells = [mean_se([a[step] for run in seed_runs if step in (a := run.accuracy())]) for step in steps]
-            rows.append([name, *(cell.format() if cell else "—" for cell in cells)])
+            rows.append([name, *(mean_se([a[step] for run in seed_runs if step in (a := run.accuracy())])
+                                 for step in steps)])
     return _markdown(["variant", *(f"step {step}" for step in steps)], rows)
 
 
@@ -159,8 +142,7 @@ def dynamics_table(runs: dict[str, list[report.SeedRun]]) -> str:
         for key, _, spec in DYNAMICS:
             for first, last in WINDOWS:
                 values = [v for run in seed_runs if (v := window_mean(run, key, first, last)) is not None]
-                stat = mean_se(values)
-                cells.append(stat.format(spec) if stat else "—")
+                cells.append(mean_se(values, spec))
         rows.append([name, *cells])
     return _markdown(header, rows)
 

@@ -167,6 +167,11 @@ class LoRAAdapter(torch.nn.Module):
         self._base_weight = [weight]  # in a list: an attribute would register the base's weight as the adapter's
         self._hook = linear.register_forward_hook(self._add_to_output)
 
+    @property
+    def base_weight(self) -> torch.nn.Parameter:
+        """The frozen weight of the linear this adapter is added to (this rank's shard)."""
+        return self._base_weight[0]
+
     def extra_repr(self) -> str:
         p = self.placement
         return (f"{self.key}: {p.mode}, rank {self.lora_a.shape[0]}, in {p.in_features}, out {p.out_features}, "
@@ -208,7 +213,7 @@ class LoRAAdapter(torch.nn.Module):
     def merge_into_base(self) -> None:
         """``W += s · B A`` on this rank's shard (column: its rows of B; row: its columns of A: a local product),
         then stop adding to the linear's output. For exports: the model then holds merged weights, not the base."""
-        weight = self._base_weight[0]
+        weight = self.base_weight
         weight.add_((self.lora_b.float() @ self.lora_a.float() * self.scale).to(weight.dtype))
         self._hook.remove()
 

@@ -72,7 +72,7 @@ def gradient_job(hf_dir: str) -> list[dict]:
     with torch.no_grad():
         for adapter in adapters:
             adapter.lora_b.copy_(0.05 * torch.randn(adapter.lora_b.shape, generator=generator))
-            adapter._base_weight[0].requires_grad_(True)
+            adapter.base_weight.requires_grad_(True)
     tokens = torch.randint(0, 100, (1, 16), generator=generator)
     logits = model(tokens, torch.arange(16)[None], None)
     (logits * torch.randn(logits.shape, generator=generator)).sum().backward()
@@ -82,7 +82,7 @@ def gradient_job(hf_dir: str) -> list[dict]:
 
     rows = []
     for adapter in adapters:
-        weight_grad, a, b = adapter._base_weight[0].grad, adapter.lora_a.detach(), adapter.lora_b.detach()
+        weight_grad, a, b = adapter.base_weight.grad, adapter.lora_a.detach(), adapter.lora_b.detach()
         rows.append(dict(key=adapter.key, scale=adapter.scale, grad_a=gradient(adapter.lora_a).clone(),
                          grad_b=gradient(adapter.lora_b).clone(), want_a=adapter.scale * b.T @ weight_grad,
                          want_b=adapter.scale * weight_grad @ a.T, a=a.clone(), weight_grad=weight_grad.clone()))
