@@ -48,7 +48,7 @@ def _allocated() -> int:
 
 def colocated_row(shapes: CheckShapes, actor, spec, device: torch.device) -> Row:
     """Row 6: one generation turn of the trainer next to colocated servers (see the module docstring)."""
-    from dapo_megatron.policy.memory import estimate_memory
+    from dapo_megatron.policy.memory.gpu import estimate_memory
     from dapo_megatron.policy.packing import PolicySample
     from dapo_megatron.trainer.colocation import Colocation
 
@@ -114,7 +114,7 @@ def colocated_moe_row(shapes: CheckShapes, device: torch.device) -> Row:
     from dapo_megatron.config import ModelConfig, OptimConfig, ParallelConfig
     from dapo_megatron.backend_registry import select_backend
     from dapo_megatron.policy.actor import build_actor
-    from dapo_megatron.policy.memory import estimate_memory
+    from dapo_megatron.policy.memory.gpu import estimate_memory
     from dapo_megatron.policy.packing import PolicySample
     from dapo_megatron.trainer.colocation import Colocation
 

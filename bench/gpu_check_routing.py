@@ -79,7 +79,7 @@ def _replay_syncs(actor, samples, batching) -> int:
 
 def replay_recompute_row(shapes: CheckShapes, device: torch.device) -> Row:
     from dapo_megatron.policy.batch_plan import PackedBatching
-    from dapo_megatron.policy.memory import estimate_memory
+    from dapo_megatron.policy.memory.gpu import estimate_memory
     from dapo_megatron.policy.packing import PolicySample
 
     spec = moe_spec(shapes)

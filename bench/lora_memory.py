@@ -1,5 +1,5 @@
 """What training keeps besides activations, full fine-tuning vs LoRA, measured on megatron's own objects, next to what
-``dapo-megatron plan`` predicts for the same model and layout (dapo_megatron/policy/memory.py, policy/lora_memory.py).
+``dapo-megatron plan`` predicts for the same model and layout (dapo_megatron/policy/memory/gpu.py, policy/memory/lora.py).
 
     nice -n 10 python bench/lora_memory.py [--hidden 512] [--layers 8] [--rank 16]
 
@@ -51,8 +51,8 @@ def measure(hf_dir: Path, rank: int | None) -> dict[str, int]:
 def planned(hf_dir: Path, rank: int | None) -> dict[str, int]:
     from dapo_megatron.config import LoRAConfig
     from dapo_megatron.policy.hf_loader import load_model_spec
-    from dapo_megatron.policy.lora_memory import with_lora
-    from dapo_megatron.policy.memory import estimate_memory
+    from dapo_megatron.policy.memory.lora import with_lora
+    from dapo_megatron.policy.memory.gpu import estimate_memory
 
     spec = load_model_spec(hf_dir)
     layout = dict(tensor_parallel=1, data_parallel=1, precision="bf16", micro_batch_tokens=4096)

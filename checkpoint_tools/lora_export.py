@@ -17,7 +17,7 @@ model the run made).
   shard (a local product: no collective) and the merged stage is written as :mod:`checkpoint_tools.megatron_to_hf`
   writes a model.
 
-The ranks build the model with the same adapters as the trainer (:func:`dapo_megatron.policy.lora.add_adapters`) at
+The ranks build the model with the same adapters as the trainer (:func:`dapo_megatron.policy.lora.adapter.add_adapters`) at
 any TP/PP layout; the adapters are checked against the checkpoint by name and shape before they load.
 """
 
@@ -55,13 +55,13 @@ class LoRAExportJob(MegatronToHfJob):
     tool = "lora_export"
 
     def adapt(self, model) -> None:
-        from dapo_megatron.policy.lora import add_adapters
+        from dapo_megatron.policy.lora.adapter import add_adapters
 
         add_adapters(model, self.lora, seed=0)  # the values are loaded from the checkpoint
 
     def fill(self, model, spec) -> None:
         from dapo_megatron.policy.hf_loader import load_hf_weights
-        from dapo_megatron.policy.lora import merge_adapters
+        from dapo_megatron.policy.lora.adapter import merge_adapters
 
         if self.merged:
             load_hf_weights(model, spec, self.base)

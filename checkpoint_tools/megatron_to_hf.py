@@ -156,7 +156,7 @@ class MegatronToHfJob(ConversionJob):
 
 def require_full_weights(metadata, source: CheckpointSource) -> None:
     """A LoRA run's checkpoint holds its adapters alone (the base is the run's HF folder): say which tool reads it."""
-    from dapo_megatron.policy.lora_names import is_adapter_parameter
+    from dapo_megatron.policy.lora.names import is_adapter_parameter
 
     keys = list(metadata.state_dict_metadata)
     if keys and all(is_adapter_parameter(key) for key in keys):

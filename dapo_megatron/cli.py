@@ -10,7 +10,7 @@
 looks for it (``<run_dir>/initial_model``); ``train`` prepares it itself when it is missing, so one command does it
 all. ``train`` and ``eval`` run as one process, or under torchrun / srun for many (the layout comes from the
 environment; see dapo_megatron.launch_env). ``plan`` prints the training ranks' GPU memory per pipeline stage for a
-config (dapo_megatron.policy.memory) and exits 1 when a stage does not fit.
+config (dapo_megatron.policy.memory.gpu) and exits 1 when a stage does not fit.
 
 ``train`` holds its run directory's lock while it runs, and refuses a directory that holds a run unless ``--resume``
 continues it or ``--overwrite`` moves it aside (dapo_megatron.run.directory). SIGTERM, SIGUSR1 or SIGHUP make

@@ -33,7 +33,7 @@ from dapo_megatron.checkpoint import layout
 from dapo_megatron.config import DAPOConfig, save_config
 from dapo_megatron.hf_format.folder import copy_side_files
 from dapo_megatron.hf_format.mismatch import TensorMismatch
-from dapo_megatron.policy.lora_names import is_adapter_parameter
+from dapo_megatron.policy.lora.names import is_adapter_parameter
 from dapo_megatron.overrides.megatron_core.checkpointing import (
     OPTIMIZER_STATE_METADATA,
     give_empty_adam_state,

@@ -1,6 +1,6 @@
 """``dapo-megatron plan``: the training ranks' GPU memory per pipeline stage for a config
-(:mod:`dapo_megatron.policy.memory`), then what shares its GPUs (colocated servers:
-:mod:`dapo_megatron.rollout.gpu_sharing`) and the host memory per node (:mod:`dapo_megatron.policy.host_memory`);
+(:mod:`dapo_megatron.policy.memory.gpu`), then what shares its GPUs (colocated servers:
+:mod:`dapo_megatron.rollout.gpu_sharing`) and the host memory per node (:mod:`dapo_megatron.policy.memory.host`);
 exit 1 when something does not fit."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from __future__ import annotations
 import argparse
 
 from dapo_megatron.config import ConfigError, DAPOConfig
-from dapo_megatron.policy.host_memory import (
+from dapo_megatron.policy.memory.host import (
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_HOST_MEMORY_GB,
     host_memory,
     host_memory_lines,
 )
-from dapo_megatron.policy.lora_memory import with_lora
-from dapo_megatron.policy.lora_sizes import adapter_sizes
-from dapo_megatron.policy.memory import GB, memory_table, plan_stages
+from dapo_megatron.policy.memory.lora import with_lora
+from dapo_megatron.policy.lora.sizes import adapter_sizes
+from dapo_megatron.policy.memory.gpu import GB, memory_table, plan_stages
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.rollout.gpu_sharing import optimizer_offloading_ranks, sharing_report
 from dapo_megatron.run.model_source import model_spec_for_plan
@@ -53,7 +53,7 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
                           f"{dp} ({source})")
     stages, sequence_parallel = plan_stages(config, spec, data_parallel=dp, local_spec=local_spec)
     lora = config.model.lora
-    if lora.enabled:  # the base frozen, the adapters trained (policy/lora_memory.py)
+    if lora.enabled:  # the base frozen, the adapters trained (policy/memory/lora.py)
         stages = with_lora(stages, spec, lora, tensor_parallel=p.tensor, data_parallel=dp, expert_parallel=p.expert,
                            precision=config.model.precision, distributed_optimizer=p.use_distributed_optimizer,
                            micro_batch_tokens=config.trainer.micro_batch_tokens, transformer_engine=not local_spec)
@@ -85,8 +85,8 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
         *([""] if host_lines else []),
         f"{'fits' if gpu_fits else 'does NOT fit'} in {gpu_memory_gb:g} GB per GPU"
         + (f"; the host memory {'fits' if host_fits else 'does NOT fit'} in {host_memory_gb:g} GB per node (the memory "
-           f"model: dapo_megatron/policy/memory.py, host_memory.py)" if host_lines
-           else " (the memory model: dapo_megatron/policy/memory.py)"),
+           f"model: dapo_megatron/policy/memory/gpu.py, host.py)" if host_lines
+           else " (the memory model: dapo_megatron/policy/memory/gpu.py)"),
     ]
     return "\n".join(lines), gpu_fits and host_fits
 

@@ -49,7 +49,7 @@ LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 @dataclass
 class LoRAConfig:
-    """Low-rank adapters on the policy's linear layers, the base frozen (:mod:`dapo_megatron.policy.lora`).
+    """Low-rank adapters on the policy's linear layers, the base frozen (:mod:`dapo_megatron.policy.lora.adapter`).
 
     Off by default. On: every ``target_modules`` linear of every layer (a mixture-of-experts model's experts too)
     gets ``W x + (alpha / rank) · B A x`` with ``A`` ``[rank, in]`` (Kaiming-uniform) and ``B`` ``[out, rank]`` (zero),

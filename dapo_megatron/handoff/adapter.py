@@ -3,7 +3,7 @@ PeftAdapter` on global rank 0 (what ``model.lora.handoff: adapter`` sends an eng
 writes as a PEFT folder), and the base weights with the adapter merged in (``handoff: merged``).
 
 The adapter travels through the weight exporter itself (:func:`dapo_megatron.handoff.exporter.
-gather_hf_buckets_to_rank0` with :func:`dapo_megatron.policy.lora_mapping.adapter_stage_mappings`): the same TP
+gather_hf_buckets_to_rank0` with :func:`dapo_megatron.policy.lora.mapping.adapter_stage_mappings`): the same TP
 gathers, expert-parallel gathers and per-stage broadcasts as the weights, with PEFT's names and the adapters' own
 splits (``B`` like the base's output rows, ``A`` like its input columns, the other replicated).
 """
@@ -19,7 +19,7 @@ from dapo_megatron.backend.interfaces import TensorParallelGather
 from dapo_megatron.handoff.exporter import DEFAULT_BUCKET_BYTES, PROCESS_GROUP_GATHER, gather_hf_buckets_to_rank0
 from dapo_megatron.hf_format.buckets import Bucket
 from dapo_megatron.hf_format.peft_adapter import PeftAdapter
-from dapo_megatron.policy.lora_mapping import adapter_stage_mappings
+from dapo_megatron.policy.lora.mapping import adapter_stage_mappings
 from dapo_megatron.policy.model_spec import ModelSpec
 
 

@@ -69,7 +69,7 @@ def _is_expert_export_member(spec: ModelSpec) -> bool:
 
 StageMappings = Callable[[torch.nn.Module, ModelSpec], list[BoundMapping]]
 """Which parameters an export moves: the model's HF weights (:func:`model_stage_mappings`, the default) or its LoRA
-adapters (:func:`dapo_megatron.policy.lora_mapping.adapter_stage_mappings`)."""
+adapters (:func:`dapo_megatron.policy.lora.mapping.adapter_stage_mappings`)."""
 
 
 def _split_mappings(model: torch.nn.Module, spec: ModelSpec, mappings: StageMappings = model_stage_mappings

@@ -49,7 +49,7 @@ from dapo_megatron.algorithm.loss import TOKEN_MEAN_METRICS
 from dapo_megatron.overrides.megatron_core.optimizer_step import clip_and_step
 from dapo_megatron.policy.batch_plan import PackedBatching, plan_data_parallel
 from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
-from dapo_megatron.policy.lora import add_adapters
+from dapo_megatron.policy.lora.adapter import add_adapters
 from dapo_megatron.policy.model import (
     build_model,
     config_row_multiple,
@@ -100,7 +100,7 @@ def build_actor(spec: "ModelSpec", *, backend: "Backend", model: "ModelConfig", 
     communication overlap; ``optim`` its settings; ``routing_replay`` builds a mixture-of-experts model whose
     routers can replay recorded choices (``algorithm.moe_routing_replay``: R2 or R3); micro-batches are packed to
     ``micro_batch_tokens`` tokens and log-probs taken at the rollout ``temperature``. ``model.lora.enabled``: the
-    base is frozen and adapters drawn from ``seed`` are all that trains (:mod:`dapo_megatron.policy.lora`).
+    base is frozen and adapters drawn from ``seed`` are all that trains (:mod:`dapo_megatron.policy.lora.adapter`).
     """
     tensor_parallel = parallel_state.get_tensor_model_parallel_world_size()
     sequence_parallel = sequence_parallel_enabled(parallel.sequence_parallel, tensor_parallel=tensor_parallel,

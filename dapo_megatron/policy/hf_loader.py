@@ -18,7 +18,7 @@ import torch
 from megatron.core import parallel_state
 
 from dapo_megatron.hf_format import HFFormatError, HFWeights, compare_shapes, load_hf_config
-from dapo_megatron.policy.lora_names import is_adapter_parameter
+from dapo_megatron.policy.lora.names import is_adapter_parameter
 from dapo_megatron.policy.model_spec import ModelSpec, model_spec_from_hf
 from dapo_megatron.policy.weight_mapping import (
     BoundMapping,

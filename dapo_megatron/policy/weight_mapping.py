@@ -56,7 +56,7 @@ class Split(enum.Enum):
 Placement = Literal["first_stage", "layer", "expert", "last_stage"]
 Condition = Literal["always", "qkv_bias", "untied", "tied_copy", "qk_norm", "dense", "moe"]
 # Symbolic HF shapes: V vocab, H hidden, Q = heads × head_dim, KV = kv_heads × head_dim, F = ffn (intermediate) size,
-# D = head_dim, X = number of experts, M = one expert's ffn size, R = a LoRA adapter's rank (policy/lora_mapping.py).
+# D = head_dim, X = number of experts, M = one expert's ffn size, R = a LoRA adapter's rank (policy/lora/mapping.py).
 Dim = Literal["V", "H", "Q", "KV", "F", "D", "X", "M", "R"]
 
 

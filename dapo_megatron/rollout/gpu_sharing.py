@@ -1,5 +1,5 @@
 """GPU memory of a trainer GPU that an SGLang server shares (``rollout.placement: colocated``), for ``dapo-megatron
-plan``: :func:`sharing_report`, printed after :mod:`dapo_megatron.policy.memory`'s table of the trainer alone.
+plan``: :func:`sharing_report`, printed after :mod:`dapo_megatron.policy.memory.gpu`'s table of the trainer alone.
 
 Colocated, every trainer GPU also holds one TP rank of a server, and the two take turns
 (:mod:`dapo_megatron.rollout.placement`, :mod:`dapo_megatron.trainer.colocation`). A GPU of ``G`` bytes, on each
@@ -8,7 +8,7 @@ pipeline stage (their trainer footprints differ), must hold in every turn:
 * generation: the trainer's weights and fixed margin (its gradient buffers are freed, and its optimizer state moved to
   host memory with ``rollout.offload_optimizer``); the server's context ``C``, its static memory ``S``
   (weights + KV cache) and the runtime memory ``R`` SGLang keeps for its activations and CUDA graphs;
-* training: the trainer's peak (:func:`dapo_megatron.policy.memory.estimate_memory`) and ``C`` (the server released
+* training: the trainer's peak (:func:`dapo_megatron.policy.memory.gpu.estimate_memory`) and ``C`` (the server released
   everything else, its CUDA graphs too: the server is launched with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` unless the
   user set it);
 * weight handoff: the trainer without activations plus the handoff buckets it holds at once
@@ -37,9 +37,9 @@ import os
 from dataclasses import dataclass
 
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.policy.lora_sizes import adapter_sizes, linear_shapes, model_parameter_count
+from dapo_megatron.policy.lora.sizes import adapter_sizes, linear_shapes, model_parameter_count
 from dapo_megatron.rollout.sglang.lora_adapters import LORA_SLOTS
-from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, GB, StageMemory
+from dapo_megatron.policy.memory.gpu import FIXED_MARGIN_BYTES, GB, StageMemory
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.rollout.sglang.server import MEMORY_SAVER_CUDA_GRAPH_ENV, cuda_graphs_released
 from dapo_megatron.rollout.sglang.transports import IPC_WINDOW_BUCKETS

@@ -6,7 +6,7 @@
 
 * the user's model folder (``model.source = hf``): :func:`dapo_megatron.run.model_source.check_model_folder`,
   whether it splits over ``parallel.tensor`` × ``parallel.pipeline``, and, for training, whether its estimated
-  memory (:mod:`dapo_megatron.policy.memory`) fits what a GPU has — or, on CPU, what this host has for the trainer
+  memory (:mod:`dapo_megatron.policy.memory.gpu`) fits what a GPU has — or, on CPU, what this host has for the trainer
   ranks it runs (:func:`check_training_memory`); whether a step's host memory on rank 0's node fits
   ``parallel.host_memory_gb`` (:func:`check_host_memory`); with ``rollout.engine: embedded``, whether the engine's
   fp32 host copy fits this host next to its trainer ranks (:func:`check_embedded_engine_memory`);
@@ -150,14 +150,14 @@ def check_training_memory(config: DAPOConfig, spec, *, world_size: int, fused_at
 def check_host_memory(config: DAPOConfig, spec, *, world_size: int, backend: Backend,
                       available: tuple[int, str] | None = None, ranks_on_node: int | None = None) -> None:
     """Refuse a step whose host memory on rank 0's node — routing replay's routing, a colocated optimizer's state
-    moved there (:mod:`dapo_megatron.policy.host_memory`, at the length limits) — exceeds ``parallel.host_memory_gb``
+    moved there (:mod:`dapo_megatron.policy.memory.host`, at the length limits) — exceeds ``parallel.host_memory_gb``
     (unset: this node's memory), naming both numbers. ``available`` ((bytes, what they are)), ``ranks_on_node``: for
     tests; default: the budget, and the trainer ranks on this node."""
     import psutil
 
     from dapo_megatron.launch_env import local_world_size
-    from dapo_megatron.policy.host_memory import host_memory
-    from dapo_megatron.policy.memory import plan_stages
+    from dapo_megatron.policy.memory.host import host_memory
+    from dapo_megatron.policy.memory.gpu import plan_stages
     from dapo_megatron.rollout.gpu_sharing import optimizer_offloading_ranks
 
     p = config.parallel
@@ -181,7 +181,7 @@ def check_host_memory(config: DAPOConfig, spec, *, world_size: int, backend: Bac
 
 
 def _largest_stage(config: DAPOConfig, spec, *, world_size: int, fused_attention: bool):
-    from dapo_megatron.policy.memory import plan_stages
+    from dapo_megatron.policy.memory.gpu import plan_stages
 
     p = config.parallel
     data_parallel = max(world_size // (p.tensor * p.pipeline), 1)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from dapo_megatron.config.model import LoRAConfig
-from dapo_megatron.policy.lora_sizes import adapter_sizes
+from dapo_megatron.policy.lora.sizes import adapter_sizes
 from dapo_megatron.handoff import choose_route, export_hf_buckets, gather_hf_buckets_to_rank0, stream_stage_buckets
 from dapo_megatron.handoff.adapter import gather_adapter_to_rank0, merged_buckets
 from dapo_megatron.handoff.gpu_copies import GpuCopies, buckets_with_copies

@@ -46,7 +46,7 @@ def test_sigkill_then_resume_logs_identical_metrics(straight, tmp_path):
 def test_a_checkpoint_holds_the_adapters_alone(straight):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from dapo_megatron.policy.lora_names import is_adapter_parameter
+    from dapo_megatron.policy.lora.names import is_adapter_parameter
 
     stored = FileSystemReader(str(straight / "checkpoints" / "step_000002" / "model")).read_metadata()
     keys = list(stored.state_dict_metadata)

@@ -1,4 +1,4 @@
-"""LoRA on the megatron policy (dapo_megatron/policy/lora.py): the adapters' gradients are the chain rule's, TP 2
+"""LoRA on the megatron policy (dapo_megatron/policy/lora/adapter.py): the adapters' gradients are the chain rule's, TP 2
 trains exactly what TP 1 trains, the base never moves and holds no training state, the adapters' sizes are what
 ``plan`` and the logged fractions assume, and bf16 adapters keep fp32 main copies.
 
@@ -34,7 +34,7 @@ def lora_settings(*, enabled: bool = True, precision: str = "fp32", distributed_
 
 def training_job(hf_dir: str, tp: int, settings: dict) -> dict:
     from dapo_megatron.handoff.adapter import gather_adapter_to_rank0
-    from dapo_megatron.policy.lora_sizes import adapter_sizes
+    from dapo_megatron.policy.lora.sizes import adapter_sizes
     from dapo_megatron.policy.optimizer import training_state_bytes
 
     samples = random_samples(8, seed=11)
@@ -63,7 +63,7 @@ def gradient_job(hf_dir: str) -> list[dict]:
     """Per adapter: its ``A`` and ``B`` gradients and the ones the merged weight implies. The adapters are added
     to the output of the base linear ``W``, so with ``G = dL/dW`` (the base unfrozen for this job only) the chain rule
     gives ``dL/dB = s G Aᵀ`` and ``dL/dA = s Bᵀ G``. ``B`` is drawn non-zero so that ``A`` has a gradient."""
-    from dapo_megatron.policy.lora import LoRAAdapter
+    from dapo_megatron.policy.lora.adapter import LoRAAdapter
 
     actor, _ = build_test_actor(hf_dir, 1, 1, lora_settings())
     model = actor.model.module
@@ -111,7 +111,7 @@ def moe_job(moe_dir: str) -> dict:
     from megatron.core import parallel_state
 
     from dapo_megatron.handoff.adapter import gather_adapter_to_rank0
-    from dapo_megatron.policy.lora_sizes import adapter_sizes
+    from dapo_megatron.policy.lora.sizes import adapter_sizes
 
     parallel_state.destroy_model_parallel()  # the dense job's TP 2 layout, in the same processes
     actor, spec = build_test_actor(moe_dir, 1, 1, lora_settings(), expert_parallel=2)

@@ -21,7 +21,7 @@ LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.lr_multiplie
 
 def lora_run(overrides: list[str]) -> dict | None:
     from dapo_megatron.metrics.writer import read_metrics
-    from dapo_megatron.policy.lora_sizes import adapter_sizes
+    from dapo_megatron.policy.lora.sizes import adapter_sizes
 
     trainer = build_trainer(overrides, REPO / "examples" / "tiny_cpu_sglang.yaml")
     try:

@@ -233,7 +233,7 @@ def test_response_logprobs_keep_no_padded_copy_of_the_logits():
 
     from dapo_megatron.policy.actor import Actor
     from dapo_megatron.policy.logprobs import vocab_parallel_logprobs
-    from dapo_megatron.policy.memory import logprob_buffers
+    from dapo_megatron.policy.memory.gpu import logprob_buffers
     from dapo_megatron.policy.packing import PolicySample, ThdPacker
 
     vocab, generator = 64, torch.Generator().manual_seed(4)
@@ -259,7 +259,7 @@ def test_response_logprobs_keep_no_padded_copy_of_the_logits():
     touched = logits.grad.reshape(-1, vocab).abs().sum(-1) > 0
     assert touched.nonzero().flatten().tolist() == sorted(mb.response_index[mb.response_valid].tolist())
 
-    # What `dapo-megatron plan` counts for it (policy/memory.py): the logits kept and their gradient, nothing more.
+    # What `dapo-megatron plan` counts for it (policy/memory/gpu.py): the logits kept and their gradient, nothing more.
     vocab_wide = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                   for t in saved if t.shape[-1:] == (vocab,)}
     counted = logprob_buffers(logits.numel(), logits.element_size())

@@ -19,7 +19,7 @@ from dapo_megatron.rollout.gpu_sharing import (
     shared_gpus,
     sharing_report,
 )
-from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, plan_stages
+from dapo_megatron.policy.memory.gpu import FIXED_MARGIN_BYTES, plan_stages
 from dapo_megatron.policy.model_spec import model_spec_from_hf
 from dapo_megatron.policy.shapes import published_hf_config
 
@@ -99,7 +99,7 @@ def test_cuda_graphs_the_server_keeps_are_counted_in_the_training_and_handoff_tu
 
 
 def test_a_moe_server_serves_its_experts_and_their_adam_moments_divide_by_dp_over_ep():
-    from dapo_megatron.policy.memory import moe_layer_parameters
+    from dapo_megatron.policy.memory.gpu import moe_layer_parameters
 
     moe = spec("Qwen3-30B-A3B")
     experts = moe.num_layers * moe_layer_parameters(moe, 1, 1)

@@ -14,7 +14,7 @@ from dapo_megatron.config import ConfigError, LoRAConfig, load_config
 from dapo_megatron.hf_format import HFFormatError
 from dapo_megatron.hf_format.peft_adapter import PeftAdapter, base_weight_name, peft_name, read_peft_adapter, \
     write_peft_adapter
-from dapo_megatron.policy.lora_sizes import adapter_sizes
+from dapo_megatron.policy.lora.sizes import adapter_sizes
 from dapo_megatron.policy.model_spec import model_spec_from_hf
 from dapo_megatron.policy.shapes import published_hf_config
 
@@ -79,7 +79,7 @@ def test_exported_b_rows_change_the_rows_of_w_they_belong_to_at_tp2():
     """Merged on megatron's TP shards (``W_r + B_r A``, what the trainer computes) and exported by the weights'
     mapping equals the base exported by it plus ``B_i A`` with ``B_i`` exported by the adapters' mapping — for the
     per-group QKV layout and for the gate/up halves, with a replicated ``A`` shared by the HF modules."""
-    from dapo_megatron.policy.lora_mapping import adapter_mapping
+    from dapo_megatron.policy.lora.mapping import adapter_mapping
     from dapo_megatron.policy.weight_mapping import ShardGeometry, full_model_mappings, hf_from_shards
 
     spec = model_spec_from_hf(published_hf_config("Qwen2.5-0.5B", hidden_size=32, intermediate_size=48,

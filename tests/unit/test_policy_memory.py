@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_megatron.policy.memory import estimate_memory
+from dapo_megatron.policy.memory.gpu import estimate_memory
 from dapo_megatron.policy.model_spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def qwen32b():
 
 def test_32b_example_fits_80gb_and_would_not_without_sp_and_recompute():
     from dapo_megatron.config import load_config
-    from dapo_megatron.policy.memory import plan_stages
+    from dapo_megatron.policy.memory.gpu import plan_stages
 
     config = load_config(REPO / "examples" / "dapo_qwen2.5_32b.yaml")
     stages, sequence_parallel = plan_stages(config, qwen32b(), data_parallel=config.parallel.data)

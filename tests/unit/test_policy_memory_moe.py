@@ -1,4 +1,4 @@
-"""The memory plan of Qwen3 and Qwen3-MoE (policy/memory.py): parameter counts equal to the published totals, experts
+"""The memory plan of Qwen3 and Qwen3-MoE (policy/memory/gpu.py): parameter counts equal to the published totals, experts
 sharded over expert parallelism (weights over EP, optimizer state over the expert-data-parallel group), a hand-computed
 small MoE, and `dapo-megatron plan` for Qwen3-8B, Qwen3-30B-A3B on one node of 8 × 80 GB and Qwen3-235B-A22B on 16
 nodes."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_megatron.policy.memory import estimate_memory, layer_parameters, moe_layer_parameters
+from dapo_megatron.policy.memory.gpu import estimate_memory, layer_parameters, moe_layer_parameters
 from dapo_megatron.policy.model_spec import ModelSpec, MoESpec, model_spec_from_hf, padded_vocab_size
 from dapo_megatron.policy.shapes import published_hf_config
 
@@ -118,7 +118,7 @@ def test_plan_of_r3_on_the_docs_qwen3_30b_node_counts_routing_per_node_and_on_th
     budget; on the GPU, the int64 targets of the micro-batches in flight, in the stage's total."""
     from dapo_megatron.cli import main
     from dapo_megatron.config import load_config
-    from dapo_megatron.policy.memory import estimate_memory
+    from dapo_megatron.policy.memory.gpu import estimate_memory
     from dapo_megatron.policy.model_spec import model_spec_from_hf
 
     example = REPO / "examples" / "dapo_qwen2.5_32b.yaml"

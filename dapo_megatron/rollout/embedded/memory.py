@@ -9,7 +9,7 @@ it (:func:`dapo_megatron.run.input_checks.check_embedded_engine_memory`) before 
 from __future__ import annotations
 
 from dapo_megatron.config import EmbeddedConfig
-from dapo_megatron.policy.memory import layer_parameters
+from dapo_megatron.policy.memory.gpu import layer_parameters
 from dapo_megatron.policy.model_spec import ModelSpec
 
 FP32_BYTES = 4

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from dapo_megatron.policy.memory import layer_parameters, moe_layer_parameters
+from dapo_megatron.policy.memory.gpu import layer_parameters, moe_layer_parameters
 from dapo_megatron.policy.model_spec import ModelSpec
 
 HF_MODULES = {"linear_qkv": 3, "linear_proj": 1, "linear_fc1": 2, "linear_fc2": 1}  # HF modules per megatron linear

@@ -20,7 +20,7 @@ by its routing probability in the combine) — counted at the average load of an
 router that sends most tokens to one rank's experts can put several times this there.
 
 **Bytes per parameter** — weights 2 (bf16 / fp8: Transformer Engine keeps bf16 parameters and casts per GEMM) or
-4 (fp32); gradients 4 (``DistributedDataParallelConfig(grad_reduce_in_fp32=True)``, :mod:`.optimizer`); Adam's two
+4 (fp32); gradients 4 (``DistributedDataParallelConfig(grad_reduce_in_fp32=True)``, :mod:`..optimizer`); Adam's two
 moments 8 plus an fp32 master copy 4 when the weights are not fp32, divided by D with the distributed optimizer
 (megatron-core ``optimizer/distrib_optimizer.py``: each DP rank owns 1/D of the main parameters and state).
 
@@ -50,16 +50,16 @@ output layer's inputs (``2h``, SP-divided).
 **Logits** (last stage, :func:`logprob_buffers`): the output layer's vocab-parallel logits of the micro-batch,
 ``t·V/T`` values kept for backward, plus their gradient of the same size, plus the log-prob's chunk temporaries
 (``c = min(DEFAULT_CHUNK_ELEMENTS, t·V/T)`` values each: 4 in float32, and 2 in the activation dtype — the rows
-read and the gradient cast back). :mod:`.logprobs` reads the response positions from the logits in place and
+read and the gradient cast back). :mod:`..logprobs` reads the response positions from the logits in place and
 recomputes the softmax in chunks, so nothing else of vocabulary width lives
 (``tests/integration/test_policy_actor.py`` checks what autograd saves). Not counted: the per-response-token loss
 tensors, float32 ``[n, R]`` (n samples in the row, R its longest response; ~12 of them), tens of MB — e.g. one
 20480-token response packed with 64 samples of 64 tokens is 65 × 20480 × 4 B × 12 ≈ 64 MB.
 
-**Routing replay's targets** (``algorithm.moe_routing_replay``, :mod:`.moe_routing`): the expert ids each router
+**Routing replay's targets** (``algorithm.moe_routing_replay``, :mod:`..moe_routing`): the expert ids each router
 is replayed with, int64 ``[t/S, k]`` per MoE layer (``S`` = T under sequence parallelism), one micro-batch's on the
 GPU at a time; with full recomputation every micro-batch in flight keeps its own until its recomputed forward
-(megatron's REPLAY_BACKWARD queue). The host side (what replay keeps between passes): :mod:`.host_memory`.
+(megatron's REPLAY_BACKWARD queue). The host side (what replay keeps between passes): :mod:`.host`.
 
 **Margin**: 3 GB for the CUDA context, NCCL's communicator buffers and library workspaces, plus 10 % of the
 activations and logits for the caching allocator's fragmentation.
@@ -101,7 +101,7 @@ class StageMemory:
     logits_bytes: int
     margin_bytes: int
     expert_parameters: int = 0  # of ``parameters``, a MoE model's experts (optimizer state sharded over DP / EP)
-    frozen_parameters: int = 0  # of ``parameters``, those that never train (a LoRA run's base: policy/lora_memory.py)
+    frozen_parameters: int = 0  # of ``parameters``, those that never train (a LoRA run's base: policy/memory/lora.py)
     routing_bytes: int = 0  # routing replay's targets (int64) of the micro-batches that hold them
 
     @property

@@ -1,7 +1,7 @@
-"""LoRA's terms in ``dapo-megatron plan`` (:mod:`dapo_megatron.policy.memory`): :func:`with_lora` turns the per-stage
+"""LoRA's terms in ``dapo-megatron plan`` (:mod:`dapo_megatron.policy.memory.gpu`): :func:`with_lora` turns the per-stage
 estimate of full training into one of LoRA training.
 
-On one GPU of a stage, with ``r`` the rank and the TP layouts of :mod:`dapo_megatron.policy.lora`:
+On one GPU of a stage, with ``r`` the rank and the TP layouts of :mod:`dapo_megatron.policy.lora.adapter`:
 
 * the base stays, frozen, at the weights' size (2 bytes in bf16): no gradient slot, no main copy, no moments;
 * the adapters of each layer: a column-parallel linear (``linear_qkv``, ``linear_fc1``; ``in`` → ``out``) holds
@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 
 from dapo_megatron.config.model import LoRAConfig, Precision
-from dapo_megatron.policy.lora_sizes import linear_shapes
-from dapo_megatron.policy.memory import FIXED_MARGIN_BYTES, FRAGMENTATION, StageMemory
+from dapo_megatron.policy.lora.sizes import linear_shapes
+from dapo_megatron.policy.memory.gpu import FIXED_MARGIN_BYTES, FRAGMENTATION, StageMemory
 from dapo_megatron.policy.model_spec import ModelSpec
 
 COLUMN = ("linear_qkv", "linear_fc1")
@@ -67,7 +67,7 @@ def adapter_activation_values_per_token(spec: ModelSpec, lora: LoRAConfig, *, te
 def with_lora(stages: list[StageMemory], spec: ModelSpec, lora: LoRAConfig, *, tensor_parallel: int,
               data_parallel: int, expert_parallel: int, precision: Precision, distributed_optimizer: bool,
               micro_batch_tokens: int, transformer_engine: bool) -> list[StageMemory]:
-    """The stages of :func:`~dapo_megatron.policy.memory.estimate_memory` (same layout and precision) with the base
+    """The stages of :func:`~dapo_megatron.policy.memory.gpu.estimate_memory` (same layout and precision) with the base
     frozen and ``lora``'s adapters trained (see the module docstring)."""
     weight_bytes = act_bytes = 4 if precision == "fp32" else 2
     optimizer_per_param = (8 + (0 if precision == "fp32" else 4)) / (data_parallel if distributed_optimizer else 1)

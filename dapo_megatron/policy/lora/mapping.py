@@ -24,7 +24,7 @@ import torch
 
 from dapo_megatron.hf_format.peft_adapter import peft_name
 from dapo_megatron.policy.hf_loader import model_stage_mappings, unwrap_model
-from dapo_megatron.policy.lora_names import adapter_parameter_names
+from dapo_megatron.policy.lora.names import adapter_parameter_names
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.policy.weight_mapping import BoundMapping, MappingRule, Split
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dapo_megatron.config import DAPOConfig
-from dapo_megatron.policy.memory import GB, StageMemory
+from dapo_megatron.policy.memory.gpu import GB, StageMemory
 from dapo_megatron.policy.model_spec import ModelSpec
 from dapo_megatron.policy.moe_routing import recorded_routing_bytes
 from dapo_megatron.policy.rollout_routing import rollout_routing_bytes

@@ -68,7 +68,7 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from torch import Tensor
 
-from dapo_megatron.policy.lora_names import adapter_module_name
+from dapo_megatron.policy.lora.names import adapter_module_name
 
 if TYPE_CHECKING:
     from dapo_megatron.config.model import LoRAConfig
