@@ -1,5 +1,5 @@
 """What training keeps besides activations, full fine-tuning vs LoRA, measured on megatron's own objects, next to what
-``dapo-megatron plan`` predicts for the same model and layout (dapo_megatron/policy/memory/gpu.py, policy/memory/lora.py).
+``dapo-megatron plan`` predicts for the same model and layout (dapo_megatron/policy/memory/: gpu.py, lora.py).
 
     nice -n 10 python bench/lora_memory.py [--hidden 512] [--layers 8] [--rank 16]
 

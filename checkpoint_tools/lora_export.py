@@ -17,8 +17,8 @@ model the run made).
   shard (a local product: no collective) and the merged stage is written as :mod:`checkpoint_tools.megatron_to_hf`
   writes a model.
 
-The ranks build the model with the same adapters as the trainer (:func:`dapo_megatron.policy.lora.adapter.add_adapters`) at
-any TP/PP layout; the adapters are checked against the checkpoint by name and shape before they load.
+The ranks build the model with the same adapters as the trainer (:func:`dapo_megatron.policy.lora.adapter.add_adapters`)
+at any TP/PP layout; the adapters are checked against the checkpoint by name and shape before they load.
 """
 
 from __future__ import annotations

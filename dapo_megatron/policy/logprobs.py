@@ -226,7 +226,7 @@ def vocab_parallel_logprobs(
 
 
 def _megatron_tp_group() -> tuple[dist.ProcessGroup | None, int]:
-    # import cost: `dapo-megatron plan` reads this module's chunk size (policy/memory/gpu.py) without loading megatron-core
+    # import cost: `dapo-megatron plan` reads this module's chunk size (policy/memory/gpu.py) without megatron-core
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():

@@ -55,7 +55,8 @@ def wrap_for_training(stage: torch.nn.Module, optim: "OptimConfig", *, use_distr
     """``(DistributedDataParallel(stage), optimizer, scheduler)``; the stage is an unwrapped ``GPTModel``.
 
     Only the parameters that require a gradient are trained: megatron's DDP gives the others no gradient buffer and
-    its optimizer no main copy or moments (with LoRA, :func:`dapo_megatron.policy.lora.adapter.add_adapters` froze the base).
+    its optimizer no main copy or moments (with LoRA,
+    :func:`dapo_megatron.policy.lora.adapter.add_adapters` froze the base).
     ``lr_multiplier`` scales ``optim.lr`` (``model.lora.lr_multiplier``: adapters train at a higher rate)."""
 
     tconfig = stage.config

@@ -1,5 +1,5 @@
-"""LoRA on the megatron policy (dapo_megatron/policy/lora/adapter.py): the adapters' gradients are the chain rule's, TP 2
-trains exactly what TP 1 trains, the base never moves and holds no training state, the adapters' sizes are what
+"""LoRA on the megatron policy (dapo_megatron/policy/lora/adapter.py): the adapters' gradients are the chain rule's,
+TP 2 trains exactly what TP 1 trains, the base never moves and holds no training state, the adapters' sizes are what
 ``plan`` and the logged fractions assume, and bf16 adapters keep fp32 main copies.
 
 Every job builds the actor from one tiny Qwen2 checkpoint (tests/actor_harness.py) with rank-4 adapters on every

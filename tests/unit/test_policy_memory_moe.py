@@ -1,7 +1,7 @@
-"""The memory plan of Qwen3 and Qwen3-MoE (policy/memory/gpu.py): parameter counts equal to the published totals, experts
-sharded over expert parallelism (weights over EP, optimizer state over the expert-data-parallel group), a hand-computed
-small MoE, and `dapo-megatron plan` for Qwen3-8B, Qwen3-30B-A3B on one node of 8 × 80 GB and Qwen3-235B-A22B on 16
-nodes."""
+"""The memory plan of Qwen3 and Qwen3-MoE (policy/memory/gpu.py): parameter counts equal to the published totals,
+experts sharded over expert parallelism (weights over EP, optimizer state over the expert-data-parallel group), a
+hand-computed small MoE, and `dapo-megatron plan` for Qwen3-8B, Qwen3-30B-A3B on one node of 8 × 80 GB and
+Qwen3-235B-A22B on 16 nodes."""
 
 from __future__ import annotations
 

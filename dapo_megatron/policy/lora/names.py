@@ -1,5 +1,5 @@
-"""The names of LoRA adapters' parameters next to the linears they are on (:mod:`dapo_megatron.policy.lora.adapter`), apart
-from the adapters themselves so that checkpoint and conversion code can tell them by name without importing megatron:
+"""The names of LoRA adapters' parameters next to the linears they are on (:mod:`.adapter`), apart from
+the adapters themselves so that checkpoint and conversion code can tell them by name without importing megatron:
 the adapter on ``...self_attention.linear_qkv`` is ``...self_attention.linear_qkv_lora`` with ``lora_a`` and
 ``lora_b``."""
 

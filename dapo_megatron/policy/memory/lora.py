@@ -1,4 +1,4 @@
-"""LoRA's terms in ``dapo-megatron plan`` (:mod:`dapo_megatron.policy.memory.gpu`): :func:`with_lora` turns the per-stage
+"""LoRA's terms in ``dapo-megatron plan`` (:mod:`.gpu`): :func:`with_lora` turns the per-stage
 estimate of full training into one of LoRA training.
 
 On one GPU of a stage, with ``r`` the rank and the TP layouts of :mod:`dapo_megatron.policy.lora.adapter`:
