@@ -31,7 +31,6 @@ from slurm_harness import (
     REPO,
     assert_nothing_left,
     cluster_unavailable,
-    job_fields,
     job_env,
     processes_of_job,
     sglang_job_env,
@@ -174,12 +173,8 @@ def test_a_killed_rank_requeues_the_job_which_resumes_from_its_newest_checkpoint
     [rank1] = [int(p.split(":")[0]) for p in processes_of_job(job.job_id)
                if "dapo_megatron.cli train" in p and _environ(int(p.split(":")[0])).get("SLURM_PROCID") == "1"]
     os.kill(rank1, signal.SIGKILL)
-    # requeued: PENDING again (sbatch --wait may have returned meanwhile; that is not the job's end)
-    while (state := job_fields(job.job_id).get("JobState")) != "PENDING":
-        assert state and time.monotonic() < deadline, f"job {job.job_id}: {state}\n{job.output()[-3000:]}"
-        time.sleep(0.5)
-    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True, timeout=60)
-    result = job.wait_after_requeue(restarts=1, deadline_s=900)
+    job.start_again_once_requeued(deadline_s=600)
+    result = job.wait(deadline_s=900)
     assert result.returncode == 0, result.output[-6000:]
     _assert_a_finished_run(run_dir, result)  # what the plain DP = 2 job checked
     assert f"requeueing job {job.job_id} (restart 1 of at most 1)" in result.output

@@ -64,6 +64,8 @@ HEALTH_DEADLINE_S = 600  # a CPU SGLang server starts in 30-80 s here, more when
 SGLANG_JOB_DEADLINE_S = HEALTH_DEADLINE_S + 6 * REQUEST_TIMEOUT_S + 300
 GREEDY_TOKENS = 12
 LOOPBACK_TIMEOUT_S = 12  # the request timeout of (c): how long the trainer waits for servers that never join
+# how a stopped job says so in its output: slurmstepd's CANCELLED line or the sbatch script's trap
+STOPPED_LINE = re.compile(r"CANCELLED|stop signal")
 
 
 def _watch(job: RunningJob, probe, poll_s: float = 0.5) -> list:
@@ -117,11 +119,9 @@ def test_dp2_across_two_nodes_trains_checkpoints_and_resumes_exactly_after_scanc
     # sbatch --wait may return 0 for a cancelled job whose batch script trapped the signal: the script's trap line
     # or slurmstepd's CANCELLED line says it was stopped (slurmstepd's may reach the file a moment after the end)
     output_deadline = time.monotonic() + 15
-    while not re.search(r"CANCELLED|stop signal", output := interrupted.output()) \
-            and time.monotonic() < output_deadline:
+    while not (stopped := STOPPED_LINE.search(output := interrupted.output())) and time.monotonic() < output_deadline:
         time.sleep(0.5)
-    assert re.search(r"CANCELLED|stop signal", output), \
-        "the job ended before scancel reached it: nothing was interrupted\n" + output[-3000:]
+    assert stopped, "the job ended before scancel reached it: nothing was interrupted\n" + output[-3000:]
     assert not (run_dir / "checkpoints" / f"step_{steps:06d}").exists()
     assert_nothing_left(cancelled.job_id)
 
