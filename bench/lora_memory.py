@@ -55,11 +55,11 @@ def planned(hf_dir: Path, rank: int | None) -> dict[str, int]:
     from dapo_megatron.policy.memory.gpu import estimate_memory
 
     spec = load_model_spec(hf_dir)
-    layout = dict(tensor_parallel=1, data_parallel=1, precision="bf16", micro_batch_tokens=4096)
+    layout = dict(tensor_parallel=1, data_parallel=1, precision="bf16", micro_batch_tokens=4096, recompute="selective")
     stages = estimate_memory(spec, pipeline_parallel=1, distributed_optimizer=True, **layout)
     if rank is not None:
         stages = with_lora(stages, spec, LoRAConfig(enabled=True, rank=rank), expert_parallel=1,
-                           distributed_optimizer=True, transformer_engine=False, **layout)
+                           distributed_optimizer=True, transformer_engine=False, sequence_parallel=False, **layout)
     (stage,) = stages
     moments = (stage.parameters - stage.frozen_parameters) * 8
     return {"weights": stage.params_bytes, "grad_buffers": stage.grads_bytes,

@@ -235,6 +235,7 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 FLIGHT_RECORDER_DIR = "nccl_flight_recorder"
+FLIGHT_RECORDER_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"  # torch's: a path prefix, the rank appended
 
 
 def flight_recorder_env(run_dir: str | os.PathLike, collective: str,
@@ -246,7 +247,7 @@ def flight_recorder_env(run_dir: str | os.PathLike, collective: str,
         return {}
     env = os.environ if environ is None else environ
     wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(os.fspath(run_dir), FLIGHT_RECORDER_DIR, "rank_")}
+              FLIGHT_RECORDER_FILE_ENV: os.path.join(os.fspath(run_dir), FLIGHT_RECORDER_DIR, "rank_")}
     return {name: value for name, value in wanted.items() if name not in env}
 
 

@@ -56,7 +56,8 @@ def plan_report(config: DAPOConfig, spec: ModelSpec, origin: str, *, data_parall
     if lora.enabled:  # the base frozen, the adapters trained (policy/memory/lora.py)
         stages = with_lora(stages, spec, lora, tensor_parallel=p.tensor, data_parallel=dp, expert_parallel=p.expert,
                            precision=config.model.precision, distributed_optimizer=p.use_distributed_optimizer,
-                           micro_batch_tokens=config.trainer.micro_batch_tokens, transformer_engine=not local_spec)
+                           micro_batch_tokens=config.trainer.micro_batch_tokens, transformer_engine=not local_spec,
+                           recompute=config.model.recompute, sequence_parallel=sequence_parallel)
     routing = routing_replay_line(config, spec, stages)
     sharing, sharing_fits = sharing_report(config, spec, stages, data_parallel=dp, gpu_memory_gb=gpu_memory_gb)
     world = p.tensor * p.pipeline * dp

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.platform import ParallelLayout, flight_recorder_env, init_distributed
+from dapo_megatron.platform import FLIGHT_RECORDER_FILE_ENV, ParallelLayout, flight_recorder_env, init_distributed
 from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.rank_zero import run_on_rank0
@@ -26,7 +26,7 @@ def init_process_layout(config: DAPOConfig) -> ParallelLayout:
     backend = select_backend(config.model.kernels)
     recorder = flight_recorder_env(config.trainer.run_dir, backend.collective)
     if recorder:  # NCCL: the last collectives of each rank land in the run directory when one times out
-        Path(recorder["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(recorder[FLIGHT_RECORDER_FILE_ENV]).parent.mkdir(parents=True, exist_ok=True)
         os.environ.update(recorder)
     # The slow phases' limit: loading, starting servers and the first step may take long; the trainer lowers it.
     return init_distributed(p.tensor, p.pipeline, p.data, expert_parallel=p.expert, backend=backend,

@@ -92,9 +92,10 @@ class PeftAdapter:
         """(A, B) of the base weight ``base`` (its HF name)."""
         return self.tensors[peft_name(base, "A")], self.tensors[peft_name(base, "B")]
 
-    def delta(self, base: str) -> torch.Tensor:
-        """``scale · B A`` for the base weight ``base``, in float32."""
-        a, b = self.factors(base)
+    def delta(self, base: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """``scale · B A`` for the base weight ``base``, in float32, computed on ``device`` (default: the factors'):
+        the factors are small, the product is the weight's size."""
+        a, b = (factor.to(device) for factor in self.factors(base))
         return (b.float() @ a.float()) * self.scale
 
     def merged_into(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -103,7 +104,7 @@ class PeftAdapter:
         targets = set(self.modules)
         for name, weight in named_weights:
             if name in targets:
-                weight = (weight.float() + self.delta(name).to(weight.device)).to(weight.dtype)
+                weight = (weight.float() + self.delta(name, weight.device)).to(weight.dtype)
             yield name, weight
 
     def config_dict(self) -> dict:

@@ -34,7 +34,7 @@ host copy is made once; each return is one host-to-device copy. That is what put
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
 import torch
@@ -68,13 +68,30 @@ class FrozenWeights:
     def release(self) -> None:
         if not self.on_device or not self.parameters:
             return
-        if self._host is None:
+        if self._host is None:  # one host copy per parameter, straight into pinned memory on a GPU (no staging copy)
             pinned = self.parameters[0].is_cuda
-            self._host = [p.detach().to("cpu", copy=True) for p in self.parameters]
-            self._host = [h.pin_memory() for h in self._host] if pinned else self._host
+            self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned).copy_(p.detach())
+                          for p in self.parameters]
         for parameter in self.parameters:
             parameter.data = parameter.data.new_empty(0)
         self.on_device = False
+
+    @contextmanager
+    def shapes_kept(self) -> Iterator[None]:
+        """While released: each frozen parameter as a zero-stride view of one zero with its own shape, for code that
+        reads their shapes only — megatron's sharded state dict of a checkpoint, which then keeps the adapters alone
+        (:func:`dapo_megatron.checkpoint.save_load.model_sharded_state_dict`). Outside this, a released parameter has
+        no elements, so a forward that should not run on it fails instead of computing with zeros."""
+        if self.on_device:
+            yield
+            return
+        for parameter, host in zip(self.parameters, self._host, strict=True):
+            parameter.data = parameter.data.new_zeros(()).expand(host.shape)
+        try:
+            yield
+        finally:
+            for parameter in self.parameters:
+                parameter.data = parameter.data.new_empty(0)
 
     def restore(self) -> None:
         if self.on_device:
@@ -185,8 +202,15 @@ class Colocation:
         if self.offload_frozen_weights:
             self.frozen.restore()
 
-    def before_handoff(self) -> None:
-        if self.offload_frozen_weights and self.config.model.lora.handoff == "adapter":
+    def checkpoint_access(self):
+        """Around saving or loading a checkpoint: the model as the checkpoint code reads it, whichever turn this is
+        (a LoRA policy's released base keeps its shapes: :meth:`FrozenWeights.shapes_kept`)."""
+        return self.frozen.shapes_kept() if self.frozen is not None else nullcontext()
+
+    def before_handoff(self, *, base_served: bool) -> None:
+        """``base_served``: the servers hold the frozen base already, so the handoff reads the adapters alone (a
+        first handoff to servers attached by URL sends the base too, from the GPU)."""
+        if self.offload_frozen_weights and self.config.model.lora.handoff == "adapter" and base_served:
             self.frozen.release()  # the servers take their base back from host memory: one copy on the GPU
         if self.colocated:
             self._return_cached_blocks()

@@ -161,13 +161,14 @@ class DAPOTrainer:
     def hand_off_weights(self, version: int) -> None:
         """The policy as ``version`` to the engine: its weights, or with LoRA what ``model.lora.handoff`` says
         (:func:`~dapo_megatron.trainer.weight_sync.sync_engine_policy`); the bytes sent are logged."""
-        self.colocation.before_handoff()
         r = self.config.rollout
         # SGLang servers this run launched load the model folder, which is a LoRA policy's frozen base
         launched_from_base = r.engine == "sglang" and not r.sglang.urls
+        base_served = self.handoff_bytes is not None or launched_from_base
+        self.colocation.before_handoff(base_served=base_served)
         self.handoff_bytes = sync_engine_policy(
             self.actor.model, self.spec, self.engine, version=version, lora=self.config.model.lora,
-            base_served=self.handoff_bytes is not None or launched_from_base,
+            base_served=base_served,
             bucket_bytes=int(r.handoff_bucket_mb * 2**20), tp_gather=self.backend.tp_gather,
             copies=self.colocation.handoff_copies())
 
@@ -282,10 +283,11 @@ class DAPOTrainer:
         with self.stop.protected(f"finishing checkpoint {step}"), self.activity.in_stage("checkpoint", step):
             self._limit_collectives(p.slow_collective_timeout_s)
             try:
-                ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model],
-                                     optimizer=self.actor.optimizer, trainer_state=self._trainer_state(step),
-                                     side_files_from=self.model_dir, keep=self.config.trainer.keep_checkpoints,
-                                     run_id=self.run_id, config=self.config)
+                with self.colocation.checkpoint_access():
+                    ckpt.save_checkpoint(self.ckpt_dir, step, model_chunks=[self.actor.model],
+                                         optimizer=self.actor.optimizer, trainer_state=self._trainer_state(step),
+                                         side_files_from=self.model_dir, keep=self.config.trainer.keep_checkpoints,
+                                         run_id=self.run_id, config=self.config)
             finally:  # a failed save ends the run, but its final collectives must not wait the slow limit
                 self._limit_collectives(p.collective_timeout_s)
         self.saved_step = step
@@ -301,7 +303,8 @@ class DAPOTrainer:
             if path is None:
                 logger.info("no checkpoint under %s: starting from step 0", self.ckpt_dir)
                 return 0
-            state = ckpt.load_checkpoint(path, model_chunks=[self.actor.model], optimizer=self.actor.optimizer)
+            with self.colocation.checkpoint_access():
+                state = ckpt.load_checkpoint(path, model_chunks=[self.actor.model], optimizer=self.actor.optimizer)
             weights = self._agreed_count(len(non_finite_weights([self.actor.model])))
             optimizer = self._agreed_count(len(non_finite_optimizer_state(self.actor.optimizer, [self.actor.model])))
             if not weights and not optimizer:

@@ -15,12 +15,13 @@ from cli_runs import REPO, check_run, cli_command, kill_after_checkpoint, read_r
 pytestmark = pytest.mark.slow
 
 LORA = REPO / "examples" / "tiny_cpu_lora.yaml"
+# optim.lr and the multiplier set here, whatever the example's: one step moves the adapters far enough for the controls
 OVERRIDES = ["warm_start.enabled=false", "trainer.total_steps=2", "trainer.save_every=1",
              "trainer.train_batch_size=4", "trainer.mini_batch_size=2", "rollout.n_samples=4",
              "data.synthetic.num_train=200", "data.synthetic.num_heldout=8", "eval.every=0",
              "rollout.max_response_length=24", "algorithm.overlong_buffer_len=4", "algorithm.dynamic_sampling=false",
              "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
-             "optim.lr=1e-3"]  # x10: one step moves the adapters far enough for the controls below
+             "optim.lr=1e-3", "model.lora.lr_multiplier=10"]
 
 
 def _train(run_dir: Path) -> list[str]:

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow  # spawned ranks: 2 spawns
 RANK, ALPHA, UPDATES = 4, 8.0, 3
 
 
-def lora_settings(*, enabled: bool = True, precision: str = "fp32", distributed_optimizer: bool = False) -> dict:
+def lora_settings(*, enabled: bool = True, precision: str = "fp32", distributed_optimizer: bool = False,
+                  overlap: bool = False) -> dict:
     from dapo_megatron.config import LoRAConfig, ModelConfig, OptimConfig, ParallelConfig
 
     # Adam's eps near the gradients' scale and no clipping, as tests/integration/test_policy_actor.py: the update then
@@ -29,7 +30,9 @@ def lora_settings(*, enabled: bool = True, precision: str = "fp32", distributed_
     return actor_settings(model=ModelConfig(precision=precision, lora=LoRAConfig(enabled=enabled, rank=RANK,
                                                                                    alpha=ALPHA)),
                           optim=OptimConfig(lr=1e-2, adam_eps=1e-3, grad_clip=1e6),
-                          parallel=ParallelConfig(use_distributed_optimizer=distributed_optimizer), temperature=0.9)
+                          parallel=ParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                                  overlap_grad_reduce=overlap, overlap_param_gather=overlap),
+                          temperature=0.9)
 
 
 def training_job(hf_dir: str, tp: int, settings: dict) -> dict:
@@ -89,11 +92,47 @@ def gradient_job(hf_dir: str) -> list[dict]:
     return rows
 
 
+def released_base_checkpoint_job(hf_dir: str) -> dict:
+    """A checkpoint saved and loaded while the frozen base is released (colocated on a GPU, between updates:
+    trainer/colocation.py's FrozenWeights; here on CPU tensors): the adapters come back, the base is left as it was."""
+    import tempfile
+
+    from dapo_megatron.checkpoint.save_load import load_model, model_sharded_state_dict, save_model
+    from dapo_megatron.policy.lora.adapter import LoRAAdapter
+    from dapo_megatron.trainer.colocation import FrozenWeights
+
+    actor, _ = build_test_actor(hf_dir, 1, 1, lora_settings())
+    actor.train_minibatch(random_samples(8, seed=11), loss_of())
+    model = actor.model.module
+    adapters = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    frozen = FrozenWeights(actor.model)
+    base_shapes = [p.shape for p in frozen.parameters]
+    frozen.release()
+    try:  # the control: megatron's sharded state dict reads the base's shapes, which a released base has lost
+        model_sharded_state_dict([actor.model])
+        unkept = None
+    except Exception as error:
+        unkept = f"{type(error).__name__}: {error}"
+    directory = tempfile.mkdtemp(prefix="lora_released_")
+    with frozen.shapes_kept():
+        save_model([actor.model], directory)
+    with torch.no_grad():
+        for adapter in (m for m in model.modules() if isinstance(m, LoRAAdapter)):
+            adapter.lora_b.zero_()
+    with frozen.shapes_kept():
+        load_model([actor.model], directory)
+    released_sizes = {p.numel() for p in frozen.parameters}
+    frozen.restore()
+    return dict(unkept=unkept, released_sizes=released_sizes,
+                adapters_back=all(torch.equal(p, adapters[n]) for n, p in model.named_parameters() if p.requires_grad),
+                base_back=[p.shape for p in frozen.parameters] == base_shapes)
+
+
 def world_one_job(hf_dir: str) -> dict:
     """Every TP-1 job in one spawned process (each spawn pays megatron's import again)."""
     return dict(lora=training_job(hf_dir, 1, lora_settings()), control=training_job(hf_dir, 1, lora_settings(
         enabled=False)), bf16=training_job(hf_dir, 1, lora_settings(precision="bf16", distributed_optimizer=True)),
-        gradients=gradient_job(hf_dir))
+        gradients=gradient_job(hf_dir), released=released_base_checkpoint_job(hf_dir))
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +166,19 @@ def moe_job(moe_dir: str) -> dict:
 
 
 def tp2_job(hf_dir: str, moe_dir: str) -> dict:
-    """Every two-rank job in one spawn: the dense model at TP 2, then the MoE model at EP 2."""
-    return dict(dense=training_job(hf_dir, 2, lora_settings()), moe=moe_job(moe_dir))
+    """Every two-rank job in one spawn: the dense model at TP 2, the MoE model at EP 2, and the dense model at DP 2
+    with the distributed optimizer, its communication overlapped or not."""
+    return dict(dense=training_job(hf_dir, 2, lora_settings()), moe=moe_job(moe_dir),
+                **{f"dp2_overlap_{overlap}": dp2_job(hf_dir, overlap=overlap == "on") for overlap in ("off", "on")})
+
+
+def dp2_job(hf_dir: str, *, overlap: bool) -> dict:
+    """The dense model at DP 2 with the distributed optimizer, its gradient reduction and parameter gathers
+    overlapped with compute or not."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()  # the layout of the job before, in the same processes
+    return training_job(hf_dir, 1, lora_settings(distributed_optimizer=True, overlap=overlap))
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +208,30 @@ def test_tp2_trains_the_same_adapters_with_the_same_loss_as_tp1(tp1, tp2):
     # the losses are not all alike: training moved the adapters
     assert len({round(m["pg_loss"], 6) for m in tp1["metrics"]}) == UPDATES
     assert all(tensor.any() for name, tensor in tp1["adapter"].items() if "lora_B" in name)
+
+
+def test_dp2_with_overlapped_parameter_gathers_trains_what_one_rank_trains(tp1, two_ranks):
+    """The distributed optimizer's overlapped all-gather of the updated adapters is waited for in the forward
+    pre-hook megatron's DDP puts on the adapter module, so every update after the first runs on the whole adapter
+    (the control for the overlap: right after a step each rank holds its own shard only, as
+    tests/integration/test_policy_parallel_features.py shows for full weights)."""
+    for overlap in ("off", "on"):
+        for rank in two_ranks:
+            run = rank[f"dp2_overlap_{overlap}"]
+            for update, (got, want) in enumerate(zip(run["metrics"], tp1["metrics"])):
+                assert got["pg_loss"] == pytest.approx(want["pg_loss"], rel=1e-5, abs=1e-7), (overlap, update)
+                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (overlap, update)
+        for name, want in tp1["adapter"].items():
+            np.testing.assert_allclose(two_ranks[0][f"dp2_overlap_{overlap}"]["adapter"][name], want, atol=1e-6,
+                                       err_msg=f"overlap {overlap}: {name}")
+
+
+def test_a_checkpoint_saves_and_loads_the_adapters_while_the_base_is_released(world_one):
+    run = world_one["released"]
+    # the control: without its shapes the base breaks the checkpoint (megatron reads a split axis of every weight)
+    assert run["unkept"] == "IndexError: tuple index out of range"
+    assert run["released_sizes"] == {0}  # after the save and the load the base is released again
+    assert run["adapters_back"] and run["base_back"]
 
 
 def test_the_adapter_gradients_are_the_merged_weights_gradient_projected(world_one):

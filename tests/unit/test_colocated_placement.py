@@ -269,7 +269,7 @@ def test_separate_placement_and_cpu_move_nothing():
     with separate.generating():
         pass
     separate.before_policy_update()
-    separate.before_handoff()
+    separate.before_handoff(base_served=True)
     assert log == []
     on_cpu = Colocation(load_config(None, COLOCATED + ["rollout.offload_optimizer=true"]), _Recorder(log, "opt"),
                         lambda: None, device_type="cpu")  # no engine yet: the turn that launches the servers

@@ -35,7 +35,7 @@ def test_a_bad_lora_setting_is_one_error_naming_its_key(override, key):
 def test_lora_is_off_by_default_and_the_example_turns_it_on():
     assert not load_config("examples/tiny_cpu.yaml").model.lora.enabled
     lora = load_config("examples/tiny_cpu_lora.yaml").model.lora
-    assert (lora.enabled, lora.rank, lora.scale, lora.lr_multiplier, lora.weight_decay) == (True, 4, 8.0, 10.0, 0.0)
+    assert (lora.enabled, lora.rank, lora.scale, lora.lr_multiplier, lora.weight_decay) == (True, 4, 8.0, 5.0, 0.0)
     assert lora.target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 
@@ -234,3 +234,124 @@ def test_the_frozen_base_leaves_the_device_and_comes_back_whole():
     assert Colocation(config, None, lambda: None, device_type="cuda", model=model).offload_frozen_weights
     plain = load_config("examples/tiny_cpu.yaml", COLOCATED)
     assert not Colocation(plain, None, lambda: None, device_type="cuda", model=model).offload_frozen_weights
+
+
+def test_a_handoff_that_sends_the_base_finds_it_on_the_device():
+    """Colocated servers attached by URL get the base in the first handoff, read from the trainer's copy: released
+    before, the export would read parameters without elements. Later handoffs (the adapter alone) release it."""
+    from dapo_megatron.config import load_config
+    from dapo_megatron.trainer.colocation import Colocation
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    config = load_config("examples/tiny_cpu_lora.yaml", COLOCATED + ["rollout.sglang.urls=[http://10.0.0.1:30000]"])
+    colocation = Colocation(config, None, lambda: None, device_type="cuda", model=model)  # as on a GPU; CPU tensors
+    colocation.before_handoff(base_served=False)
+    assert model[0].weight.numel() == 12  # the first handoff exports it
+    colocation.before_handoff(base_served=True)
+    assert model[0].weight.numel() == 0  # the control: once served, the base leaves the device
+
+
+class _TELinearLike(torch.nn.Module):
+    """What the adapter reads of a Transformer Engine linear (TE is not installed here): its parallel mode, and a
+    grouped-GEMM expert module's ``num_gemms``."""
+
+    def __init__(self, parallel_mode, num_gemms=None):
+        super().__init__()
+        self.parallel_mode = parallel_mode
+        if num_gemms is not None:
+            self.num_gemms = num_gemms
+
+
+def test_which_linears_take_an_adapter():
+    from dapo_megatron.policy.lora.adapter import LoRALayoutError, parallel_mode
+
+    assert parallel_mode(_TELinearLike("column")) == "column"
+    assert parallel_mode(_TELinearLike("row")) == "row"
+    assert parallel_mode(_TELinearLike(None)) is None  # not a linear an adapter goes on
+    assert parallel_mode(torch.nn.LayerNorm(4)) is None
+    with pytest.raises(LoRALayoutError, match="duplicated"):
+        parallel_mode(_TELinearLike("duplicated"))
+    # grouped-GEMM experts are refused at every layout: at TP or EP > 1 megatron gives them parallel_mode None
+    for mode in ("column", None):
+        with pytest.raises(LoRALayoutError, match="grouped-GEMM experts"):
+            parallel_mode(_TELinearLike(mode, num_gemms=4))
+
+
+class _TEFusedNormLinearLike(_TELinearLike):
+    """Transformer Engine's fused RMSNorm + column-parallel linear as the adapter sees it: ``layer_norm_weight``, a
+    weight, no TP group, and ``(output, bias)`` from forward (the norm left out: the adapter's side is measured)."""
+
+    def __init__(self, hidden: int, out: int):
+        super().__init__("column")
+        self.tp_group = None
+        self.weight = torch.nn.Parameter(torch.randn(out, hidden, dtype=torch.bfloat16), requires_grad=False)
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(hidden, dtype=torch.bfloat16), requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.weight.T, None
+
+
+def test_the_planned_activations_of_a_fused_norm_adapter_are_what_autograd_keeps():
+    """What backward keeps of one adapter on a fused norm + linear (bf16), per token, against ``plan``'s count: the
+    ``[t, r]`` product, the normalized input, and ONE float32 copy of the input (two copies, one per use, was the
+    bug this guards: 2 more bytes a value)."""
+    from types import SimpleNamespace
+
+    from dapo_megatron.policy.lora.adapter import AdapterPlacement, LoRAAdapter
+    from dapo_megatron.policy.memory.lora import adapter_activation_values_per_token
+
+    hidden, out, rank, tokens = 64, 96, 4, 32
+    linear = _TEFusedNormLinearLike(hidden, out)
+    placement = AdapterPlacement(mode="column", in_features=hidden, out_features=out, tensor_parallel=1, tp_rank=0,
+                                 sequence_parallel=False, expert=False, gated=False, norm_eps=1e-6)
+    adapter = LoRAAdapter(linear, placement, LoRAConfig(enabled=True, rank=rank), seed=0,
+                          key="0/self_attention.linear_qkv")
+    parameters = {p.data_ptr() for p in (*linear.parameters(), *adapter.parameters())}
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    kept: dict[int, int] = {}
+
+    def pack(tensor):
+        if tensor.data_ptr() not in parameters and tensor.data_ptr() != x.data_ptr():  # the base keeps x anyway
+            kept[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output, _ = linear(x)  # the adapter's forward hook adds its part
+    assert output.requires_grad
+    # the shapes linear_shapes reads: linear_qkv is hidden -> q + 2k = 64 + 2 * 16 = out
+    spec = SimpleNamespace(hidden_size=hidden, num_attention_heads=4, num_kv_heads=1, head_dim=16, ffn_hidden_size=8,
+                           moe=None)
+    planned = adapter_activation_values_per_token(spec, LoRAConfig(enabled=True, rank=rank,
+                                                                   target_modules=["linear_qkv"]),
+                                                  tensor_parallel=1, sequence_parallel=False,
+                                                  transformer_engine=True, precision="bf16") * 2  # bytes
+    measured = sum(kept.values()) / tokens
+    assert planned == (rank + 3 * hidden) * 2
+    assert measured == pytest.approx(planned, rel=0.02)  # one float32 per token more: the norm's rsqrt
+
+
+def test_the_planned_adapter_activations_by_hand_with_sequence_parallelism_and_full_recomputation():
+    from dapo_megatron.policy.memory.gpu import estimate_memory
+    from dapo_megatron.policy.memory.lora import adapter_activation_values_per_token, with_lora
+
+    spec = model_spec_from_hf(published_hf_config("Qwen2.5-7B"))
+    lora, h, r, tp = LoRAConfig(enabled=True, rank=16), 3584, 16, 4
+    for sequence_parallel, share in ((False, 1), (True, 1 / tp)):
+        values = adapter_activation_values_per_token(spec, lora, tensor_parallel=tp, transformer_engine=True,
+                                                     sequence_parallel=sequence_parallel, precision="bf16")
+        # A x of the 4 linears; the normalized input and its float32 copy (2 bf16 values) at linear_qkv and linear_fc1
+        assert values == pytest.approx(4 * r + 2 * h * share * 3)
+    layout = dict(tensor_parallel=tp, data_parallel=1, precision="bf16", micro_batch_tokens=4096)
+    planned = {}
+    for recompute in ("selective", "full"):
+        stages = estimate_memory(spec, pipeline_parallel=2, distributed_optimizer=True, recompute=recompute, **layout)
+        with_adapters = with_lora(stages, spec, lora, expert_parallel=1, distributed_optimizer=True,
+                                  transformer_engine=True, recompute=recompute, sequence_parallel=True, **layout)
+        planned[recompute] = [lora_stage.activations_bytes - stage.activations_bytes
+                              for stage, lora_stage in zip(stages, with_adapters)]
+    per_layer = (4 * r + 2 * h / tp * 3) * 4096 * 2
+    # 1F1B: the first of 2 stages keeps 2 micro-batches' activations of its 14 layers, the last 1; under full
+    # recomputation a layer keeps its input only, and the adapters' activations are one layer's, recomputed
+    assert planned["selective"] == [int(2 * 14 * per_layer), int(14 * per_layer)]
+    assert planned["full"] == [int(per_layer)] * 2

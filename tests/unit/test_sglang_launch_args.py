@@ -17,6 +17,7 @@ from sglang_fixtures import exiting_python, launched_argv
 from dapo_megatron.backend_registry import select_backend
 from dapo_megatron.config import ConfigError, SGLangConfig, load_config
 from dapo_megatron.launch_env import local_world_size
+from dapo_megatron.platform import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_FILE_ENV, flight_recorder_env
 from dapo_megatron.rollout.engine import RolloutError
 from dapo_megatron.rollout.sglang.client import SGLangServerError
 from dapo_megatron.rollout.sglang.gpus import nccl_carries_weights, server_gpu_ranges, trainer_nccl_env
@@ -192,6 +193,20 @@ def test_servers_get_it_in_their_launch_environment(tmp_path, monkeypatch):
     assert environment("distributed", "cuda")["NCCL_CUMEM_ENABLE"] == "0"
     assert environment("tensor", "cuda")["NCCL_CUMEM_ENABLE"] == "1"  # control: left alone without NCCL weights
     assert environment("distributed", "cpu")["NCCL_CUMEM_ENABLE"] == "1"
+
+
+def test_servers_write_nccl_flight_recorder_dumps_under_names_of_their_own(tmp_path, monkeypatch):
+    """The trainer's flight recorder (platform.flight_recorder_env) is in the environment the servers inherit; their
+    TP ranks number from 0 like the trainer's, so the same prefix would have them overwrite the trainer's dumps."""
+    def environment(index: int) -> dict[str, str]:
+        return SGLangServerProcess(SGLangConfig(transport="distributed"), model_path=tmp_path, index=index,
+                                   run_dir=tmp_path, weight_version="0", device="cuda", gpus=range(0, 1)).environment()
+
+    monkeypatch.delenv(FLIGHT_RECORDER_FILE_ENV, raising=False)
+    assert FLIGHT_RECORDER_FILE_ENV not in environment(0)  # control: none set, none given
+    trainer_prefix = flight_recorder_env(tmp_path / "run", "nccl", environ={})[FLIGHT_RECORDER_FILE_ENV]
+    monkeypatch.setenv(FLIGHT_RECORDER_FILE_ENV, trainer_prefix)
+    assert environment(1)[FLIGHT_RECORDER_FILE_ENV] == str(tmp_path / "run" / FLIGHT_RECORDER_DIR / "server1_rank_")
 
 
 def test_memory_saver_servers_put_their_cuda_graphs_in_a_released_region(tmp_path, monkeypatch):

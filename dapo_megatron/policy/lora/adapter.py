@@ -87,14 +87,16 @@ def parallel_mode(linear: torch.nn.Module) -> ParallelMode | None:
         return "column"
     if isinstance(linear, RowParallelLinear):
         return "row"
-    mode = getattr(linear, "parallel_mode", None)  # Transformer Engine's linears (megatron's TE extension)
-    if mode is None:
-        return None
+    # before the parallel mode: with expert parallelism or TP megatron builds the grouped experts with
+    # parallel_mode None (it communicates for them itself), which would read as "no linear" and leave them bare
     if hasattr(linear, "num_gemms"):
         raise LoRALayoutError(
             f"{type(linear).__name__}: LoRA on Transformer Engine's grouped-GEMM experts is not implemented; use "
             f"model.kernels: local (megatron's SequentialMLP experts take adapters), or leave linear_fc1 and "
             f"linear_fc2 out of model.lora.target_modules")
+    mode = getattr(linear, "parallel_mode", None)  # Transformer Engine's linears (megatron's TE extension)
+    if mode is None:
+        return None
     if mode not in ("column", "row"):
         raise LoRALayoutError(f"{type(linear).__name__}: parallel_mode {mode!r} (duplicated) takes no adapter")
     return mode
@@ -181,12 +183,18 @@ class LoRAAdapter(torch.nn.Module):
 
     def _add_to_output(self, module, args, output):
         out, bias = output
-        return out + self.delta(args[0]).to(out.dtype), bias
+        # called as a module, not through delta(): megatron's DDP waits for this module's overlapped parameter
+        # all-gather in a forward pre-hook (parallel.overlap_param_gather), which a direct call would skip
+        return out + self(args[0]).to(out.dtype), bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.delta(x)
 
     def _input(self, x: Tensor) -> Tensor:
         if self._norm_weight is not None:
-            variance = x.float().pow(2).mean(-1, keepdim=True)
-            x = (x.float() * torch.rsqrt(variance + self.placement.norm_eps)).to(x.dtype) * self._norm_weight
+            exact = x.float()  # one float32 copy, which backward keeps for both the square and the product
+            normalized = exact * torch.rsqrt(exact.pow(2).mean(-1, keepdim=True) + self.placement.norm_eps)
+            x = normalized.to(x.dtype) * self._norm_weight
         if self.dropout and self.training:
             p = self.placement
             # the same tensor on every TP rank: the default generator (the same draws everywhere); a rank's own

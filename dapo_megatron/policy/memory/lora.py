@@ -12,9 +12,13 @@ On one GPU of a stage, with ``r`` the rank and the TP layouts of :mod:`dapo_mega
   and an fp32 main copy (4) when the weights are not fp32, divided by D with the distributed optimizer (experts' by
   D/X);
 * activations, per token and adapted linear: the ``[t, r]`` product ``A x`` that ``B``'s backward reads, plus with
-  dropout the dropped copy of the input (``in/T`` or ``in``), plus with Transformer Engine's fused norm + linear
-  (``linear_qkv``, ``linear_fc1``) the adapter's own normalized input (``h``); the adapter's ``A x`` reads the
-  input the base linear already keeps.
+  dropout the dropped copy of the input (``in/T`` for a row-parallel linear or a column-parallel one under sequence
+  parallelism, whose input is a rank's tokens; ``in`` otherwise), plus with Transformer Engine's fused norm + linear
+  (``linear_qkv``, ``linear_fc1``) the adapter's own normalized input (``h``, ``h/T`` under sequence parallelism)
+  and, unless the model is fp32, the float32 copy of the input its RMSNorm computes in (as much again at 4 bytes a
+  value); the adapter's ``A x`` reads the input the base linear already keeps. Under full recomputation a layer
+  keeps only its input between passes (counted by :mod:`.gpu`), so the adapters add one layer's activations, for the
+  layer being recomputed.
 
 Measured against the objects on CPU: ``python bench/lora_memory.py``.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dapo_megatron.config.model import LoRAConfig, Precision
+from dapo_megatron.config.model import LoRAConfig, Precision, Recompute
 from dapo_megatron.policy.lora.sizes import linear_shapes
 from dapo_megatron.policy.memory.gpu import FIXED_MARGIN_BYTES, FRAGMENTATION, StageMemory
 from dapo_megatron.policy.model_spec import ModelSpec
@@ -49,8 +53,12 @@ def adapter_parameters_per_gpu(spec: ModelSpec, lora: LoRAConfig, *, tensor_para
 
 
 def adapter_activation_values_per_token(spec: ModelSpec, lora: LoRAConfig, *, tensor_parallel: int,
-                                        transformer_engine: bool) -> float:
-    """Values one layer's adapters keep per token for backward (see the module docstring)."""
+                                        sequence_parallel: bool, transformer_engine: bool,
+                                        precision: Precision) -> float:
+    """Values (in the activation dtype) one layer's adapters keep per token for backward (see the module
+    docstring)."""
+    float32_copy = 0.0 if precision == "fp32" else 2.0  # 4 bytes a value, in 2-byte activation values
+    column_input_share = 1 / tensor_parallel if sequence_parallel else 1.0
     values = 0.0
     for name, (n_in, _, copies) in linear_shapes(spec).items():
         if name not in lora.target_modules:
@@ -58,15 +66,16 @@ def adapter_activation_values_per_token(spec: ModelSpec, lora: LoRAConfig, *, te
         routed = spec.moe.topk if spec.moe is not None and name in ("linear_fc1", "linear_fc2") else 1
         values += routed * lora.rank
         if lora.dropout:
-            values += routed * (n_in if name in COLUMN else n_in / tensor_parallel)
+            values += routed * n_in * (column_input_share if name in COLUMN else 1 / tensor_parallel)
         if transformer_engine and name in FUSED_NORM and routed == 1:
-            values += spec.hidden_size
+            values += spec.hidden_size * column_input_share * (1.0 + float32_copy)
     return values
 
 
 def with_lora(stages: list[StageMemory], spec: ModelSpec, lora: LoRAConfig, *, tensor_parallel: int,
               data_parallel: int, expert_parallel: int, precision: Precision, distributed_optimizer: bool,
-              micro_batch_tokens: int, transformer_engine: bool) -> list[StageMemory]:
+              micro_batch_tokens: int, transformer_engine: bool, recompute: Recompute,
+              sequence_parallel: bool) -> list[StageMemory]:
     """The stages of :func:`~dapo_megatron.policy.memory.gpu.estimate_memory` (same layout and precision) with the base
     frozen and ``lora``'s adapters trained (see the module docstring)."""
     weight_bytes = act_bytes = 4 if precision == "fp32" else 2
@@ -75,13 +84,14 @@ def with_lora(stages: list[StageMemory], spec: ModelSpec, lora: LoRAConfig, *, t
     dense, experts = adapter_parameters_per_gpu(spec, lora, tensor_parallel=tensor_parallel,
                                                 expert_parallel=expert_parallel)
     per_token = adapter_activation_values_per_token(spec, lora, tensor_parallel=tensor_parallel,
-                                                    transformer_engine=transformer_engine)
+                                                    sequence_parallel=sequence_parallel,
+                                                    transformer_engine=transformer_engine, precision=precision)
     result = []
     for stage in stages:
         dense_here, experts_here = stage.layers * dense, stage.layers * experts
         adapters = dense_here + experts_here
-        activations = stage.activations_bytes + int(stage.micro_batches_in_flight * stage.layers * per_token
-                                                    * micro_batch_tokens * act_bytes)
+        layers_kept = 1 if recompute == "full" else stage.micro_batches_in_flight * stage.layers
+        activations = stage.activations_bytes + int(layers_kept * per_token * micro_batch_tokens * act_bytes)
         result.append(dataclasses.replace(
             stage, parameters=stage.parameters + adapters, frozen_parameters=stage.parameters,
             expert_parameters=experts_here, params_bytes=stage.params_bytes + adapters * weight_bytes,

@@ -42,5 +42,5 @@ class AdapterMerge:
             if name not in self._base:
                 self._base[name] = targets[name].detach().clone()
         for name, base in self._base.items():
-            merged = base if name not in adapter.modules else base.float() + adapter.delta(name)
+            merged = base if name not in adapter.modules else base.float() + adapter.delta(name, base.device)
             targets[name].copy_(merged)

@@ -43,6 +43,7 @@ from typing import Callable, Literal
 import psutil
 
 from dapo_megatron.config import SGLangConfig
+from dapo_megatron.platform import FLIGHT_RECORDER_FILE_ENV
 from dapo_megatron.rollout.sglang.client import SGLangServerError
 from dapo_megatron.rollout.sglang.gpus import NCCL_CUMEM_OFF, nccl_carries_weights
 
@@ -225,6 +226,10 @@ class SGLangServerProcess:
     def environment(self) -> dict[str, str]:
         env = {key: value for key, value in os.environ.items()
                if key not in _ENV_REMOVED_FROM_SERVER and not key.startswith(_ENV_PREFIXES_REMOVED_FROM_SERVER)}
+        recorder = env.get(FLIGHT_RECORDER_FILE_ENV)
+        if recorder:  # the trainer's NCCL dump files: the server's TP ranks count from 0 too, so a prefix of its own
+            folder, prefix = os.path.split(recorder)
+            env[FLIGHT_RECORDER_FILE_ENV] = os.path.join(folder, f"server{self.index}_{prefix}")
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
         env["PYTHONUNBUFFERED"] = "1"

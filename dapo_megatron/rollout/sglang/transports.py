@@ -237,6 +237,10 @@ def open_sender_group(*, master_address: str, master_port: int, world_size: int,
     return group
 
 
+GROUP_TIMEOUT_FACTOR = 2
+"""The weight-update group's collective timeout, in units of the transport's own broadcast deadline."""
+
+
 class DistributedTransport(WeightTransport):
     """Broadcast each bucket from rank 0 of a group spanning this process and every server TP rank."""
 
@@ -278,9 +282,11 @@ class DistributedTransport(WeightTransport):
                                  group_name=self.group_name, backend=self.backend)
                      for server, offset in zip(servers, offsets)]
             try:
+                # twice the broadcast's own deadline: NCCL's watchdog ends the whole process when a collective
+                # outlives the group's timeout, and the deadline (_broadcast) must raise its RolloutError first
                 group = open_sender_group(master_address=self.master_address, master_port=port,
                                           world_size=world_size, group_name=self.group_name, backend=self.backend,
-                                          timeout=timedelta(seconds=self.timeout_s))
+                                          timeout=timedelta(seconds=GROUP_TIMEOUT_FACTOR * self.timeout_s))
             except Exception as error:
                 raise RolloutError(f"could not form the weight-update group ({self.backend}, world {world_size}) "
                                    f"at {self.master_address}:{port}: {error}") from error
