@@ -296,8 +296,6 @@ def test_the_planned_activations_of_a_fused_norm_adapter_are_what_autograd_keeps
     """What backward keeps of one adapter on a fused norm + linear (bf16), per token, against ``plan``'s count: the
     ``[t, r]`` product, the normalized input, and ONE float32 copy of the input (two copies, one per use, was the
     bug this guards: 2 more bytes a value)."""
-    from types import SimpleNamespace
-
     from dapo_megatron.policy.lora.adapter import AdapterPlacement, LoRAAdapter
     from dapo_megatron.policy.memory.lora import adapter_activation_values_per_token
 
@@ -319,9 +317,11 @@ def test_the_planned_activations_of_a_fused_norm_adapter_are_what_autograd_keeps
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output, _ = linear(x)  # the adapter's forward hook adds its part
     assert output.requires_grad
-    # the shapes linear_shapes reads: linear_qkv is hidden -> q + 2k = 64 + 2 * 16 = out
-    spec = SimpleNamespace(hidden_size=hidden, num_attention_heads=4, num_kv_heads=1, head_dim=16, ffn_hidden_size=8,
-                           moe=None)
+    # linear_qkv of this shape: hidden -> q + 2k = 64 + 2 * 16 = out
+    spec = model_spec_from_hf(published_hf_config("Qwen2.5-0.5B", hidden_size=hidden, num_attention_heads=4,
+                                                  num_key_value_heads=1, intermediate_size=8, num_hidden_layers=1,
+                                                  vocab_size=64))
+    assert spec.hidden_size == hidden and (spec.num_attention_heads + 2 * spec.num_kv_heads) * spec.head_dim == out
     planned = adapter_activation_values_per_token(spec, LoRAConfig(enabled=True, rank=rank,
                                                                    target_modules=["linear_qkv"]),
                                                   tensor_parallel=1, sequence_parallel=False,
